@@ -1,0 +1,235 @@
+"""QwenEngine: the slot API. Every slot owns its sequence; batch calls run ONE forward for all slots."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .batch import ForwardBatch
+from .cache import SlotCache, Snapshot
+from .config import EngineOptions, ModelConfig
+from .loader import load_weights, validate_weights
+from .models import build_model
+from .sampling import GREEDY, SamplingParams, sample
+
+
+@dataclass
+class ForwardResult:
+    next_token: int
+    logits: torch.Tensor        # [vocab] float32, at the last position
+    position: int               # tokens now cached in the slot
+    reused_tokens: int = 0      # prompt tokens taken from the prefix cache instead of computed
+
+
+@dataclass
+class BatchedRequest:
+    request_id: int
+    prompt_tokens: list[int]
+    slot_id: int | None = None          # None: batch_prefill allocates one
+    sampling: SamplingParams = GREEDY
+    generated_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def last_token(self) -> int | None:
+        return self.generated_tokens[-1] if self.generated_tokens else None
+
+
+@dataclass
+class BatchPrefillResult:
+    results: list[ForwardResult]
+
+    @property
+    def next_tokens(self) -> list[int]:
+        return [r.next_token for r in self.results]
+
+
+@dataclass
+class BatchDecodeResult:
+    next_tokens: list[int]
+    logits: torch.Tensor        # [B, vocab] float32
+    positions: list[int]
+
+
+class QwenEngine:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], options: EngineOptions | None = None):
+        self.cfg, self.options = cfg, options or EngineOptions()
+        weights = validate_weights(dict(weights), cfg, self.options.device, self.options.torch_dtype)
+        self.model = build_model(cfg, weights, self.options)
+        self.cache = SlotCache(cfg, self.options)
+        self.num_slots = self.options.max_slots
+        self.forward_count = 0      # model forwards run; batch calls must add exactly one
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, options: EngineOptions | None = None) -> "QwenEngine":
+        options = options or EngineOptions()
+        cfg = ModelConfig.from_pretrained(path)
+        return cls(cfg, load_weights(path, cfg, options.device, options.torch_dtype), options)
+
+    # -- single-slot API -----------------------------------------------------------------------
+    def prefill(self, tokens: list[int], slot_id: int = 0, sampling: SamplingParams = GREEDY) -> ForwardResult:
+        """Make `tokens` the slot's sequence (reusing the prefix it already holds) and predict the next token."""
+        return self._prefill([(slot_id, list(tokens), sampling)])[0]
+
+    def decode_step(self, token: int, slot_id: int = 0, sampling: SamplingParams = GREEDY) -> ForwardResult:
+        """Append one token to the slot's sequence and predict the next."""
+        tokens, logits, positions = self._decode([(slot_id, token, sampling)])
+        return ForwardResult(tokens[0], logits[0], positions[0])
+
+    # -- batch API -----------------------------------------------------------------------------
+    def batch_prefill(self, requests: list[BatchedRequest]) -> BatchPrefillResult:
+        """Prefill every request in ONE ragged forward (per prefill chunk); allocates missing slots."""
+        free = self._free_slots()
+        slots = [r.slot_id for r in requests if r.slot_id is not None]
+        need = sum(r.slot_id is None for r in requests)
+        if need > len([s for s in free if s not in slots]):
+            raise ValueError(f"{need} request(s) need a slot but only {len(free)} of {self.num_slots} are free")
+        for r in requests:
+            self._check_tokens(r.prompt_tokens, f"request {r.request_id} prompt")
+        planned = iter(s for s in free if s not in slots)
+        chosen = [r.slot_id if r.slot_id is not None else next(planned) for r in requests]
+        self._check_plan(chosen, [(s, r.prompt_tokens) for s, r in zip(chosen, requests)], prefill=True)
+        for r, s in zip(requests, chosen):
+            if r.slot_id is None:
+                r.slot_id = self.allocate_slot(r.request_id)
+        results = self._prefill([(r.slot_id, r.prompt_tokens, r.sampling) for r in requests])
+        for r, res in zip(requests, results):
+            r.generated_tokens = [res.next_token]
+        return BatchPrefillResult(results)
+
+    def batch_decode_step(self, requests: list[BatchedRequest]) -> BatchDecodeResult:
+        """Feed each request's last token to its slot, all slots in ONE forward."""
+        for r in requests:
+            if r.last_token is None:
+                raise ValueError(f"request {r.request_id} has no token to decode; run batch_prefill first")
+        tokens, logits, positions = self._decode([(r.slot_id, r.last_token, r.sampling) for r in requests])
+        for r, t in zip(requests, tokens):
+            r.generated_tokens.append(t)
+        return BatchDecodeResult(tokens, logits, positions)
+
+    # -- slots ---------------------------------------------------------------------------------
+    def allocate_batch_slots(self, n: int) -> None:
+        """Use slots 0..n-1 (n <= max_slots); slots beyond are cleared and freed."""
+        if not 1 <= n <= self.options.max_slots:
+            raise ValueError(f"allocate_batch_slots({n}): need 1 <= n <= max_slots={self.options.max_slots}")
+        for s in range(n, self.num_slots):
+            self.release_slot(s)
+        self.num_slots = n
+
+    def allocate_slot(self, request_id: int) -> int:
+        free = self._free_slots()
+        if not free:
+            raise ValueError(f"all {self.num_slots} slots are taken; release one before allocating")
+        self.cache.slots[free[0]].owner = request_id
+        return free[0]
+
+    def release_slot(self, slot_id: int) -> None:
+        self._check_slot(slot_id)
+        self.cache.clear(slot_id)
+        self.cache.slots[slot_id].owner = None
+
+    def reset(self, slot_id: int | None = None) -> None:
+        """Forget the sequence of one slot, or of every slot (allocations are kept)."""
+        if slot_id is not None:
+            self._check_slot(slot_id)
+        for s in range(self.num_slots) if slot_id is None else [slot_id]:
+            self.cache.clear(s)
+
+    def position(self, slot_id: int = 0) -> int:
+        self._check_slot(slot_id)
+        return self.cache.slots[slot_id].position
+
+    def snapshot(self, slot_id: int = 0) -> Snapshot:
+        self._check_slot(slot_id)
+        return self.cache.snapshot(slot_id)
+
+    def restore(self, snapshot: Snapshot, slot_id: int = 0) -> None:
+        self._check_slot(slot_id)
+        self.cache.check_snapshot(snapshot)
+        self._check_tokens(snapshot.tokens, "snapshot history", allow_empty=True)
+        self.cache.restore(snapshot, slot_id)
+
+    # -- validation: every check runs before any state changes --------------------------------
+    def _free_slots(self) -> list[int]:
+        return [s for s in range(self.num_slots) if self.cache.slots[s].owner is None]
+
+    def _check_slot(self, slot_id) -> None:
+        if not isinstance(slot_id, int) or not 0 <= slot_id < self.num_slots:
+            raise IndexError(f"slot {slot_id!r} does not exist: allocated slots are 0..{self.num_slots - 1}")
+
+    def _check_tokens(self, tokens, what: str, allow_empty: bool = False) -> None:
+        if not tokens and not allow_empty:
+            raise ValueError(f"{what} is empty: at least one token is needed")
+        bad = [t for t in tokens if not isinstance(t, int) or not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"{what} has token(s) outside the vocabulary [0, {self.cfg.vocab_size}): {bad[:5]}")
+
+    def _check_plan(self, slots: list[int], seqs: list[tuple[int, list[int]]], prefill: bool) -> None:
+        for s in slots:
+            self._check_slot(s)
+        dup = sorted({s for s in slots if slots.count(s) > 1})
+        if dup:
+            raise ValueError(f"slot(s) {dup} appear more than once in one batch; each slot runs one sequence")
+        for s, toks in seqs:
+            end = len(toks) if prefill else self.cache.slots[s].position + len(toks)
+            if end > self.options.max_seq_len:
+                raise ValueError(f"slot {s}: {end} tokens would exceed max_seq_len={self.options.max_seq_len}")
+            if not prefill and self.cache.slots[s].position == 0:
+                raise ValueError(f"slot {s} holds no sequence: prefill it before decode_step")
+
+    # -- forward -------------------------------------------------------------------------------
+    def _prefill(self, items: list[tuple[int, list[int], SamplingParams]]) -> list[ForwardResult]:
+        for _, toks, _ in items:
+            self._check_tokens(toks, "prompt")
+        self._check_plan([s for s, _, _ in items], [(s, t) for s, t, _ in items], prefill=True)
+        starts = [self._reuse_prefix(s, toks) for s, toks, _ in items]
+        chunk = self.options.prefill_chunk
+        last_hidden = [None] * len(items)
+        for c in range(max(-(-(len(t) - p) // chunk) for (_, t, _), p in zip(items, starts))):
+            rows = [b for b, ((_, t, _), p) in enumerate(zip(items, starts)) if p + c * chunk < len(t)]
+            seqs = []
+            for b in rows:
+                s, toks, _ = items[b]
+                lo = starts[b] + c * chunk
+                seqs.append((s, lo, toks[lo:lo + chunk]))
+            hidden = self._forward(seqs)
+            for i, (b, (_, _, piece)) in enumerate(zip(rows, seqs)):
+                last_hidden[b] = hidden[i, len(piece) - 1]
+                self.cache.slots[items[b][0]].tokens.extend(piece)
+        logits = self.model.logits(torch.stack(last_hidden))
+        positions = [len(t) for _, t, _ in items]
+        tokens = sample(logits, [sp for _, _, sp in items], positions).tolist()
+        return [ForwardResult(t, logits[i], positions[i], starts[i]) for i, t in enumerate(tokens)]
+
+    def _reuse_prefix(self, slot: int, tokens: list[int]) -> int:
+        """Keep the longest prefix the slot already holds (at least one token is always recomputed)."""
+        held = self.cache.slots[slot].tokens
+        n = 0
+        if not self.cfg.is_hybrid:  # recurrent state cannot be rewound without snapshots
+            limit = min(len(held), len(tokens) - 1)
+            while n < limit and held[n] == tokens[n]:
+                n += 1
+        if n == 0:
+            self.cache.clear(slot)
+        else:
+            del held[n:]
+        return n
+
+    def _decode(self, items: list[tuple[int, int, SamplingParams]]):
+        for s, tok, _ in items:
+            self._check_tokens([tok], f"decode token for slot {s}")
+        self._check_plan([s for s, _, _ in items], [(s, [t]) for s, t, _ in items], prefill=False)
+        seqs = [(s, self.cache.slots[s].position, [tok]) for s, tok, _ in items]
+        hidden = self._forward(seqs)[:, 0]
+        for s, tok, _ in items:
+            self.cache.slots[s].tokens.append(tok)
+        logits = self.model.logits(hidden)
+        positions = [self.cache.slots[s].position for s, _, _ in items]
+        tokens = sample(logits, [sp for _, _, sp in items], positions).tolist()
+        return tokens, logits, positions
+
+    @torch.inference_mode()
+    def _forward(self, seqs: list[tuple[int, int, list[int]]]) -> torch.Tensor:
+        self.forward_count += 1
+        batch = ForwardBatch.build(seqs, self.cache.scratch, self.options.device)
+        return self.model.forward(batch, self.cache)

@@ -1,0 +1,297 @@
+"""Gated DeltaNet math for Qwen3.5's linear-attention layers.
+
+Layout everywhere: batch-first and padded on the right. A call carries B sequences of up to T new tokens;
+``lengths[b]`` (1..T) says how many are real. Padding positions produce outputs nobody reads and never move
+any state, so one ragged batch gives the same states as running each sequence alone.
+
+Per value head the recurrent state S is a [dk, dv] float32 matrix and each token does
+
+    S = S * exp(g);  d = beta * (v - S^T k);  S = S + k d^T;  o = S^T q
+
+with q, k L2-normalised (eps 1e-6) and q scaled by dk**-0.5, as in the HF reference and in fla.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "causal_conv1d",
+    "chunk_gated_delta_rule",
+    "recurrent_gated_delta_rule",
+    "gated_delta_rule",
+    "backend_name",
+]
+
+_L2_EPS = 1e-6
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _valid_mask(lengths: torch.Tensor | None, B: int, T: int, device: torch.device) -> torch.Tensor | None:
+    """[B, T] bool, True on real tokens; None when every position is real (saves the masking work)."""
+    if lengths is None:
+        return None
+    lengths = lengths.to(device=device, dtype=torch.long)
+    return torch.arange(T, device=device)[None, :] < lengths[:, None]
+
+
+def _mask_padding(mask: torch.Tensor | None, *xs: torch.Tensor) -> list[torch.Tensor]:
+    """Zero every padding position (where, not multiply, so garbage there, even NaN, cannot leak).
+
+    With g = 0 and beta = 0 a token's update is the identity, which is what keeps states untouched; zeroing q, k
+    and v as well keeps padding outputs clean and keeps inf/NaN out of the chunk matmuls."""
+    if mask is None:
+        return list(xs)
+    out = []
+    for x in xs:
+        m = mask.view(mask.shape + (1,) * (x.dim() - 2))
+        out.append(torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device)))
+    return out
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    # Same form as HF (rsqrt of sum of squares + eps) so the fp32 paths agree to rounding.
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + _L2_EPS)
+
+
+def _prepare(q, k, v, g, beta, lengths):
+    """fp32 copies with q/k normalised, q scaled, and padding neutralised."""
+    B, T, _, dk = q.shape
+    q = _l2norm(q.float()) * dk**-0.5
+    k = _l2norm(k.float())
+    v, g, beta = v.float(), g.float(), beta.float()
+    mask = _valid_mask(lengths, B, T, q.device)
+    q, k, v, g, beta = _mask_padding(mask, q, k, v, g, beta)
+    return q, k, v, g, beta
+
+
+def _initial_state(initial_state, B, H, dk, dv, device):
+    if initial_state is None:
+        return torch.zeros(B, H, dk, dv, dtype=torch.float32, device=device)
+    # clone: the recurrence below must never write into the caller's cache slot
+    return initial_state.to(device=device, dtype=torch.float32).clone()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# short causal convolution
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    lengths: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv + SiLU over new tokens, continuing from the last K-1 inputs of each sequence.
+
+    Prefill and decode share this one path: the carried state plays the role of left zero-padding for a fresh
+    sequence and of history afterwards, so chained calls equal one long call. The new state is gathered at each
+    sequence's own end so right padding never enters it.
+
+    x [B, T, C], conv_state [B, C, K-1], weight [C, K], lengths [B] or None -> (y [B, T, C], state [B, C, K-1]).
+    """
+    B, T, C = x.shape
+    K = weight.shape[-1]
+    if conv_state is None:
+        conv_state = x.new_zeros(B, C, K - 1)
+    full = torch.cat([conv_state.to(x.dtype), x.transpose(1, 2)], dim=-1)  # [B, C, K-1+T]
+    y = F.conv1d(full.to(weight.dtype), weight.unsqueeze(1), groups=C)  # [B, C, T]
+    y = F.silu(y).to(x.dtype).transpose(1, 2)
+
+    if K == 1:
+        return y, conv_state
+    if lengths is None:
+        new_state = full[:, :, T:]
+    else:
+        # sequence b's last K-1 real inputs sit at full[b, :, lengths[b] : lengths[b] + K - 1]
+        lengths = lengths.to(device=x.device, dtype=torch.long)
+        idx = lengths[:, None] + torch.arange(K - 1, device=x.device)[None, :]  # [B, K-1]
+        new_state = full.gather(2, idx[:, None, :].expand(B, C, K - 1))
+    return y, new_state.to(conv_state.dtype).contiguous()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# gated delta rule: chunked (prefill) and per-token (decode / reference)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    lengths: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token recurrence: the cheapest form for one decode token and the plainest statement of the math,
+    which the chunked form is tested against.
+
+    q, k [B, T, H, dk] (raw, normalised here), v [B, T, H, dv], g/beta [B, T, H], initial_state [B, H, dk, dv]
+    -> (o [B, T, H, dv] in v's dtype, final_state [B, H, dk, dv] float32).
+    """
+    B, T, H, dk = q.shape
+    dv, out_dtype = v.shape[-1], v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, lengths)
+    S = _initial_state(initial_state, B, H, dk, dv, q.device)
+    o = torch.empty(B, T, H, dv, dtype=torch.float32, device=q.device)
+    decay = g.exp()
+    for t in range(T):
+        S = S * decay[:, t, :, None, None]
+        k_t = k[:, t].unsqueeze(-2)  # [B, H, 1, dk]
+        pred = (k_t @ S).squeeze(-2)  # S^T k: what the memory already says for this key
+        delta = beta[:, t, :, None] * (v[:, t] - pred)  # [B, H, dv]
+        S = S + k_t.transpose(-1, -2) * delta.unsqueeze(-2)
+        o[:, t] = (q[:, t].unsqueeze(-2) @ S).squeeze(-2)
+    return o.to(out_dtype), S
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    lengths: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same result as the per-token loop, but prefill becomes batched matmuls plus one small loop over chunks.
+
+    Inside a chunk (positions i, j; G_i = cumulative log-decay from the chunk start, S0 = state entering it):
+      the deltas obey  d_i + sum_{j<i} beta_i exp(G_i-G_j) (k_i.k_j) d_j = beta_i (v_i - exp(G_i) S0^T k_i),
+      a unit lower-triangular system (the WY / UT transform), so D = U - W S0 with U, W solved once for all
+      chunks, independent of S0.  Then
+      o_i   = exp(G_i) S0^T q_i + sum_{j<=i} exp(G_i-G_j) (q_i.k_j) d_j
+      S_end = exp(G_last) S0 + sum_j exp(G_last-G_j) k_j d_j^T.
+    Every exponent used is <= 0, so strong decays underflow to 0 instead of overflowing.
+
+    Shapes and dtypes as recurrent_gated_delta_rule. T need not be a multiple of chunk_size: the tail is padded
+    with g = beta = 0 tokens, which are identities.
+    """
+    B, T, H, dk = q.shape
+    dv, out_dtype = v.shape[-1], v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, lengths)
+    S = _initial_state(initial_state, B, H, dk, dv, q.device)
+
+    L = chunk_size
+    N = -(-T // L)
+    pad = N * L - T
+    # -> [B, H, N, L, d] and [B, H, N, L]
+    q, k, v = (F.pad(x.transpose(1, 2), (0, 0, 0, pad)).reshape(B, H, N, L, -1) for x in (q, k, v))
+    g, beta = (F.pad(x.transpose(1, 2), (0, pad)).reshape(B, H, N, L) for x in (g, beta))
+
+    G = g.cumsum(dim=-1)  # [B, H, N, L]
+    causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+    # exp(G_i - G_j) for j <= i, 0 above the diagonal (mask before exp: G_i - G_j > 0 there and may overflow)
+    decay = torch.where(causal, G.unsqueeze(-1) - G.unsqueeze(-2), float("-inf")).exp()  # [B, H, N, L, L]
+
+    # Unit lower-triangular system: the solver reads only the strict lower part and assumes ones on the diagonal.
+    system = (k @ k.transpose(-1, -2)) * decay * beta.unsqueeze(-1)
+    rhs = torch.cat([v * beta.unsqueeze(-1), k * (beta * G.exp()).unsqueeze(-1)], dim=-1)
+    sol = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    U, W = sol[..., :dv], sol[..., dv:]  # D = U - W @ S0
+
+    attn = (q @ k.transpose(-1, -2)) * decay  # intra-chunk, includes the diagonal
+    q_in = q * G.exp().unsqueeze(-1)  # reads of the entering state
+    G_last = G[..., -1:]  # [B, H, N, 1]
+    k_out = k * (G_last - G).exp().unsqueeze(-1)  # writes, decayed to the chunk end
+    chunk_decay = G_last.exp().unsqueeze(-1)  # [B, H, N, 1, 1]
+
+    o = torch.empty(B, H, N, L, dv, dtype=torch.float32, device=q.device)
+    for n in range(N):
+        D = U[:, :, n] - W[:, :, n] @ S
+        o[:, :, n] = q_in[:, :, n] @ S + attn[:, :, n] @ D
+        S = S * chunk_decay[:, :, n] + k_out[:, :, n].transpose(-1, -2) @ D
+
+    o = o.reshape(B, H, N * L, dv)[:, :, :T].transpose(1, 2)
+    return o.to(out_dtype).contiguous(), S
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# dispatch: fla's Triton kernels on CUDA when installed, our torch code otherwise
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _load_fla():
+    """(chunk, fused_recurrent) from fla, or None. Imported lazily and only for CUDA tensors: CPU never touches
+    fla/triton. POCKETLAB_NO_FLA=1 forces the torch path (for A/B checks)."""
+    if os.environ.get("POCKETLAB_NO_FLA", "") not in ("", "0"):
+        return None
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_recurrent
+    except Exception:
+        return None
+    return fla_chunk, fla_recurrent
+
+
+def _fla_ops(device: torch.device | str):
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return _load_fla()
+
+
+def backend_name(device: torch.device | str) -> str:
+    """Which implementation gated_delta_rule uses on `device`: "fla" or "torch" (for the README and bench)."""
+    return "fla" if _fla_ops(device) is not None else "torch"
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    lengths: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The entry point the model calls; same contract as chunk_gated_delta_rule.
+
+    fla's kernels take raw q/k and normalise them in-kernel (use_qk_l2norm_in_kernel=True, eps 1e-6), apply
+    `scale` to q afterwards, take g as log-decay and keep the state as [B, H, dk, dv] float32, which is exactly
+    our contract. Arguments go by keyword because fla's positional order differs between its two entry points
+    (fused_recurrent has gk/gv before beta).
+    """
+    ops = _fla_ops(q.device)
+    T = q.shape[1]
+    if ops is None:
+        if T == 1:
+            return recurrent_gated_delta_rule(q, k, v, g, beta, initial_state, lengths)
+        return chunk_gated_delta_rule(q, k, v, g, beta, initial_state, lengths)
+
+    B, _, H, dk = q.shape
+    dv = v.shape[-1]
+    mask = _valid_mask(lengths, B, T, q.device)
+    q, k, v, g, beta = _mask_padding(mask, q, k, v, g, beta)
+    kv_dtype = v.dtype
+    q, k = q.to(kv_dtype), k.to(kv_dtype)
+    if initial_state is None:
+        state = torch.zeros(B, H, dk, dv, dtype=torch.float32, device=q.device)
+    else:  # fla only reads h0 and writes the final state to a fresh tensor: no defensive copy needed
+        state = initial_state.to(torch.float32).contiguous()
+    fla_chunk, fla_recurrent = ops
+    fn = fla_recurrent if T == 1 else fla_chunk
+    o, final_state = fn(
+        q=q.contiguous(),
+        k=k.contiguous(),
+        v=v.contiguous(),
+        g=g.float().contiguous(),
+        beta=beta.contiguous(),
+        scale=dk**-0.5,
+        initial_state=state,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
+    return o.to(kv_dtype), final_state.float()

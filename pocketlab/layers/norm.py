@@ -1,0 +1,18 @@
+"""RMSNorm in the two flavours Qwen uses: `w * x` (Qwen2/3) and `(1 + w) * x` (Qwen3.5)."""
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
+    """Normalise in float32 like HF does, so low-precision runs round the same way."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:  # Qwen3.5 stores w with the 1 taken out
+        return (xf * (1.0 + weight.float())).to(x.dtype)
+    return weight * xf.to(x.dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gated DeltaNet output norm: w * norm(x) * silu(gate), computed in float32."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * xf.to(x.dtype) * torch.nn.functional.silu(gate.float())).to(x.dtype)

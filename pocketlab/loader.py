@@ -1,0 +1,136 @@
+"""Checkpoint folder -> validated tensors. safetensors only: weights are never unpickled."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .config import ModelConfig
+
+# Prefixes under which HF stores the language model; everything else (vision tower) is skipped.
+_TEXT_PREFIXES = ("model.language_model.", "model.")
+_IGNORED_PREFIXES = ("model.visual.", "visual.")
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the engine needs, by our canonical name (HF's text-only layout), with its shape."""
+    d, hd, nq, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, d), "model.norm.weight": (d,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, d)
+    for i, kind in enumerate(cfg.layer_types):
+        p = f"model.layers.{i}."
+        shapes |= {p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
+                   p + "mlp.gate_proj.weight": (cfg.intermediate_size, d),
+                   p + "mlp.up_proj.weight": (cfg.intermediate_size, d),
+                   p + "mlp.down_proj.weight": (d, cfg.intermediate_size)}
+        if kind == "full_attention":
+            shapes |= _attention_shapes(cfg, p + "self_attn.")
+        else:
+            shapes |= _linear_attention_shapes(cfg, p + "linear_attn.")
+    if cfg.mtp_num_hidden_layers:
+        shapes |= _mtp_shapes(cfg)
+    return shapes
+
+
+def _attention_shapes(cfg: ModelConfig, p: str) -> dict:
+    d, hd, nq, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    q_out = nq * hd * (2 if cfg.is_hybrid else 1)  # hybrid q_proj emits [q | gate] per head
+    shapes = {p + "q_proj.weight": (q_out, d), p + "k_proj.weight": (nkv * hd, d),
+              p + "v_proj.weight": (nkv * hd, d), p + "o_proj.weight": (d, nq * hd)}
+    if cfg.attention_bias:
+        shapes |= {p + "q_proj.bias": (q_out,), p + "k_proj.bias": (nkv * hd,), p + "v_proj.bias": (nkv * hd,)}
+    if cfg.model_type != "qwen2":
+        shapes |= {p + "q_norm.weight": (hd,), p + "k_norm.weight": (hd,)}
+    return shapes
+
+
+def _linear_attention_shapes(cfg: ModelConfig, p: str) -> dict:
+    d, hk, hv = cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    conv_dim = 2 * hk * dk + hv * dv
+    return {p + "in_proj_qkv.weight": (conv_dim, d), p + "in_proj_z.weight": (hv * dv, d),
+            p + "in_proj_b.weight": (hv, d), p + "in_proj_a.weight": (hv, d),
+            p + "conv1d.weight": (conv_dim, 1, cfg.linear_conv_kernel_dim),
+            p + "dt_bias": (hv,), p + "A_log": (hv,), p + "norm.weight": (dv,),
+            p + "out_proj.weight": (d, hv * dv)}
+
+
+def _mtp_shapes(cfg: ModelConfig) -> dict:
+    d = cfg.hidden_size
+    shapes = {"mtp.fc.weight": (d, 2 * d), "mtp.pre_fc_norm_embedding.weight": (d,),
+              "mtp.pre_fc_norm_hidden.weight": (d,), "mtp.norm.weight": (d,)}
+    for i in range(cfg.mtp_num_hidden_layers):
+        p = f"mtp.layers.{i}."
+        shapes |= {p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
+                   p + "mlp.gate_proj.weight": (cfg.intermediate_size, d),
+                   p + "mlp.up_proj.weight": (cfg.intermediate_size, d),
+                   p + "mlp.down_proj.weight": (d, cfg.intermediate_size)} | _attention_shapes(cfg, p + "self_attn.")
+    return shapes
+
+
+def canonical_name(name: str) -> str | None:
+    """Map a checkpoint tensor name to our canonical one; None for tensors we deliberately skip."""
+    if name.startswith(_IGNORED_PREFIXES):
+        return None
+    if name.startswith("model.language_model."):
+        return "model." + name[len("model.language_model."):]
+    if name.startswith("model.mtp."):
+        return name[len("model."):]
+    return name
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [path / s for s in shards]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    missing = [f.name for f in files if not f.is_file()]
+    if not files or missing:
+        raise ValueError(f"{path}: no safetensors weights found" if not files else
+                         f"{path}: shards listed in the index are missing: {missing}")
+    return files
+
+
+def load_weights(path: str | Path, cfg: ModelConfig, device: str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Read and validate every tensor; a missing, extra or misshapen tensor is an error naming it."""
+    path = Path(path)
+    tensors = {}
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                canon = canonical_name(name)
+                if canon is None or (canon.startswith("mtp.") and not cfg.mtp_num_hidden_layers):
+                    continue
+                if canon in tensors:
+                    raise ValueError(f"{file.name}: tensor {name!r} appears twice in the checkpoint")
+                tensors[canon] = f.get_tensor(name)
+    if cfg.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)  # some writers store the tied copy too
+    return validate_weights(tensors, cfg, device, dtype)
+
+
+def validate_weights(tensors: dict[str, torch.Tensor], cfg: ModelConfig, device="cpu",
+                     dtype=torch.float32) -> dict[str, torch.Tensor]:
+    expected = expected_shapes(cfg)
+    missing = sorted(set(expected) - set(tensors))
+    extra = sorted(set(tensors) - set(expected))
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:5]}")
+    if extra:
+        raise ValueError(f"checkpoint has {len(extra)} unexpected tensor(s), e.g. {extra[:5]}")
+    for name, shape in expected.items():
+        t = tensors[name]
+        if tuple(t.shape) != shape:
+            raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}, config implies {shape}")
+        if not t.is_floating_point():
+            raise ValueError(f"tensor {name!r} has dtype {t.dtype}, expected a floating-point tensor")
+    # A_log and dt_bias drive an exp(); keep them (and the fp32 state they feed) in float32.
+    keep_fp32 = ("A_log", "dt_bias")
+    return {n: t.to(device=device, dtype=torch.float32 if n.endswith(keep_fp32) else dtype)
+            for n, t in tensors.items()}

@@ -1,0 +1,99 @@
+"""Qwen2 / Qwen3 decoder: pre-norm attention + SwiGLU MLP blocks over the slot cache."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..batch import ForwardBatch
+from ..cache import SlotCache
+from ..config import ModelConfig
+from ..layers.attention import cached_attention, write_kv
+from ..layers.norm import rms_norm
+from ..layers.rotary import Rotary
+
+
+class MLP:
+    def __init__(self, w: dict, p: str):
+        # gate and up fused into one matmul: one weight read per step instead of two launches
+        self.gate_up = torch.cat([w.pop(p + "gate_proj.weight"), w.pop(p + "up_proj.weight")])
+        self.down = w.pop(p + "down_proj.weight")
+
+    def __call__(self, x):
+        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down)
+
+
+class Attention:
+    """Full attention; `gated` is Qwen3.5's variant (q_proj also emits a sigmoid output gate, (1+w) norms)."""
+
+    def __init__(self, cfg: ModelConfig, w: dict, p: str, layer: int, gated: bool = False):
+        self.cfg, self.layer, self.gated = cfg, layer, gated
+        self.nq, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_size = self.nq * self.hd * (2 if gated else 1)
+        names = ("q_proj", "k_proj", "v_proj")
+        self.qkv = torch.cat([w.pop(f"{p}{n}.weight") for n in names])
+        self.qkv_bias = torch.cat([w.pop(f"{p}{n}.bias") for n in names]) if cfg.attention_bias else None
+        self.o = w.pop(p + "o_proj.weight")
+        self.q_norm = w.pop(p + "q_norm.weight", None)
+        self.k_norm = w.pop(p + "k_norm.weight", None)
+
+    def __call__(self, x, batch: ForwardBatch, cache: SlotCache, ctx: dict):
+        B, T, _ = x.shape
+        q, k, v = F.linear(x, self.qkv, self.qkv_bias).split(
+            [self.q_size, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
+        if self.gated:  # per head: [q_h | gate_h]
+            q, gate = q.view(B, T, self.nq, 2 * self.hd).chunk(2, dim=-1)
+            gate = gate.reshape(B, T, self.nq * self.hd)
+        q, k, v = q.reshape(B, T, self.nq, self.hd), k.view(B, T, self.nkv, self.hd), v.view(B, T, self.nkv, self.hd)
+        if self.q_norm is not None:
+            q = rms_norm(q, self.q_norm, self.cfg.rms_norm_eps, offset=self.gated)
+            k = rms_norm(k, self.k_norm, self.cfg.rms_norm_eps, offset=self.gated)
+        q, k = ctx["rotary"](q, ctx["positions"]), ctx["rotary"](k, ctx["positions"])
+        write_kv(cache.k[self.layer], cache.v[self.layer], k, v, batch, ctx["targets"])
+        out = cached_attention(q, cache.k[self.layer], cache.v[self.layer], batch, ctx["mask"], self.hd ** -0.5)
+        out = out.reshape(B, T, self.nq * self.hd)
+        if self.gated:
+            out = out * torch.sigmoid(gate)
+        return F.linear(out, self.o)
+
+
+class DecoderModel:
+    """Shared skeleton: embed -> blocks -> final norm. Subclasses choose each layer's mixer."""
+    norm_offset = False
+
+    def __init__(self, cfg: ModelConfig, w: dict, opts):
+        self.cfg = cfg
+        self.embed = w.pop("model.embed_tokens.weight")
+        self.lm_head = self.embed if cfg.tie_word_embeddings else w.pop("lm_head.weight")
+        self.final_norm = w.pop("model.norm.weight")
+        self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta, opts.max_seq_len, opts.device, opts.torch_dtype)
+        self.layers = []
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            self.layers.append((w.pop(p + "input_layernorm.weight"), self.make_mixer(w, p, i),
+                                w.pop(p + "post_attention_layernorm.weight"), MLP(w, p + "mlp.")))
+
+    def make_mixer(self, w: dict, p: str, i: int):
+        return Attention(self.cfg, w, p + "self_attn.", i)
+
+    def context(self, batch: ForwardBatch) -> dict:
+        """Per-forward tensors shared by all layers (computed once, not per layer)."""
+        return {"rotary": self.rotary, "positions": batch.positions, "targets": batch.write_targets(),
+                "mask": batch.attention_mask()}
+
+    def forward(self, batch: ForwardBatch, cache: SlotCache) -> torch.Tensor:
+        """Final-normed hidden states [B, T, hidden] for every token of the batch."""
+        eps, off = self.cfg.rms_norm_eps, self.norm_offset
+        ctx = self.context(batch)
+        x = F.embedding(batch.tokens, self.embed)
+        for norm1, mixer, norm2, mlp in self.layers:
+            x = x + mixer(rms_norm(x, norm1, eps, off), batch, cache, ctx)
+            x = x + mlp(rms_norm(x, norm2, eps, off))
+        return rms_norm(x, self.final_norm, eps, off)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()
+
+
+class DenseModel(DecoderModel):
+    """Qwen2 (qkv bias, no q/k norm) and Qwen3 (q/k RMSNorm per head before RoPE)."""

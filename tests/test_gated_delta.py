@@ -1,0 +1,308 @@
+"""Gated DeltaNet math (pocketlab.layers.gated_delta) against the HF torch reference and against itself.
+
+fp32 everywhere unless a test says otherwise; agreement bound 1e-5 (max abs diff)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+from pocketlab.layers import gated_delta as gd
+from pocketlab.layers.gated_delta import (
+    backend_name,
+    causal_conv1d,
+    chunk_gated_delta_rule,
+    gated_delta_rule,
+    recurrent_gated_delta_rule,
+)
+
+TOL = 1e-5
+B, H, DK, DV = 2, 4, 16, 16
+C, K = 24, 4  # conv channels, kernel
+
+
+def maxdiff(a, b):
+    return (a.float() - b.float()).abs().max().item()
+
+
+def make_inputs(batch, T, seed, dtype=torch.float32):
+    """Random inputs shaped like the model's: g from the real gate formula (strong and weak decays), beta a
+    sigmoid, and a nonzero incoming state."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, T, H, DK, generator=gen)
+    k = torch.randn(batch, T, H, DK, generator=gen)
+    v = torch.randn(batch, T, H, DV, generator=gen)
+    A = torch.empty(H).uniform_(0.01, 16, generator=gen)
+    g = -A * F.softplus(torch.randn(batch, T, H, generator=gen) - 2.0)
+    beta = torch.randn(batch, T, H, generator=gen).sigmoid()
+    s0 = torch.randn(batch, H, DK, DV, generator=gen)
+    return q.to(dtype), k.to(dtype), v.to(dtype), g, beta.to(dtype), s0
+
+
+def hf_chunk(q, k, v, g, beta, s0):
+    return hf.torch_chunk_gated_delta_rule(
+        q, k, v, g=g, beta=beta, initial_state=s0.clone(), output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
+
+
+def hf_recurrent(q, k, v, g, beta, s0):
+    return hf.torch_recurrent_gated_delta_rule(
+        q, k, v, g=g, beta=beta, initial_state=s0.clone(), output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
+
+
+def with_garbage(x, lengths, value=float("nan")):
+    """x with every padding position overwritten, to prove padding never reaches real outputs or states."""
+    x = x.clone()
+    for b, n in enumerate(lengths.tolist()):
+        x[b, n:] = value
+    return x
+
+
+# ------------------------------------------------------------------------------------------------ delta rule vs HF
+
+
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 150])
+def test_matches_hf(T):
+    q, k, v, g, beta, s0 = make_inputs(B, T, seed=T)
+    o_hc, s_hc = hf_chunk(q, k, v, g, beta, s0)
+    o_hr, s_hr = hf_recurrent(q, k, v, g, beta, s0)
+    o_c, s_c = chunk_gated_delta_rule(q, k, v, g, beta, s0)
+    o_r, s_r = recurrent_gated_delta_rule(q, k, v, g, beta, s0)
+
+    assert o_c.shape == (B, T, H, DV) and s_c.shape == (B, H, DK, DV)
+    assert s_c.dtype == torch.float32 and s_r.dtype == torch.float32
+    for name, (a, b) in {
+        "chunk/hf_chunk o": (o_c, o_hc),
+        "chunk/hf_chunk S": (s_c, s_hc),
+        "chunk/hf_recurrent o": (o_c, o_hr),
+        "chunk/hf_recurrent S": (s_c, s_hr),
+        "recurrent/hf_recurrent o": (o_r, o_hr),
+        "recurrent/hf_recurrent S": (s_r, s_hr),
+        "chunk/recurrent o": (o_c, o_r),
+        "chunk/recurrent S": (s_c, s_r),
+    }.items():
+        assert maxdiff(a, b) <= TOL, (name, maxdiff(a, b))
+
+
+@pytest.mark.parametrize("chunk_size", [16, 32, 128])
+def test_chunk_size_does_not_change_result(chunk_size):
+    q, k, v, g, beta, s0 = make_inputs(B, 150, seed=7)
+    o_r, s_r = recurrent_gated_delta_rule(q, k, v, g, beta, s0)
+    o_c, s_c = chunk_gated_delta_rule(q, k, v, g, beta, s0, chunk_size=chunk_size)
+    assert maxdiff(o_c, o_r) <= TOL and maxdiff(s_c, s_r) <= TOL
+
+
+def test_no_initial_state_means_zeros_and_caller_state_untouched():
+    q, k, v, g, beta, s0 = make_inputs(B, 40, seed=3)
+    keep = s0.clone()
+    for fn in (chunk_gated_delta_rule, recurrent_gated_delta_rule, gated_delta_rule):
+        o_none, s_none = fn(q, k, v, g, beta, None)
+        o_zero, s_zero = fn(q, k, v, g, beta, torch.zeros_like(s0))
+        assert maxdiff(o_none, o_zero) == 0 and maxdiff(s_none, s_zero) == 0
+        fn(q, k, v, g, beta, s0)
+        assert torch.equal(s0, keep), fn.__name__
+
+
+def test_extreme_decay_is_finite():
+    """g down to -1e4 per token (exp underflows) and g = 0 (no decay) must both stay finite and agree."""
+    q, k, v, g, beta, s0 = make_inputs(B, 100, seed=11)
+    g = g.clone()
+    g[:, ::7] = -1e4
+    g[:, 3::7] = 0.0
+    o_c, s_c = chunk_gated_delta_rule(q, k, v, g, beta, s0)
+    o_r, s_r = recurrent_gated_delta_rule(q, k, v, g, beta, s0)
+    assert torch.isfinite(o_c).all() and torch.isfinite(s_c).all()
+    assert maxdiff(o_c, o_r) <= TOL and maxdiff(s_c, s_r) <= TOL
+
+
+def test_bf16_inputs():
+    q, k, v, g, beta, s0 = make_inputs(B, 70, seed=5, dtype=torch.bfloat16)
+    o_c, s_c = chunk_gated_delta_rule(q, k, v, g, beta, s0)
+    assert o_c.dtype == torch.bfloat16 and s_c.dtype == torch.float32
+    o_ref, s_ref = recurrent_gated_delta_rule(q.float(), k.float(), v.float(), g, beta.float(), s0)
+    assert maxdiff(o_c, o_ref) < 2e-2 and maxdiff(s_c, s_ref) < 1e-5
+
+
+# ------------------------------------------------------------------------------------------------ padding, chaining
+
+
+@pytest.mark.parametrize("fn", [chunk_gated_delta_rule, recurrent_gated_delta_rule, gated_delta_rule])
+@pytest.mark.parametrize("short", [3, 65])
+def test_ragged_batch_equals_each_sequence_alone(fn, short):
+    T = 70
+    q, k, v, g, beta, s0 = make_inputs(B, T, seed=short)
+    lengths = torch.tensor([T, short])
+    args = [with_garbage(x, lengths) for x in (q, k, v, g, beta)]
+    o, s = fn(*args, s0, lengths)
+    for b, n in enumerate(lengths.tolist()):
+        o_b, s_b = fn(q[b : b + 1, :n], k[b : b + 1, :n], v[b : b + 1, :n], g[b : b + 1, :n],
+                      beta[b : b + 1, :n], s0[b : b + 1])
+        assert maxdiff(o[b, :n], o_b[0]) <= TOL, (b, maxdiff(o[b, :n], o_b[0]))
+        assert maxdiff(s[b], s_b[0]) <= TOL, (b, maxdiff(s[b], s_b[0]))
+
+
+def test_ragged_decode_step_freezes_finished_rows():
+    """A T=1 step where one row is padding (length 0 is not allowed, so model it as T=2 with lengths [2, 1])."""
+    q, k, v, g, beta, s0 = make_inputs(B, 2, seed=21)
+    lengths = torch.tensor([2, 1])
+    _, s = gated_delta_rule(*[with_garbage(x, lengths, 1e4) for x in (q, k, v, g, beta)], s0, lengths)
+    _, s1 = recurrent_gated_delta_rule(q[1:, :1], k[1:, :1], v[1:, :1], g[1:, :1], beta[1:, :1], s0[1:])
+    assert maxdiff(s[1], s1[0]) <= TOL
+
+
+@pytest.mark.parametrize("split", [1, 64, 70])
+def test_chaining_equals_one_call(split):
+    T = 150
+    q, k, v, g, beta, s0 = make_inputs(B, T, seed=split)
+    o_all, s_all = chunk_gated_delta_rule(q, k, v, g, beta, s0)
+    parts = [(0, split), (split, T)]
+    s, outs = s0, []
+    for a, b in parts:
+        o, s = gated_delta_rule(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], s)
+        outs.append(o)
+    assert maxdiff(torch.cat(outs, 1), o_all) <= TOL and maxdiff(s, s_all) <= TOL
+
+
+def test_prefill_then_token_by_token_decode():
+    T, P = 90, 67
+    q, k, v, g, beta, s0 = make_inputs(B, T, seed=9)
+    o_all, s_all = recurrent_gated_delta_rule(q, k, v, g, beta, s0)
+    o, s = gated_delta_rule(q[:, :P], k[:, :P], v[:, :P], g[:, :P], beta[:, :P], s0)
+    outs = [o]
+    for t in range(P, T):
+        o, s = gated_delta_rule(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], g[:, t : t + 1],
+                                beta[:, t : t + 1], s)
+        outs.append(o)
+    assert maxdiff(torch.cat(outs, 1), o_all) <= TOL and maxdiff(s, s_all) <= TOL
+
+
+# ------------------------------------------------------------------------------------------------ dispatcher
+
+
+def test_dispatcher_on_cpu_uses_torch():
+    assert backend_name("cpu") == "torch"
+    assert backend_name(torch.device("cpu")) == "torch"
+    q, k, v, g, beta, s0 = make_inputs(B, 65, seed=1)
+    o, s = gated_delta_rule(q, k, v, g, beta, s0)
+    o_c, s_c = chunk_gated_delta_rule(q, k, v, g, beta, s0)
+    assert torch.equal(o, o_c) and torch.equal(s, s_c)
+    o, s = gated_delta_rule(q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], s0)
+    o_r, s_r = recurrent_gated_delta_rule(q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], s0)
+    assert torch.equal(o, o_r) and torch.equal(s, s_r)
+
+
+def test_fla_call_contract(monkeypatch):
+    """The fla branch, exercised on CPU with stand-ins that check the keyword arguments fla 0.6 expects and
+    compute what fla computes (raw q/k normalised in-kernel, q scaled by `scale`, state [B, H, dk, dv] fp32)."""
+    calls = []
+
+    def stand_in(name, hf_fn):
+        def fn(*, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel):
+            calls.append(name)
+            assert use_qk_l2norm_in_kernel is True and output_final_state is True
+            assert math.isclose(scale, q.shape[-1] ** -0.5)
+            assert initial_state.dtype == torch.float32 and initial_state.shape == (q.shape[0], H, DK, DV)
+            assert torch.isfinite(q).all() and torch.isfinite(g).all() and torch.isfinite(beta).all()
+            return hf_fn(q, k, v, g, beta, initial_state)
+
+        return fn
+
+    monkeypatch.setattr(gd, "_fla_ops", lambda device: (stand_in("chunk", hf_chunk),
+                                                        stand_in("recurrent", hf_recurrent)))
+    assert backend_name("cpu") == "fla"
+
+    T = 70
+    q, k, v, g, beta, s0 = make_inputs(B, T, seed=2)
+    lengths = torch.tensor([T, 3])
+    o, s = gated_delta_rule(*[with_garbage(x, lengths) for x in (q, k, v, g, beta)], s0, lengths)
+    o1, s1 = gated_delta_rule(q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], s0)
+    assert calls == ["chunk", "recurrent"]
+    monkeypatch.undo()
+
+    o_ref, s_ref = chunk_gated_delta_rule(q, k, v, g, beta, s0, lengths)
+    for b, n in enumerate(lengths.tolist()):
+        assert maxdiff(o[b, :n], o_ref[b, :n]) <= TOL
+    assert maxdiff(s, s_ref) <= TOL
+    o1_ref, s1_ref = recurrent_gated_delta_rule(q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], s0)
+    assert maxdiff(o1, o1_ref) <= TOL and maxdiff(s1, s1_ref) <= TOL
+
+
+# ------------------------------------------------------------------------------------------------ causal conv1d
+
+
+def conv_inputs(T, seed, batch=B):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, T, C, generator=gen)
+    w = torch.randn(C, K, generator=gen) * 0.5
+    state = torch.randn(batch, C, K - 1, generator=gen)
+    return x, w, state
+
+
+def hf_conv_full(x, w):
+    return hf.causal_conv1d_fn(x.transpose(1, 2), w, None, activation="silu").transpose(1, 2)
+
+
+def test_conv_full_sequence_matches_hf():
+    x, w, _ = conv_inputs(20, seed=0)
+    y, st = causal_conv1d(x, torch.zeros(B, C, K - 1), w, torch.full((B,), 20))
+    assert maxdiff(y, hf_conv_full(x, w)) <= TOL
+    assert torch.equal(st, x[:, -(K - 1) :].transpose(1, 2))
+
+
+def test_conv_token_by_token_matches_hf_update():
+    T = 12
+    x, w, state = conv_inputs(T, seed=1)
+    hf_state = state.clone()
+    ours = state
+    for t in range(T):
+        y_hf = hf.causal_conv1d_update(x[:, t : t + 1].transpose(1, 2), hf_state, w, None, "silu").transpose(1, 2)
+        y, ours = causal_conv1d(x[:, t : t + 1], ours, w, torch.ones(B, dtype=torch.long))
+        assert maxdiff(y, y_hf) <= TOL, t
+        assert torch.equal(ours, hf_state), t
+
+
+def test_conv_prefill_then_decode_matches_hf_full():
+    T = 20
+    x, w, _ = conv_inputs(T, seed=2)
+    y_hf = hf_conv_full(x, w)
+    state, outs, t = torch.zeros(B, C, K - 1), [], 0
+    for n in [7, 1, 1, 2, 1, 8]:  # pieces shorter and longer than K-1
+        y, state = causal_conv1d(x[:, t : t + n], state, w, torch.full((B,), n))
+        outs.append(y)
+        t += n
+    assert maxdiff(torch.cat(outs, 1), y_hf) <= TOL
+    assert torch.equal(state, x[:, -(K - 1) :].transpose(1, 2))
+
+
+@pytest.mark.parametrize("short", [1, 2, 3, 5])
+def test_conv_ragged_equals_each_alone(short):
+    T = 9
+    x, w, state = conv_inputs(T, seed=short)
+    lengths = torch.tensor([T, short])
+    y, st = causal_conv1d(with_garbage(x, lengths, 1e6), state, w, lengths)
+    for b, n in enumerate(lengths.tolist()):
+        y_b, st_b = causal_conv1d(x[b : b + 1, :n], state[b : b + 1], w, torch.tensor([n]))
+        assert maxdiff(y[b, :n], y_b[0]) <= TOL
+        assert torch.equal(st[b], st_b[0])
+    # the short row's state is its old history shifted by `short` real inputs
+    hist = torch.cat([state[1], x[1, :short].T], dim=-1)
+    assert torch.equal(st[1], hist[:, -(K - 1) :])
+
+
+def test_conv_ragged_chain_matches_hf_per_sequence():
+    """Two ragged calls then a decode step; each row must equal HF on its own concatenated real tokens."""
+    x, w, _ = conv_inputs(16, seed=4)
+    l1, l2 = torch.tensor([6, 2]), torch.tensor([3, 5])
+    state = torch.zeros(B, C, K - 1)
+    y1, state = causal_conv1d(with_garbage(x[:, :6], l1, -3e3), state, w, l1)
+    y2, state = causal_conv1d(with_garbage(x[:, 6:11], l2, 7e3), state, w, l2)
+    y3, state = causal_conv1d(x[:, 11:12], state, w, torch.ones(B, dtype=torch.long))
+    for b in range(B):
+        n1, n2 = int(l1[b]), int(l2[b])
+        real = torch.cat([x[b, :n1], x[b, 6 : 6 + n2], x[b, 11:12]])[None]
+        got = torch.cat([y1[b, :n1], y2[b, :n2], y3[b]])[None]
+        assert maxdiff(got, hf_conv_full(real, w)) <= TOL, b
+        assert torch.equal(state[b], real[0, -(K - 1) :].T)
