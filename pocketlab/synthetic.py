@@ -47,26 +47,28 @@ _CONFIGS = {"qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "qwen3_5_text": "Qwe
 _MODELS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM"}
 
 
-def hf_config(preset: str) -> transformers.PretrainedConfig:
+def hf_config(preset: str, **overrides) -> transformers.PretrainedConfig:
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; known: {sorted(PRESETS)}")
     model_type, kwargs = PRESETS[preset]
-    return getattr(transformers, _CONFIGS[model_type])(**kwargs)
+    return getattr(transformers, _CONFIGS[model_type])(**(kwargs | overrides))
 
 
-def build_hf_model(preset: str, seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32):
+def build_hf_model(preset: str, seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                   **overrides):
     """The HF model with random weights from `seed`, built directly on `device` (real shapes fit on a GPU)."""
-    config = hf_config(preset)
+    config = hf_config(preset, **overrides)
     torch.manual_seed(seed)
     with torch.device(device):
         model = getattr(transformers, _MODELS[PRESETS[preset][0]])._from_config(config, dtype=dtype)
     return model.eval()
 
 
-def write_checkpoint(preset: str, path: str | Path, seed: int = 0, max_shard_size: str | None = None) -> Path:
+def write_checkpoint(preset: str, path: str | Path, seed: int = 0, max_shard_size: str | None = None,
+                     **overrides) -> Path:
     """Write config.json + safetensors (sharded with an index when `max_shard_size` is given)."""
     path = Path(path)
-    model = build_hf_model(preset, seed)
+    model = build_hf_model(preset, seed, **overrides)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
     (path / "pocketlab_preset.json").write_text(json.dumps({"preset": preset, "seed": seed}))

@@ -1,0 +1,68 @@
+"""Shared fixtures. POCKETLAB_DEVICE=cuda runs the engine tests in bf16 on a GPU with looser tolerances."""
+import os
+
+import pytest
+import torch
+
+from pocketlab import EngineOptions, QwenEngine
+from pocketlab.synthetic import write_checkpoint
+
+DEVICE = os.environ.get("POCKETLAB_DEVICE", "cpu")
+DTYPE = os.environ.get("POCKETLAB_DTYPE", "float32" if DEVICE == "cpu" else "bfloat16")
+# float32 parity is the contract (1e-4); in bf16 we allow errors relative to the logit scale.
+LOGIT_TOL = 1e-4 if DTYPE == "float32" else 0.05
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """checkpoint(preset, **overrides) -> folder, written once per session."""
+    made = {}
+
+    def get(preset: str, **overrides):
+        key = (preset, tuple(sorted(overrides.items())))
+        if key not in made:
+            made[key] = write_checkpoint(preset, tmp_path_factory.mktemp(preset), seed=0, **overrides)
+        return made[key]
+    return get
+
+
+@pytest.fixture(scope="session")
+def make_engine(checkpoint):
+    def make(preset: str = "tiny-qwen3", **options) -> QwenEngine:
+        opts = dict(max_slots=4, max_seq_len=256, prefill_chunk=16, device=DEVICE, dtype=DTYPE) | options
+        return QwenEngine.from_pretrained(checkpoint(preset), EngineOptions(**opts))
+    return make
+
+
+def greedy_run(engine: QwenEngine, prompt: list[int], steps: int, slot_id: int = 0):
+    """Prefill then `steps` greedy decodes on one slot: (tokens, [logits per step])."""
+    r = engine.prefill(prompt, slot_id=slot_id)
+    tokens, logits = [r.next_token], [r.logits]
+    for _ in range(steps):
+        r = engine.decode_step(tokens[-1], slot_id=slot_id)
+        tokens.append(r.next_token)
+        logits.append(r.logits)
+    return tokens, torch.stack(logits)
+
+
+def random_prompt(length: int, seed: int, vocab: int = 512) -> list[int]:
+    return torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def engine_state(engine: QwenEngine) -> list:
+    """Everything every slot holds (tokens, owner, cache rows), for exact before/after comparisons."""
+    state = []
+    for s in range(engine.options.max_slots):
+        slot = engine.cache.slots[s]
+        snap = engine.cache.snapshot(s)
+        state.append((list(slot.tokens), slot.owner, {k: v.clone() for k, v in snap.tensors.items()}))
+    return state + [engine.num_slots]
+
+
+def assert_same_state(a, b):
+    assert a[-1] == b[-1]
+    for (ta, oa, xa), (tb, ob, xb) in zip(a[:-1], b[:-1]):
+        assert ta == tb and oa == ob
+        assert xa.keys() == xb.keys()
+        for k in xa:
+            assert torch.equal(xa[k], xb[k]), k
