@@ -14,7 +14,7 @@ import transformers
 _TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, initializer_range=0.2, max_position_embeddings=4096,
              tie_word_embeddings=False)
-_TINY_HYBRID = dict(_TINY, num_hidden_layers=4, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+_TINY_HYBRID = dict(_TINY, initializer_range=0.1, num_hidden_layers=4, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
                     linear_key_head_dim=16, linear_value_head_dim=16, rope_parameters=dict(
                         rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25))
 

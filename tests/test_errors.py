@@ -5,10 +5,10 @@ from pocketlab import BatchedRequest
 from conftest import assert_same_state, engine_state, random_prompt
 
 
-@pytest.fixture
-def busy_engine(make_engine):
+@pytest.fixture(params=["tiny-qwen3", "tiny-qwen3_5"])
+def busy_engine(make_engine, request):
     """Two slots mid-sequence, one allocated to a request, one free slot, max_seq_len 64."""
-    engine = make_engine("tiny-qwen3", max_slots=3, max_seq_len=64)
+    engine = make_engine(request.param, max_slots=3, max_seq_len=64)
     engine.allocate_slot(request_id=7)
     engine.prefill(random_prompt(10, 1), slot_id=0)
     engine.prefill(random_prompt(20, 2), slot_id=1)

@@ -3,14 +3,14 @@ import pytest
 import torch
 
 from pocketlab import BatchedRequest, SamplingParams
-from conftest import DTYPE, greedy_run, random_prompt
+from conftest import DTYPE, LOGIT_TOL, greedy_run, random_prompt
 
-PRESETS = ["tiny-qwen3", "tiny-qwen2"]
+PRESETS = ["tiny-qwen3", "tiny-qwen2", "tiny-qwen3_5"]
 EXACT = DTYPE == "float32"
 
 
 def close(a, b):
-    tol = 1e-5 if EXACT else 0.05 * b.abs().max().item()
+    tol = LOGIT_TOL * (1 if EXACT else b.abs().max().item())
     return (a.float() - b.float()).abs().max().item() <= tol
 
 

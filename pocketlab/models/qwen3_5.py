@@ -1,0 +1,53 @@
+"""Qwen3.5 hybrid decoder: Gated DeltaNet (linear attention) layers with every 4th a gated full attention."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..batch import ForwardBatch
+from ..cache import SlotCache
+from ..config import ModelConfig
+from ..layers.gated_delta import causal_conv1d, gated_delta_rule
+from ..layers.norm import gated_rms_norm
+from .qwen3 import Attention, DecoderModel
+
+
+class GatedDeltaNet:
+    """Linear attention whose per-slot state (conv window + fp32 delta-rule matrix) lives in the SlotCache."""
+
+    def __init__(self, cfg: ModelConfig, w: dict, p: str, layer: int):
+        self.cfg, self.layer = cfg, layer
+        self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+        self.in_proj = torch.cat([w.pop(f"{p}{n}.weight") for n in names])  # one matmul for all four
+        self.splits = [2 * self.hk * self.dk + self.hv * self.dv, self.hv * self.dv, self.hv, self.hv]
+        self.conv_weight = w.pop(p + "conv1d.weight").squeeze(1)
+        self.neg_A = -w.pop(p + "A_log").float().exp()
+        self.dt_bias = w.pop(p + "dt_bias").float()
+        self.norm = w.pop(p + "norm.weight")
+        self.out = w.pop(p + "out_proj.weight")
+
+    def __call__(self, x, batch: ForwardBatch, cache: SlotCache, ctx: dict):
+        B, T, _ = x.shape
+        qkv, z, b, a = F.linear(x, self.in_proj).split(self.splits, dim=-1)
+        conv, rec = cache.conv[self.layer], cache.rec[self.layer]
+        qkv, conv[batch.slot_ids] = causal_conv1d(qkv, conv[batch.slot_ids], self.conv_weight, batch.lengths)
+        q, k, v = qkv.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
+        group = self.hv // self.hk  # value head j reads key head j // group
+        q = q.reshape(B, T, self.hk, self.dk).repeat_interleave(group, dim=2)
+        k = k.reshape(B, T, self.hk, self.dk).repeat_interleave(group, dim=2)
+        v = v.reshape(B, T, self.hv, self.dv)
+        g = self.neg_A * F.softplus(a.float() + self.dt_bias)
+        o, rec[batch.slot_ids] = gated_delta_rule(q, k, v, g, b.sigmoid(), rec[batch.slot_ids], batch.lengths)
+        o = gated_rms_norm(o, z.reshape(B, T, self.hv, self.dv), self.norm, self.cfg.rms_norm_eps)
+        return F.linear(o.reshape(B, T, self.hv * self.dv), self.out)
+
+
+class HybridModel(DecoderModel):
+    norm_offset = True  # Qwen3.5 norms scale by (1 + w)
+
+    def make_mixer(self, w: dict, p: str, i: int):
+        if self.cfg.layer_types[i] == "full_attention":
+            return Attention(self.cfg, w, p + "self_attn.", i, gated=True)
+        return GatedDeltaNet(self.cfg, w, p + "linear_attn.", i)
