@@ -33,6 +33,11 @@ class ForwardBatch:
                    kv_len=max(p + len(t) for _, p, t in seqs), scratch_slot=scratch_slot)
 
     @property
+    def causal_only(self) -> bool:
+        """One sequence, nothing cached before it: plain causal attention (flash kernels) suffices."""
+        return self.tokens.shape[0] == 1 and self.kv_len == self.tokens.shape[1]
+
+    @property
     def positions(self) -> torch.Tensor:
         """[B, T] absolute position of every token; padding repeats the last real one (stays in range)."""
         t = torch.arange(self.tokens.shape[1], device=self.tokens.device)

@@ -9,6 +9,7 @@ import torch
 from .batch import ForwardBatch
 from .cache import SlotCache, Snapshot
 from .config import EngineOptions, ModelConfig
+from .graphs import DecodeGraphs
 from .loader import load_weights, validate_weights
 from .models import build_model
 from .sampling import GREEDY, SamplingParams, sample
@@ -59,6 +60,8 @@ class QwenEngine:
         self.cache = SlotCache(cfg, self.options)
         self.num_slots = self.options.max_slots
         self.forward_count = 0      # model forwards run; batch calls must add exactly one
+        use_graphs = self.options.cuda_graphs and torch.device(self.options.device).type == "cuda"
+        self.graphs = DecodeGraphs(self.model, self.cache, self.options) if use_graphs else None
 
     @classmethod
     def from_pretrained(cls, path: str | Path, options: EngineOptions | None = None) -> "QwenEngine":
@@ -220,13 +223,19 @@ class QwenEngine:
             self._check_tokens([tok], f"decode token for slot {s}")
         self._check_plan([s for s, _, _ in items], [(s, [t]) for s, t, _ in items], prefill=False)
         seqs = [(s, self.cache.slots[s].position, [tok]) for s, tok, _ in items]
-        hidden = self._forward(seqs)[:, 0]
+        logits = self._decode_logits(seqs)
         for s, tok, _ in items:
             self.cache.slots[s].tokens.append(tok)
-        logits = self.model.logits(hidden)
         positions = [self.cache.slots[s].position for s, _, _ in items]
         tokens = sample(logits, [sp for _, _, sp in items], positions).tolist()
         return tokens, logits, positions
+
+    @torch.inference_mode()
+    def _decode_logits(self, seqs: list[tuple[int, int, list[int]]]) -> torch.Tensor:
+        if self.graphs is None:
+            return self.model.logits(self._forward(seqs)[:, 0])
+        self.forward_count += 1
+        return self.graphs.logits(seqs)
 
     @torch.inference_mode()
     def _forward(self, seqs: list[tuple[int, int, list[int]]]) -> torch.Tensor:

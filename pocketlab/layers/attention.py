@@ -25,6 +25,9 @@ def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     G = H // kvh
     k = k_cache[batch.slot_ids, :, :batch.kv_len]
     v = v_cache[batch.slot_ids, :, :batch.kv_len]
+    if batch.causal_only:  # a fresh single prompt: no mask tensor, so SDPA can pick its flash kernel
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True, scale=scale, enable_gqa=True)
+        return out.transpose(1, 2)
     qg = q.view(B, T, kvh, G, hd).permute(0, 2, 3, 1, 4).reshape(B, kvh, G * T, hd)
     m = mask.expand(B, 1, T, batch.kv_len).repeat(1, 1, G, 1) if G > 1 else mask
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=m, scale=scale)

@@ -1,0 +1,65 @@
+"""CUDA-graph replay of one decode step (forward + logits) over static buffers.
+
+Python launches hundreds of small kernels per step; at batch 1 that, not memory, bounds decode speed.
+Each (batch bucket, key-length bucket) is captured once; a step copies its inputs into the static
+buffers and replays the smallest graph that fits. Filler rows run on the scratch slot.
+"""
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from .batch import ForwardBatch
+
+
+def key_buckets(max_seq_len: int, smallest: int = 128) -> list[int]:
+    """Powers of two up to max_seq_len: attention reads at most ~2x the live keys."""
+    sizes, n = [], smallest
+    while n < max_seq_len:
+        sizes.append(n)
+        n *= 2
+    return sizes + [max_seq_len]
+
+
+class DecodeGraphs:
+    def __init__(self, model, cache, options):
+        self.model, self.cache = model, cache
+        sizes = sorted({b for b in options.graph_batch_sizes if b < options.max_slots} | {options.max_slots})
+        self.batch_sizes, self.key_sizes = sizes, key_buckets(options.max_seq_len)
+        self.device = options.device
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, ForwardBatch, torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def logits(self, seqs: list[tuple[int, int, list[int]]]) -> torch.Tensor:
+        """[B, vocab] float32 logits of one decode step; seqs hold (slot, position, [token])."""
+        B = len(seqs)
+        b = self.batch_sizes[bisect.bisect_left(self.batch_sizes, B)]
+        kv = self.key_sizes[bisect.bisect_left(self.key_sizes, max(p for _, p, _ in seqs) + 1)]
+        graph, batch, out = self.graphs.get((b, kv)) or self._capture(b, kv)
+        rows = [(t[0], s, p) for s, p, t in seqs] + [(0, self.cache.scratch, 0)] * (b - B)
+        host = torch.tensor(rows, dtype=torch.long).pin_memory()
+        inputs = host.to(self.device, non_blocking=True)
+        batch.tokens[:, 0].copy_(inputs[:, 0])
+        batch.slot_ids.copy_(inputs[:, 1])
+        batch.start.copy_(inputs[:, 2])
+        graph.replay()
+        return out[:B]
+
+    def _step(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model.logits(self.model.forward(batch, self.cache)[:, 0])
+
+    def _capture(self, b: int, kv: int):
+        filler = [(self.cache.scratch, 0, [0])] * b
+        batch = ForwardBatch.build(filler, self.cache.scratch, self.device)
+        batch.kv_len = kv
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside the graph (cuBLAS handles, autotuning)
+            self._step(batch)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self._step(batch)
+        self.graphs[(b, kv)] = (graph, batch, out)
+        return self.graphs[(b, kv)]
