@@ -110,13 +110,13 @@ def load_weights(path: str | Path, cfg: ModelConfig, device: str = "cpu",
                 if canon in tensors:
                     raise ValueError(f"{file.name}: tensor {name!r} appears twice in the checkpoint")
                 tensors[canon] = f.get_tensor(name)
-    if cfg.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)  # some writers store the tied copy too
     return validate_weights(tensors, cfg, device, dtype)
 
 
 def validate_weights(tensors: dict[str, torch.Tensor], cfg: ModelConfig, device="cpu",
                      dtype=torch.float32) -> dict[str, torch.Tensor]:
+    if cfg.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)  # some writers (and state_dict()) carry the tied copy too
     expected = expected_shapes(cfg)
     missing = sorted(set(expected) - set(tensors))
     extra = sorted(set(tensors) - set(expected))
