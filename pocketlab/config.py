@@ -98,6 +98,7 @@ class EngineOptions:
     device: str = "cpu"
     dtype: str = "float32"
     cuda_graphs: bool = True          # replay batch decode from captured graphs on CUDA
+    compile: bool = True              # fuse elementwise chains with torch.compile on CUDA
     graph_batch_sizes: tuple[int, ...] = field(default=(1, 2, 4, 8, 16, 32, 64))
 
     def __post_init__(self):

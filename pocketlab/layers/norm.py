@@ -1,7 +1,10 @@
 """RMSNorm in the two flavours Qwen uses: `w * x` (Qwen2/3) and `(1 + w) * x` (Qwen3.5)."""
 import torch
 
+from .fused import cuda_compiled
 
+
+@cuda_compiled
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
     """Normalise in float32 like HF does, so low-precision runs round the same way."""
     xf = x.float()
@@ -11,6 +14,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = F
     return weight * xf.to(x.dtype)
 
 
+@cuda_compiled
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Gated DeltaNet output norm: w * norm(x) * silu(gate), computed in float32."""
     xf = x.float()

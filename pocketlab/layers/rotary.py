@@ -1,6 +1,8 @@
 """Rotary position embedding (HF's rotate-half convention), optionally on the first dims only."""
 import torch
 
+from .fused import cuda_compiled
+
 
 class Rotary:
     def __init__(self, rotary_dim: int, theta: float, max_positions: int, device, dtype):
@@ -13,9 +15,13 @@ class Rotary:
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [B, T, heads, head_dim]; positions: [B, T]."""
-        cos, sin = self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)
-        rot, rest = x[..., :self.rotary_dim], x[..., self.rotary_dim:]
-        half = self.rotary_dim // 2
-        rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
-        out = rot * cos + rotated * sin
-        return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+        return apply_rotary(x, self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2))
+
+
+@cuda_compiled
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    rotary_dim = cos.shape[-1]
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    out = rot * cos + torch.cat((-rot[..., half:], rot[..., :half]), dim=-1) * sin
+    return torch.cat((out, rest), dim=-1)

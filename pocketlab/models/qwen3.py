@@ -8,6 +8,7 @@ from ..batch import ForwardBatch
 from ..cache import SlotCache
 from ..config import ModelConfig
 from ..layers.attention import cached_attention, write_kv
+from ..layers.fused import cuda_compiled
 from ..layers.norm import rms_norm
 from ..layers.rotary import Rotary
 
@@ -19,8 +20,13 @@ class MLP:
         self.down = w.pop(p + "down_proj.weight")
 
     def __call__(self, x):
-        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down)
+        return F.linear(swiglu(F.linear(x, self.gate_up)), self.down)
+
+
+@cuda_compiled
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class Attention:
