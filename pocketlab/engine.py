@@ -112,6 +112,12 @@ class QwenEngine:
             r.generated_tokens.append(t)
         return BatchDecodeResult(tokens, logits, positions)
 
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams | list = GREEDY,
+                 progress: bool = False) -> list[list[int]]:
+        """Continuous batching over the free slots; see scheduler.generate."""
+        from .scheduler import generate
+        return generate(self, prompts, sampling, progress)
+
     # -- slots ---------------------------------------------------------------------------------
     def allocate_batch_slots(self, n: int) -> None:
         """Use slots 0..n-1 (n <= max_slots); slots beyond are cleared and freed."""

@@ -1,0 +1,60 @@
+"""generate(): continuous batching over slots.
+
+Waiting prompts take slots as they free up; every running request advances in one batch_decode_step.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from tqdm.auto import tqdm
+
+from .engine import BatchedRequest, QwenEngine
+from .sampling import GREEDY, SamplingParams
+
+
+def generate(engine: QwenEngine, prompts: list[list[int]], sampling: SamplingParams | list = GREEDY,
+             progress: bool = False) -> list[list[int]]:
+    """Generated tokens per prompt (prompt excluded), in prompt order."""
+    params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+    if len(params) != len(prompts):
+        raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+    for i, p in enumerate(prompts):
+        engine._check_tokens(p, f"prompt {i}")
+        if len(p) >= engine.options.max_seq_len:
+            raise ValueError(f"prompt {i} has {len(p)} tokens; max_seq_len={engine.options.max_seq_len} "
+                             "leaves no room to generate")
+    waiting = deque(BatchedRequest(i, list(p), sampling=sp) for i, (p, sp) in enumerate(zip(prompts, params)))
+    running: list[BatchedRequest] = []
+    outputs: dict[int, list[int]] = {}
+    bar = tqdm(total=len(prompts), desc="generate", disable=not progress)
+
+    def retire(done: list[BatchedRequest]):
+        for r in done:
+            r.generated_tokens = r.generated_tokens[:r.sampling.max_new_tokens]
+            outputs[r.request_id] = r.generated_tokens
+            engine.release_slot(r.slot_id)
+            running.remove(r)
+            bar.update()
+
+    while waiting or running:
+        admit = [waiting.popleft() for _ in range(min(len(waiting), len(engine._free_slots())))]
+        zero = [r for r in admit if r.sampling.max_new_tokens == 0]
+        for r in zero:
+            outputs[r.request_id] = []
+            bar.update()
+        admit = [r for r in admit if r.sampling.max_new_tokens > 0]
+        if admit:
+            engine.batch_prefill(admit)
+            running.extend(admit)
+            retire([r for r in admit if _finished(engine, r)])
+        if running:
+            engine.batch_decode_step(running)
+            retire([r for r in running if _finished(engine, r)])
+    bar.close()
+    return [outputs[i] for i in range(len(prompts))]
+
+
+def _finished(engine: QwenEngine, r: BatchedRequest) -> bool:
+    return (len(r.generated_tokens) >= r.sampling.max_new_tokens
+            or r.last_token in r.sampling.stop_token_ids
+            or engine.position(r.slot_id) + 1 >= engine.options.max_seq_len)
