@@ -99,11 +99,14 @@ class EngineOptions:
     dtype: str = "float32"
     cuda_graphs: bool = True          # replay batch decode from captured graphs on CUDA
     compile: bool = True              # fuse elementwise chains with torch.compile on CUDA
+    decode_attention: str = "auto"    # "triton" (live keys read in place), "sdpa", or "auto": triton on CUDA
     graph_batch_sizes: tuple[int, ...] = field(default=(1, 2, 4, 8, 16, 32, 64))
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {list(DTYPES)}")
+        if self.decode_attention not in ("auto", "triton", "sdpa"):
+            raise ValueError(f"decode_attention {self.decode_attention!r} is not one of auto, triton, sdpa")
         if self.max_slots < 1 or self.max_seq_len < 2 or self.prefill_chunk < 1:
             raise ValueError("max_slots >= 1, max_seq_len >= 2 and prefill_chunk >= 1 are required")
 

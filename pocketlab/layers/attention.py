@@ -3,6 +3,7 @@ import torch
 import torch.nn.functional as F
 
 from ..batch import ForwardBatch
+from .decode_attention import decode_attention
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -14,13 +15,18 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
-                     mask: torch.Tensor, scale: float) -> torch.Tensor:
+                     mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """q: [B, T, H, hd] -> [B, T, H, hd], attending to cache[slot, :, :kv_len] under `mask` [B,1,T,kv_len].
+
+    mask None means one query per sequence on CUDA: the Triton kernel reads each slot's live keys in place.
 
     Grouped-query heads are folded into the query rows ([B, kv_heads, G*T, hd]) so K/V are never
     repeated in memory.
     """
     B, T, H, hd = q.shape
+    if mask is None:
+        out = decode_attention(q[:, 0], k_cache, v_cache, batch.slot_ids, batch.start + 1, batch.kv_len, scale)
+        return out[:, None]
     kvh = k_cache.shape[1]
     G = H // kvh
     k = k_cache[batch.slot_ids, :, :batch.kv_len]

@@ -8,6 +8,7 @@ from ..batch import ForwardBatch
 from ..cache import SlotCache
 from ..config import ModelConfig
 from ..layers.attention import cached_attention, write_kv
+from ..layers.decode_attention import available as decode_attention_available
 from ..layers.fused import cuda_compiled
 from ..layers.norm import rms_norm
 from ..layers.rotary import Rotary
@@ -72,6 +73,8 @@ class DecoderModel:
         self.embed = w.pop("model.embed_tokens.weight")
         self.lm_head = self.embed if cfg.tie_word_embeddings else w.pop("lm_head.weight")
         self.final_norm = w.pop("model.norm.weight")
+        self.decode_kernel = opts.decode_attention == "triton" or (
+            opts.decode_attention == "auto" and decode_attention_available(opts.device))
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta, opts.max_seq_len, opts.device, opts.torch_dtype)
         self.layers = []
         for i in range(cfg.num_hidden_layers):
@@ -84,8 +87,9 @@ class DecoderModel:
 
     def context(self, batch: ForwardBatch) -> dict:
         """Per-forward tensors shared by all layers (computed once, not per layer)."""
+        one_token = batch.tokens.shape[1] == 1 and self.decode_kernel
         return {"rotary": self.rotary, "positions": batch.positions, "targets": batch.write_targets(),
-                "mask": batch.attention_mask()}
+                "mask": None if one_token else batch.attention_mask()}
 
     def forward(self, batch: ForwardBatch, cache: SlotCache) -> torch.Tensor:
         """Final-normed hidden states [B, T, hidden] for every token of the batch."""
