@@ -1,0 +1,247 @@
+"""Perf regression: ratios measured in one run, judged against a stored baseline (fail if > 5% worse).
+
+Absolute timings drift between machines and runs; ratios against figures measured alongside them (the
+HF peer on the same weights, the matmul rate, the copy bandwidth) do not, so those are what we store
+and judge. Every judged figure is higher-is-better.
+
+    python -m pocketlab.verify.perf --device cpu --dtype float32 --model tiny-qwen3            # check
+    python -m pocketlab.verify.perf --write-baseline --device cpu --dtype float32 --model tiny-qwen3
+
+On a shared CPU the check runs the bench in several rounds (one thread, low-quantile step times) and
+judges the median of each figure over the rounds; on a GPU one round with medians is steady.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from .. import bench
+from .common import Report
+
+TOLERANCE = 0.05
+BASELINE_DIR = Path(__file__).resolve().parents[2] / "reports" / "baseline"  # notebooks run from notebooks/
+BENCH_DIR_ENV = "POCKETLAB_BENCH_DIR"  # reuse a bench JSON from the same GPU run instead of measuring again
+
+# What the check measures, per device kind. CPU: tiny and fast (nbval runs it), many samples, one thread.
+# The CPU roofline is not judged: a tiny model's step is pure Python overhead, and the DRAM copy rate on a
+# shared machine swings by 20% with the neighbours' traffic.
+SETTINGS = {
+    "cpu": dict(batch_sizes=(1, 4, 16), prompt_lens=(64, 256), new_tokens=32, repeats=30, decode_repeats=3,
+                peer_modes=("eager",), peer_batch_sizes=None, threads=1, quantile=0.1, rounds=5,
+                kinds=("vs_hf", "prefill")),
+    "cuda": dict(batch_sizes=(1, 4, 16, 32, 64), prompt_lens=(512, 4096), new_tokens=128, repeats=3,
+                 peer_modes=("eager", "static"), peer_batch_sizes=(1, 32), peer_eager_new_tokens=32, peer_repeats=2,
+                 threads=0, quantile=0.5, rounds=1,
+                 kinds=("vs_hf", "roofline", "prefill")),
+}
+
+
+def settings(device: str, **overrides) -> dict:
+    """The device's defaults with any non-None overrides."""
+    s = dict(SETTINGS["cuda" if device.startswith("cuda") else "cpu"])
+    s.update({k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items() if v is not None})
+    s["peer_batch_sizes"] = s["peer_batch_sizes"] or s["batch_sizes"]  # CPU: the peer at every batch size
+    return s
+
+
+# -- measuring ---------------------------------------------------------------------------------
+def measure(model: str = "tiny-qwen3", device: str = "cpu", dtype: str = "", seed: int = 0,
+            progress: bool = False, **overrides) -> list[dict]:
+    """Bench results, one per round. Overrides: any BenchConfig field, `rounds`, `kinds` (ignored here).
+
+    If $POCKETLAB_BENCH_DIR holds <device>-<model>.json for the same dtype, that run is used instead
+    (the GPU script benches first, then renders the reports from the same figures).
+    """
+    s = settings(device, **overrides)
+    rounds = s.pop("rounds")
+    s.pop("kinds")
+    reused = reuse_bench(model, device, dtype)
+    if reused is not None:
+        return [reused]
+    cfg = dict(model=model, device=device, dtype=dtype, seed=seed, progress=progress, **s)
+    return [bench.run(bench.BenchConfig(**cfg)) for _ in range(rounds)]
+
+
+def reuse_bench(model: str, device: str, dtype: str) -> dict | None:
+    folder = os.environ.get(BENCH_DIR_ENV)
+    if not folder:
+        return None
+    path = Path(folder) / f"{device.split(':')[0]}-{model}.json"
+    if not path.is_file():
+        return None
+    result = json.loads(path.read_text())
+    result["meta"]["source"] = str(path)
+    if dtype and result["meta"]["config"]["dtype"] != dtype:
+        raise ValueError(f"{path} was measured in {result['meta']['config']['dtype']}, not {dtype}")
+    return result
+
+
+def figures(result: dict, kinds=("vs_hf", "roofline", "prefill")) -> dict[str, float]:
+    """The judged figures of one run: all ratios within that run, all higher-is-better."""
+    out = {}
+    if "vs_hf" in kinds:
+        out |= {k: v for k, v in result["ratios"].items() if k.startswith("pocketlab_over_hf_")}
+    if "roofline" in kinds:
+        out |= {f"roofline_frac_b{d['batch']}": d["roofline_frac"] for d in result["decode"]}
+    if "prefill" in kinds:
+        out |= {f"prefill_{p['kind']}_{p['prompt_len']}_of_matmul": p["matmul_frac"] for p in result["prefill"]}
+    return out
+
+
+def rounds_table(results: list[dict], kinds) -> pd.DataFrame:
+    """Each figure per round, and the median over rounds (the value that is judged)."""
+    df = pd.DataFrame([figures(r, kinds) for r in results]).T
+    df.columns = [f"round {i}" for i in range(len(results))]
+    df["median"] = df.median(axis=1)
+    df.index.name = "figure"
+    return df
+
+
+# -- baseline ----------------------------------------------------------------------------------
+def baseline_path(device: str, model: str) -> Path:
+    return BASELINE_DIR / f"{device.split(':')[0]}-{model}.json"
+
+
+def write_baseline(results: list[dict], kinds, path: Path) -> Path:
+    """Store the judged figures (medians over rounds), the settings and the raw first round."""
+    table = rounds_table(results, kinds)
+    meta = results[0]["meta"]
+    doc = {"model": meta["config"]["model"], "device": meta["config"]["device"], "dtype": meta["config"]["dtype"],
+           "kinds": list(kinds), "tolerance": TOLERANCE, "figures": table["median"].to_dict(),
+           "rounds": len(results), "meta": meta, "raw": results[0]}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1, default=str))
+    return path
+
+
+def compare(current: dict[str, float], baseline: dict, tolerance: float = TOLERANCE) -> pd.DataFrame:
+    """One row per baseline figure: passes unless the figure is missing or more than `tolerance` worse.
+
+    Figures new in this run are listed but not judged (refresh the baseline to start judging them).
+    """
+    rows = []
+    for name, base in baseline["figures"].items():
+        now = current.get(name)
+        if now is None:
+            rows.append({"figure": name, "baseline": base, "current": None, "change": None,
+                         "status": "missing in this run", "pass": False})
+            continue
+        change = now / base - 1
+        ok = change >= -tolerance
+        rows.append({"figure": name, "baseline": base, "current": now, "change": change,
+                     "status": "ok" if ok else f"worse by more than {tolerance:.0%}", "pass": ok})
+    for name in sorted(set(current) - set(baseline["figures"])):
+        rows.append({"figure": name, "baseline": None, "current": current[name], "change": None,
+                     "status": "new (not judged)", "pass": True})
+    return pd.DataFrame(rows, columns=["figure", "baseline", "current", "change", "status", "pass"])
+
+
+def verdict(table: pd.DataFrame) -> bool:
+    return bool(len(table)) and bool(table["pass"].all())
+
+
+def check(results: list[dict], path: Path | None = None) -> tuple[pd.DataFrame, bool]:
+    """Compare a measurement against its stored baseline: (table, verdict)."""
+    meta = results[0]["meta"]["config"]
+    path = _baseline_file(results, path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no perf baseline {path}: write one with `python -m pocketlab.verify.perf "
+                                f"--write-baseline --device {meta['device']} --dtype {meta['dtype']} "
+                                f"--model {meta['model']}`")
+    baseline = json.loads(path.read_text())
+    if baseline["dtype"] != meta["dtype"]:
+        raise ValueError(f"baseline {path} is {baseline['dtype']}, this run is {meta['dtype']}")
+    current = rounds_table(results, baseline["kinds"])["median"].to_dict()
+    table = compare(current, baseline, baseline.get("tolerance", TOLERANCE))
+    return table, verdict(table)
+
+
+# -- the notebook's entry point ----------------------------------------------------------------
+def perf(model: str = "tiny-qwen3", device: str = "cpu", dtype: str = "", seed: int = 0, batch_sizes=None,
+         prompt_lens=None, repeats=None, rounds=None, baseline: Path | None = None, **overrides) -> Report:
+    """Measure (or reuse the GPU run's bench JSON), compare with the baseline, and package it all.
+
+    summary: the baseline comparison (column `pass`); tables: ceilings, decode, prefill, peer, rounds,
+    curves (decode tokens/s by batch), roofline; figures: the key numbers for the reports index.
+    """
+    results = measure(model, device, dtype, seed, batch_sizes=batch_sizes, prompt_lens=prompt_lens,
+                      repeats=repeats, rounds=rounds, **overrides)
+    summary, _ = check(results, baseline)
+    t = tables(results)
+    kinds = json.loads(_baseline_file(results, baseline).read_text())["kinds"]
+    t |= {"rounds": rounds_table(results, kinds), "curves": decode_curves(results), "roofline": roofline(results)}
+    first = results[0]
+    figs = {"source": first["meta"].get("source", "measured now"), "rounds": len(results),
+            "copy_GBps": first["ceilings"]["copy"]["bytes_per_s"] / 1e9,
+            "matmul_TFLOPs": first["ceilings"]["matmul"]["flop_per_s"] / 1e12,
+            **{f"decode_tok_s_b{d['batch']}": d["tokens_per_s"] for d in first["decode"]},
+            **t["rounds"]["median"].to_dict()}
+    return Report("perf", summary, t, figs)
+
+
+def _baseline_file(results: list[dict], path: Path | None) -> Path:
+    meta = results[0]["meta"]["config"]
+    return path or baseline_path(meta["device"], meta["model"])
+
+
+# -- display helpers for the notebook ------------------------------------------------------------
+def tables(results: list[dict]) -> dict[str, pd.DataFrame]:
+    """bench.tables of the first round (the rounds differ only by noise)."""
+    return bench.tables(results[0])
+
+
+def decode_curves(results: list[dict]) -> pd.DataFrame:
+    """Decode tokens/s by batch size: pocketlab and each HF peer, one column each (for plotting)."""
+    r = results[0]
+    df = pd.DataFrame({"pocketlab": {d["batch"]: d["tokens_per_s"] for d in r["decode"]}})
+    for p in r["peer"]:
+        if "error" not in p:
+            df.loc[p["batch"], f"HF {p['mode']}"] = p["tokens_per_s"]
+    df.index.name = "batch"
+    return df.sort_index()
+
+
+def roofline(results: list[dict]) -> pd.DataFrame:
+    r = results[0]
+    return pd.DataFrame([{"batch": d["batch"], "step ms": d["step_s"] * 1e3, "roofline ms": d["roofline_step_s"] * 1e3,
+                          "roofline frac": d["roofline_frac"], "weight MB": d["weight_bytes"] / 1e6,
+                          "KV MB": d["kv_bytes"] / 1e6, "state MB": d["state_bytes"] / 1e6} for d in r["decode"]])
+
+
+# -- CLI ---------------------------------------------------------------------------------------
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pocketlab.verify.perf", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="tiny-qwen3")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--write-baseline", action="store_true", help="measure and (over)write the baseline")
+    p.add_argument("--from-bench", type=Path, default=None, help="use this bench JSON instead of measuring")
+    p.add_argument("--baseline", type=Path, default=None, help="default: reports/baseline/<device>-<model>.json")
+    a = p.parse_args(argv)
+    if a.from_bench:
+        results = [json.loads(a.from_bench.read_text())]
+        if a.write_baseline and not results[0].get("complete", True):
+            raise SystemExit(f"{a.from_bench} is a partial run (cut short); not writing a baseline from it")
+    else:
+        results = measure(a.model, a.device, a.dtype, a.seed, progress=True, rounds=a.rounds)
+    kinds = settings(a.device)["kinds"]
+    path = a.baseline or baseline_path(a.device, a.model)
+    print(rounds_table(results, kinds).to_string(float_format="{:.4g}".format))
+    if a.write_baseline:
+        print(f"wrote {write_baseline(results, kinds, path)}")
+        return 0
+    table, ok = check(results, path)
+    print(table.to_string(index=False, float_format="{:.4g}".format))
+    print("PASS" if ok else "FAIL: a figure is more than 5% worse than the baseline (or missing)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

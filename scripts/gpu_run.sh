@@ -1,0 +1,119 @@
+#!/usr/bin/env bash
+# The whole GPU run in one script, from the repo root on the H200 machine (DESIGN §6-7):
+#   tests on CUDA bf16 -> pocketlab.bench per model -> perf baselines (only where missing) -> make reports
+#   -> reports/ tarred into $OUT.
+# Why one script: the GPU machine has no network and a short lease; one call does everything, each step
+# bounded by what is left of the time budget, and a failing step never stops the next one.
+#
+# Knobs (env vars, defaults in brackets):
+#   STEPS            [tests bench baseline reports]  which steps run, in this order
+#   MODELS           [qwen3-0.6b qwen3-8b qwen3.5-0.8b qwen3.5-9b]  benched, one after the other
+#   REPORT_MODELS    [qwen3-0.6b]       `make reports DEVICE=cuda MODEL=m` for each
+#   PEER_MODES       [eager,static]     HF peers (static = static cache + HF's compiled decode step)
+#   EAGER_NEW_TOKENS [32]               HF eager decodes ~14 tok/s at batch 1: capped (recorded in the JSON)
+#   PEER_REPEATS     [2]
+#   BENCH_ARGS       []                 extra `python -m pocketlab.bench` arguments for every model
+#   WRITE_BASELINE   [0]                1: overwrite reports/baseline/cuda-<model>.json from this run's bench
+#   BUDGET_S         [480]              wall-clock budget; a step gets min(its cap, what is left)
+#   BENCH_CAP_S      [200]  TESTS_CAP_S [120]  REPORTS_CAP_S [150]  (reports' time is reserved while benching)
+#   OUT              [out]              folder whose files come back: gpu_run.log, summary.txt, reports.tgz
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out}
+STEPS=${STEPS:-tests bench baseline reports}
+MODELS=${MODELS:-qwen3-0.6b qwen3-8b qwen3.5-0.8b qwen3.5-9b}
+REPORT_MODELS=${REPORT_MODELS:-qwen3-0.6b}
+PEER_MODES=${PEER_MODES:-eager,static}
+EAGER_NEW_TOKENS=${EAGER_NEW_TOKENS:-32}
+PEER_REPEATS=${PEER_REPEATS:-2}
+BENCH_ARGS=${BENCH_ARGS:-}
+WRITE_BASELINE=${WRITE_BASELINE:-0}
+BUDGET_S=${BUDGET_S:-480}
+BENCH_CAP_S=${BENCH_CAP_S:-200}
+TESTS_CAP_S=${TESTS_CAP_S:-120}
+REPORTS_CAP_S=${REPORTS_CAP_S:-150}
+START=$(date +%s)
+mkdir -p "$OUT" reports/bench
+LOG="$OUT/gpu_run.log"
+SUMMARY="$OUT/summary.txt"
+: >"$LOG"
+: >"$SUMMARY"
+
+wants() { [[ " $STEPS " == *" $1 "* ]]; }
+note() { echo "$*" | tee -a "$SUMMARY" "$LOG"; }
+
+# step NAME CAP_S RESERVE_S CMD...: output tee'd into the log; limited to min(CAP, budget left - RESERVE).
+step() {
+  local name=$1 cap=$2 reserve=$3
+  shift 3
+  local left=$((BUDGET_S - ($(date +%s) - START) - reserve))
+  if ((left < 20)); then
+    note "SKIP  $name (budget: ${left}s left)"
+    return 0
+  fi
+  local limit=$((cap < left ? cap : left)) t0=$(date +%s)
+  echo -e "\n=== $name (limit ${limit}s) ===" | tee -a "$LOG"
+  timeout --kill-after=15 "$limit" "$@" 2>&1 | tee -a "$LOG"
+  local rc=${PIPESTATUS[0]}
+  local verdict=$([[ $rc == 0 ]] && echo ok || ([[ $rc == 124 || $rc == 137 ]] && echo TIMEOUT || echo FAIL))
+  note "$(printf '%-7s %-44s rc=%-3s %4ss' "$verdict" "$name" "$rc" "$(($(date +%s) - t0))")"
+}
+
+# -- environment: the carried wheels (papermill, nbval, fla, ...) and pocketlab from this checkout --------
+if [ ! -d /tmp/site/papermill ] && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -3 | tee -a "$LOG"
+fi
+export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" JUPYTER_PATH=/tmp/site/share/jupyter
+export PATH="/tmp/site/bin:$PATH" PYTHONUNBUFFERED=1 TQDM_MININTERVAL=5 TRANSFORMERS_NO_ADVISORY_WARNINGS=1
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+'| transformers', transformers.__version__)"
+  python3 -c "import fla; print('fla', fla.__version__)" 2>&1 | tail -1
+  echo "STEPS=$STEPS | MODELS=$MODELS | REPORT_MODELS=$REPORT_MODELS | PEER_MODES=$PEER_MODES | BUDGET_S=$BUDGET_S"
+} 2>&1 | tee -a "$LOG" "$SUMMARY"
+
+reserve=0
+wants reports && reserve=$REPORTS_CAP_S
+
+# -- 1. unit tests on CUDA (bf16 where a test supports it) ----------------------------------------
+wants tests && step "pytest tests (POCKETLAB_DEVICE=cuda)" "$TESTS_CAP_S" "$reserve" \
+  env POCKETLAB_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests
+
+# -- 2. bench each model; JSON rewritten after every task, so a timeout keeps what was measured -------
+if wants bench; then
+  for m in $MODELS; do
+    # shellcheck disable=SC2086
+    step "bench $m" "$BENCH_CAP_S" "$reserve" python3 -m pocketlab.bench --model "$m" --device cuda \
+      --peer-modes "$PEER_MODES" --peer-eager-new-tokens "$EAGER_NEW_TOKENS" --peer-repeats "$PEER_REPEATS" \
+      --out "reports/bench/cuda-$m.json" $BENCH_ARGS
+  done
+fi
+
+# -- 3. perf baselines from this run's bench JSON, only where none is committed (or WRITE_BASELINE=1) ---
+if wants baseline; then
+  for m in $MODELS; do
+    if [ -f "reports/bench/cuda-$m.json" ] && { [ "$WRITE_BASELINE" = 1 ] || [ ! -f "reports/baseline/cuda-$m.json" ]; }; then
+      step "baseline $m (from this run's bench)" 60 0 python3 -m pocketlab.verify.perf --write-baseline \
+        --device cuda --dtype bfloat16 --model "$m" --from-bench "reports/bench/cuda-$m.json"
+    fi
+  done
+fi
+
+# -- 4. reports at real shape; the perf notebook reuses this run's bench JSON (POCKETLAB_BENCH_DIR) -----
+if wants reports; then
+  for m in $REPORT_MODELS; do
+    # -o: the machine brings its own packages, so never (re)build the CPU venv the target depends on
+    if command -v make >/dev/null; then
+      cmd=(make -o .venv/.installed reports PY=python3 DEVICE=cuda MODEL="$m")
+    else
+      cmd=(python3 -m pocketlab.verify.reports --device cuda --dtype bfloat16 --model "$m")
+    fi
+    step "make reports DEVICE=cuda MODEL=$m" "$REPORTS_CAP_S" 0 env POCKETLAB_BENCH_DIR="$PWD/reports/bench" "${cmd[@]}"
+    # reports.py rewrites index.html per call: keep one per model
+    for f in index.html summary.json; do [ -f "reports/$f" ] && cp "reports/$f" "reports/${f%.*}-$m.${f##*.}"; done
+  done
+fi
+
+tar czf "$OUT/reports.tgz" reports
+note "done in $(($(date +%s) - START))s; reports/ -> $OUT/reports.tgz"

@@ -1,0 +1,89 @@
+"""bench.py end to end on a tiny model (CPU, seconds), and the perf baseline verdict on made-up figures.
+
+Timings are never judged here: only that every figure exists, is finite and positive."""
+import json
+import math
+
+import pytest
+
+from pocketlab import bench
+from pocketlab.verify import perf
+
+ARGS = ["--model", "tiny-qwen3", "--device", "cpu", "--batch-sizes", "1,2", "--prompt-lens", "16,32",
+        "--new-tokens", "4", "--decode-prompt", "8", "--ragged", "2", "--repeats", "2", "--peer-modes", "eager",
+        "--peer-batch-sizes", "1,2", "--matmul-n", "64", "--copy-mib", "4", "--threads", "1", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "bench.json"
+    bench.main(ARGS + ["--out", str(out)])
+    return json.loads(out.read_text())
+
+
+def positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_bench_json_has_every_section(result):
+    assert set(result) == {"meta", "complete", "ceilings", "model", "prefill", "decode", "peer", "ratios"}
+    assert result["complete"] is True
+    assert result["meta"]["config"]["model"] == "tiny-qwen3" and result["meta"]["notes"]
+    assert positive(result["ceilings"]["copy"]["bytes_per_s"]) and positive(result["ceilings"]["matmul"]["flop_per_s"])
+    assert all(positive(v) for v in result["model"].values() if v)  # linear-attention terms are 0 for qwen3
+
+
+def test_bench_figures_are_positive_and_finite(result):
+    assert [(p["kind"], p["prompt_len"]) for p in result["prefill"]] == [
+        ("single", 16), ("ragged", 16), ("single", 32), ("ragged", 32)]
+    for p in result["prefill"]:
+        assert all(positive(p[k]) for k in ("seconds", "tokens_per_s", "flop_per_s", "matmul_frac"))
+    assert [d["batch"] for d in result["decode"]] == [1, 2]
+    for d in result["decode"]:
+        assert all(positive(d[k]) for k in ("step_s", "tokens_per_s", "total_bytes", "roofline_step_s",
+                                            "roofline_frac"))
+    assert [(p["mode"], p["batch"]) for p in result["peer"]] == [("eager", 1), ("eager", 2)]
+    for p in result["peer"]:
+        assert "error" not in p, p
+        assert all(positive(p[k]) for k in ("step_s", "tokens_per_s", "tokens_per_s_subtract"))
+    assert set(result["ratios"]) == {"pocketlab_over_hf_eager_b1", "pocketlab_over_hf_eager_b2", "step_b2_over_b1"}
+    assert all(positive(v) for v in result["ratios"].values())
+
+
+def test_bench_tables_and_perf_figures(result):
+    tables = bench.tables(result)
+    assert list(tables["decode"]["batch"]) == [1, 2] and "vs HF eager" in tables["decode"]
+    figs = perf.figures(result)
+    assert "roofline_frac_b2" in figs and "prefill_ragged_32_of_matmul" in figs
+    assert all(positive(v) for v in figs.values())
+
+
+BASELINE = {"figures": {"pocketlab_over_hf_eager_b1": 1.5, "roofline_frac_b1": 0.4}, "kinds": ["vs_hf", "roofline"]}
+
+
+def test_baseline_check_passes_on_equal_figures():
+    table = perf.compare(dict(BASELINE["figures"]), BASELINE)
+    assert perf.verdict(table) and list(table["pass"]) == [True, True]
+
+
+def test_baseline_check_fails_on_a_figure_10_percent_worse():
+    current = dict(BASELINE["figures"], roofline_frac_b1=0.4 * 0.9)
+    table = perf.compare(current, BASELINE)
+    assert not perf.verdict(table)
+    assert list(table.loc[~table["pass"], "figure"]) == ["roofline_frac_b1"]
+
+
+def test_baseline_check_tolerates_noise_and_improvement_but_not_missing_figures():
+    assert perf.verdict(perf.compare({"pocketlab_over_hf_eager_b1": 1.5 * 0.97, "roofline_frac_b1": 0.8}, BASELINE))
+    assert not perf.verdict(perf.compare({"pocketlab_over_hf_eager_b1": 1.5}, BASELINE))
+
+
+def test_baseline_file_round_trip(result, tmp_path):
+    """write_baseline then check on the same run passes; the same run with one figure 10% worse fails."""
+    path = perf.write_baseline([result], ("vs_hf", "roofline", "prefill"), tmp_path / "cpu-tiny-qwen3.json")
+    table, ok = perf.check([result], path)
+    assert ok and len(table) == len(perf.figures(result))
+    worse = json.loads(json.dumps(result))
+    worse["decode"][0]["roofline_frac"] *= 0.9
+    table, ok = perf.check([worse], path)
+    assert not ok and list(table.loc[~table["pass"], "figure"]) == ["roofline_frac_b1"]
