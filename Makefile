@@ -15,7 +15,7 @@ export PYTHONUNBUFFERED := 1
 
 test: .venv/.installed
 	$(PY) -m pytest tests
-	$(PY) -m pytest -q -p no:cacheprovider --nbval-lax notebooks/
+	$(PY) -m pytest -p no:cacheprovider --nbval-lax notebooks/
 
 reports: .venv/.installed
 	$(PY) -m pocketlab.verify.reports --device $(DEVICE) --dtype $(DTYPE) --model $(MODEL)
