@@ -16,10 +16,70 @@ from safetensors.torch import load_file, save_file
 from .config import EngineOptions, ModelConfig
 
 
+class TokenHistory(list):
+    """A slot's token list that remembers the lowest index changed since `changed_from` was last set.
+    Appending changes nothing below the old length; any other edit lowers the mark, so the prefix cache
+    drops exactly the checkpoints and hashed blocks that went stale, whoever made the edit."""
+
+    def __init__(self, tokens=()):
+        super().__init__(tokens)
+        self.changed_from = 0
+
+    def _mark(self, i: int) -> None:
+        self.changed_from = max(0, min(self.changed_from, i))
+
+    def _first(self, i) -> int:
+        if isinstance(i, slice):
+            start, stop, step = i.indices(len(self))
+            return stop + 1 if step < 0 else start
+        return i + len(self) if i < 0 else i
+
+    def __setitem__(self, i, value):
+        self._mark(self._first(i))
+        super().__setitem__(i, value)
+
+    def __delitem__(self, i):
+        self._mark(self._first(i))
+        super().__delitem__(i)
+
+    def insert(self, i, value):
+        self._mark(min(self._first(i), len(self)))
+        super().insert(i, value)
+
+    def pop(self, i=-1):
+        self._mark(self._first(i))
+        return super().pop(i)
+
+    def remove(self, value):
+        self._mark(self.index(value))
+        super().remove(value)
+
+    def clear(self):
+        self._mark(0)
+        super().clear()
+
+    def sort(self, *args, **kwargs):
+        self._mark(0)
+        super().sort(*args, **kwargs)
+
+    def reverse(self):
+        self._mark(0)
+        super().reverse()
+
+    def __imul__(self, n):
+        self._mark(0)
+        return super().__imul__(n)
+
+
 @dataclass
 class SlotState:
     tokens: list[int] = field(default_factory=list)  # history whose K/V (or state) is in the cache
     owner: int | None = None                          # request id holding the slot, if allocated
+
+    def __setattr__(self, name, value):
+        if name == "tokens":  # a new history: changed from index 0
+            value = TokenHistory(value)
+        super().__setattr__(name, value)
 
     @property
     def position(self) -> int:
@@ -67,15 +127,32 @@ class SlotCache:
             self.conv[i] = torch.zeros(rows, conv_dim, cfg.linear_conv_kernel_dim - 1, device=dev, dtype=dt)
             self.rec[i] = torch.zeros(rows, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                                       cfg.linear_value_head_dim, device=dev, dtype=torch.float32)
+        self.extra: dict[str, torch.Tensor] = {}  # [rows, ...] per-slot state other parts register (MTP queue)
         self.slots = [SlotState() for _ in range(opts.max_slots)]
+        self.watcher = None  # the prefix cache: told before a slot is cleared or restored (it may keep the rows)
+
+    def add_kv(self, key: str, kv_heads: int, head_dim: int) -> None:
+        """One more attention KV region per slot (e.g. the MTP layer's), snapshotted like the model's."""
+        ref = next(iter(self.k.values()))
+        self.k[key] = torch.zeros(ref.shape[0], kv_heads, self.max_seq, head_dim, device=ref.device, dtype=ref.dtype)
+        self.v[key] = torch.zeros_like(self.k[key])
+
+    def add_extra(self, name: str, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+        """A per-slot tensor [slots+1, *shape], zeroed by clear() and carried whole by snapshots."""
+        self.extra[name] = torch.zeros(self.num_slots + 1, *shape, dtype=dtype, device=device)
+        return self.extra[name]
 
     # -- per-slot state ------------------------------------------------------------------------
     def clear(self, slot: int) -> None:
         """Forget a slot's sequence. K/V rows need no wipe (masked by position); recurrent state does."""
+        if self.watcher is not None:
+            self.watcher.before_clear(slot)
         self.slots[slot].tokens = []
         for i in self.conv:
             self.conv[i][slot].zero_()
             self.rec[i][slot].zero_()
+        for x in self.extra.values():
+            x[slot].zero_()
 
     def snapshot(self, slot: int) -> Snapshot:
         n, tensors = self.slots[slot].position, {}
@@ -85,6 +162,8 @@ class SlotCache:
         for i in self.conv:
             tensors[f"conv.{i}"] = self.conv[i][slot].clone()
             tensors[f"rec.{i}"] = self.rec[i][slot].clone()
+        for name, x in self.extra.items():
+            tensors[f"x.{name}"] = x[slot].clone()
         return Snapshot(list(self.slots[slot].tokens), tensors)
 
     def check_snapshot(self, snap: Snapshot) -> None:
@@ -106,9 +185,13 @@ class SlotCache:
             shapes[f"k.{i}"] = shapes[f"v.{i}"] = (self.k[i].shape[1], n, self.k[i].shape[3])
         for i in self.conv:
             shapes[f"conv.{i}"], shapes[f"rec.{i}"] = tuple(self.conv[i].shape[1:]), tuple(self.rec[i].shape[1:])
+        for name, x in self.extra.items():
+            shapes[f"x.{name}"] = tuple(x.shape[1:])
         return shapes
 
     def restore(self, snap: Snapshot, slot: int) -> None:
+        if self.watcher is not None:
+            self.watcher.before_restore(slot)
         n = snap.position
         for i in self.k:
             self.k[i][slot, :, :n] = snap.tensors[f"k.{i}"]
@@ -116,4 +199,6 @@ class SlotCache:
         for i in self.conv:
             self.conv[i][slot] = snap.tensors[f"conv.{i}"]
             self.rec[i][slot] = snap.tensors[f"rec.{i}"]
+        for name, x in self.extra.items():
+            x[slot] = snap.tensors[f"x.{name}"]
         self.slots[slot].tokens = list(snap.tokens)

@@ -10,6 +10,7 @@ import torch
 DENSE_TYPES = ("qwen2", "qwen3")
 HYBRID_TYPES = ("qwen3_5", "qwen3_5_text")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MAX_SPECULATIVE_TOKENS = 7
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class ModelConfig:
     linear_num_key_heads: int = 16
     linear_num_value_heads: int = 32
     mtp_num_hidden_layers: int = 0
+    mtp_use_dedicated_embeddings: bool = False  # Qwen3.5 checkpoints: False (the head shares embed_tokens)
 
     @property
     def is_hybrid(self) -> bool:
@@ -101,14 +103,26 @@ class EngineOptions:
     compile: bool = True              # fuse elementwise chains with torch.compile on CUDA
     decode_attention: str = "auto"    # "triton" (live keys read in place), "sdpa", or "auto": triton on CUDA
     graph_batch_sizes: tuple[int, ...] = field(default=(1, 2, 4, 8, 16, 32, 64))
+    speculative_tokens: int = 0       # drafts per decode step (MTP head), verified in one forward; 0: off
+    speculative_rollback: str = "states"  # GDN state after a rejection: per-token "states" kept, or "replay"
+    prefix_cache: bool = True         # reuse K/V and states of shared prompt prefixes (per slot and across slots)
+    prefix_cache_bytes: int = 1 << 30  # budget for retained prefixes and state checkpoints (live slots never count)
+    prefix_block: int = 16            # tokens per hashed block in the cross-slot lookup
+    snapshot_stride: int = 512        # hybrid: also checkpoint the recurrent state at multiples of this (0: prompt ends)
 
     def __post_init__(self):
+        if not 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_tokens={self.speculative_tokens}: need 0 <= k <= {MAX_SPECULATIVE_TOKENS}")
+        if self.speculative_rollback not in ("replay", "states"):
+            raise ValueError(f"speculative_rollback {self.speculative_rollback!r} is not one of replay, states")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {list(DTYPES)}")
         if self.decode_attention not in ("auto", "triton", "sdpa"):
             raise ValueError(f"decode_attention {self.decode_attention!r} is not one of auto, triton, sdpa")
         if self.max_slots < 1 or self.max_seq_len < 2 or self.prefill_chunk < 1:
             raise ValueError("max_slots >= 1, max_seq_len >= 2 and prefill_chunk >= 1 are required")
+        if self.prefix_cache_bytes < 0 or self.prefix_block < 1 or self.snapshot_stride < 0:
+            raise ValueError("prefix_cache_bytes >= 0, prefix_block >= 1 and snapshot_stride >= 0 are required")
 
     @property
     def torch_dtype(self) -> torch.dtype:

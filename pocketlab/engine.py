@@ -13,7 +13,9 @@ from .graphs import DecodeGraphs
 from .layers import fused
 from .loader import load_weights, validate_weights
 from .models import build_model
+from .prefix_cache import PrefixCache, plan_pieces
 from .sampling import GREEDY, SamplingParams, sample
+from .speculative import Speculator
 
 
 @dataclass
@@ -22,6 +24,11 @@ class ForwardResult:
     logits: torch.Tensor        # [vocab] float32, at the last position
     position: int               # tokens now cached in the slot
     reused_tokens: int = 0      # prompt tokens taken from the prefix cache instead of computed
+    computed_tokens: int = 0    # prompt tokens run through the model (prefill: len(prompt) - reused_tokens)
+    tokens: list[int] = field(default_factory=list)  # every token this call produced (speculative: 1 + accepted)
+
+    def __post_init__(self):
+        self.tokens = self.tokens or [self.next_token]
 
 
 @dataclass
@@ -48,9 +55,13 @@ class BatchPrefillResult:
 
 @dataclass
 class BatchDecodeResult:
-    next_tokens: list[int]
-    logits: torch.Tensor        # [B, vocab] float32
+    next_tokens: list[int]      # the last token produced per request
+    logits: torch.Tensor        # [B, vocab] float32, at the position that produced it
     positions: list[int]
+    tokens: list[list[int]] = field(default_factory=list)  # all tokens produced per request (speculative: 1 + accepted)
+
+    def __post_init__(self):
+        self.tokens = self.tokens or [[t] for t in self.next_tokens]
 
 
 class QwenEngine:
@@ -60,10 +71,12 @@ class QwenEngine:
         weights = validate_weights(dict(weights), cfg, self.options.device, self.options.torch_dtype)
         self.model = build_model(cfg, weights, self.options)
         self.cache = SlotCache(cfg, self.options)
+        self.prefix = PrefixCache(self.cache, self.options) if self.options.prefix_cache else None
         self.num_slots = self.options.max_slots
         self.forward_count = 0      # model forwards run; batch calls must add exactly one
         use_graphs = self.options.cuda_graphs and torch.device(self.options.device).type == "cuda"
         self.graphs = DecodeGraphs(self.model, self.cache, self.options) if use_graphs else None
+        self.speculator = Speculator(self) if self.options.speculative_tokens else None  # drafts + one verify forward
 
     @classmethod
     def from_pretrained(cls, path: str | Path, options: EngineOptions | None = None) -> "QwenEngine":
@@ -77,9 +90,10 @@ class QwenEngine:
         return self._prefill([(slot_id, list(tokens), sampling)])[0]
 
     def decode_step(self, token: int, slot_id: int = 0, sampling: SamplingParams = GREEDY) -> ForwardResult:
-        """Append one token to the slot's sequence and predict the next."""
+        """Append one token to the slot's sequence and predict the next (with speculative_tokens > 0, maybe
+        several: `tokens` holds them all, `next_token` the last)."""
         tokens, logits, positions = self._decode([(slot_id, token, sampling)])
-        return ForwardResult(tokens[0], logits[0], positions[0])
+        return ForwardResult(tokens[0][-1], logits[0], positions[0], tokens=tokens[0])
 
     # -- batch API -----------------------------------------------------------------------------
     def batch_prefill(self, requests: list[BatchedRequest]) -> BatchPrefillResult:
@@ -109,8 +123,8 @@ class QwenEngine:
                 raise ValueError(f"request {r.request_id} has no token to decode; run batch_prefill first")
         tokens, logits, positions = self._decode([(r.slot_id, r.last_token, r.sampling) for r in requests])
         for r, t in zip(requests, tokens):
-            r.generated_tokens.append(t)
-        return BatchDecodeResult(tokens, logits, positions)
+            r.generated_tokens.extend(t)
+        return BatchDecodeResult([t[-1] for t in tokens], logits, positions, tokens)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | list = GREEDY,
                  progress: bool = False) -> list[list[int]]:
@@ -145,6 +159,8 @@ class QwenEngine:
             self._check_slot(slot_id)
         for s in range(self.num_slots) if slot_id is None else [slot_id]:
             self.cache.clear(s)
+        if self.prefix is not None:  # a reset engine computes like a fresh one: nothing before it is reused
+            self.prefix.forget(slot_id)
 
     def position(self, slot_id: int = 0) -> int:
         self._check_slot(slot_id)
@@ -194,49 +210,45 @@ class QwenEngine:
             self._check_tokens(toks, "prompt")
         self._check_plan([s for s, _, _ in items], [(s, t) for s, t, _ in items], prefill=True)
         starts = [self._reuse_prefix(s, toks) for s, toks, _ in items]
-        chunk = self.options.prefill_chunk
+        stride = self.prefix.stride_for_pieces() if self.prefix is not None else 0  # hybrid checkpoints land there
+        pieces = [plan_pieces(p, len(t), self.options.prefill_chunk, stride) for (_, t, _), p in zip(items, starts)]
         last_hidden = [None] * len(items)
-        for c in range(max(-(-(len(t) - p) // chunk) for (_, t, _), p in zip(items, starts))):
-            rows = [b for b, ((_, t, _), p) in enumerate(zip(items, starts)) if p + c * chunk < len(t)]
-            seqs = []
-            for b in rows:
-                s, toks, _ = items[b]
-                lo = starts[b] + c * chunk
-                seqs.append((s, lo, toks[lo:lo + chunk]))
+        for c in range(max(map(len, pieces))):
+            rows = [b for b in range(len(items)) if c < len(pieces[b])]
+            seqs = [(items[b][0], pieces[b][c][0], items[b][1][slice(*pieces[b][c])]) for b in rows]
             hidden = self._forward(seqs)
-            for i, (b, (_, _, piece)) in enumerate(zip(rows, seqs)):
+            for i, (b, (s, lo, piece)) in enumerate(zip(rows, seqs)):
                 last_hidden[b] = hidden[i, len(piece) - 1]
-                self.cache.slots[items[b][0]].tokens.extend(piece)
+                self.cache.slots[s].tokens.extend(piece)
+                if self.prefix is not None:
+                    self.prefix.reached(s, lo + len(piece), final=c == len(pieces[b]) - 1)
         logits = self.model.logits(torch.stack(last_hidden))
         positions = [len(t) for _, t, _ in items]
         tokens = sample(logits, [sp for _, _, sp in items], positions).tolist()
-        return [ForwardResult(t, logits[i], positions[i], starts[i]) for i, t in enumerate(tokens)]
+        return [ForwardResult(t, logits[i], positions[i], starts[i], positions[i] - starts[i])
+                for i, t in enumerate(tokens)]
 
     def _reuse_prefix(self, slot: int, tokens: list[int]) -> int:
-        """Keep the longest prefix the slot already holds (at least one token is always recomputed)."""
-        held = self.cache.slots[slot].tokens
-        n = 0
-        if not self.cfg.is_hybrid:  # recurrent state cannot be rewound without snapshots
-            limit = min(len(held), len(tokens) - 1)
-            while n < limit and held[n] == tokens[n]:
-                n += 1
-        if n == 0:
+        """Bring the slot to the longest prefix of `tokens` the prefix cache can supply (from this slot, another
+        slot or a retained entry); the last token is always computed. Returns where computing starts."""
+        if self.prefix is None:
             self.cache.clear(slot)
-        else:
-            del held[n:]
-        return n
+            return 0
+        return self.prefix.prepare(slot, tokens)
 
     def _decode(self, items: list[tuple[int, int, SamplingParams]]):
         for s, tok, _ in items:
             self._check_tokens([tok], f"decode token for slot {s}")
         self._check_plan([s for s, _, _ in items], [(s, [t]) for s, t, _ in items], prefill=False)
+        if self.speculator is not None:  # tokens per item: accepted drafts + one; eager, one verify forward
+            return self.speculator.step(items)
         seqs = [(s, self.cache.slots[s].position, [tok]) for s, tok, _ in items]
         logits = self._decode_logits(seqs)
         for s, tok, _ in items:
             self.cache.slots[s].tokens.append(tok)
         positions = [self.cache.slots[s].position for s, _, _ in items]
         tokens = sample(logits, [sp for _, _, sp in items], positions).tolist()
-        return tokens, logits, positions
+        return [[t] for t in tokens], logits, positions
 
     @torch.inference_mode()
     def _decode_logits(self, seqs: list[tuple[int, int, list[int]]]) -> torch.Tensor:
@@ -249,4 +261,7 @@ class QwenEngine:
     def _forward(self, seqs: list[tuple[int, int, list[int]]]) -> torch.Tensor:
         self.forward_count += 1
         batch = ForwardBatch.build(seqs, self.cache.scratch, self.options.device)
-        return self.model.forward(batch, self.cache)
+        hidden = self.model.forward(batch, self.cache)
+        if self.speculator is not None:  # the MTP head writes its rows for these positions (prefill)
+            self.speculator.observe(seqs, hidden)
+        return hidden

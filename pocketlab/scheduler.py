@@ -30,7 +30,7 @@ def generate(engine: QwenEngine, prompts: list[list[int]], sampling: SamplingPar
 
     def retire(done: list[BatchedRequest]):
         for r in done:
-            r.generated_tokens = r.generated_tokens[:r.sampling.max_new_tokens]
+            r.generated_tokens = _truncate(r.generated_tokens, r.sampling)
             outputs[r.request_id] = r.generated_tokens
             engine.release_slot(r.slot_id)
             running.remove(r)
@@ -55,6 +55,14 @@ def generate(engine: QwenEngine, prompts: list[list[int]], sampling: SamplingPar
 
 
 def _finished(engine: QwenEngine, r: BatchedRequest) -> bool:
+    # a speculative step may add several tokens: a stop token can sit anywhere among them
     return (len(r.generated_tokens) >= r.sampling.max_new_tokens
-            or r.last_token in r.sampling.stop_token_ids
+            or any(t in r.sampling.stop_token_ids for t in r.generated_tokens)
             or engine.position(r.slot_id) + 1 >= engine.options.max_seq_len)
+
+
+def _truncate(tokens: list[int], sampling: SamplingParams) -> list[int]:
+    """At most max_new_tokens, ending at the first stop token (kept)."""
+    tokens = tokens[:sampling.max_new_tokens]
+    stops = [i for i, t in enumerate(tokens) if t in sampling.stop_token_ids]
+    return tokens[:stops[0] + 1] if stops else tokens

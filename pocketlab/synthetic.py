@@ -22,6 +22,8 @@ PRESETS: dict[str, tuple[str, dict]] = {
     "tiny-qwen2": ("qwen2", dict(_TINY, num_hidden_layers=2)),
     "tiny-qwen3": ("qwen3", dict(_TINY, num_hidden_layers=2)),
     "tiny-qwen3_5": ("qwen3_5_text", _TINY_HYBRID),
+    # with a multi-token-prediction head: HF ignores the config key and the mtp.* tensors; see add_mtp()
+    "tiny-qwen3_5-mtp": ("qwen3_5_text", dict(_TINY_HYBRID, mtp_num_hidden_layers=1)),
     "qwen3-0.6b": ("qwen3", dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, rope_theta=1e6,
                                  tie_word_embeddings=True, max_position_embeddings=40960)),
@@ -71,6 +73,8 @@ def write_checkpoint(preset: str, path: str | Path, seed: int = 0, max_shard_siz
     model = build_hf_model(preset, seed, **overrides)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
+    if getattr(model.config, "mtp_num_hidden_layers", 0):
+        add_mtp(path, seed)
     (path / "pocketlab_preset.json").write_text(json.dumps({"preset": preset, "seed": seed}))
     return path
 
@@ -81,3 +85,42 @@ def ensure_checkpoint(preset: str = DEFAULT_PRESET, root: str | Path = "checkpoi
     if not (path / "config.json").is_file():
         write_checkpoint(preset, path, seed)
     return path
+
+
+# -- multi-token prediction head ---------------------------------------------------------------------
+def mtp_weights(cfg, seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                std: float | None = None) -> dict[str, torch.Tensor]:
+    """Random `mtp.*` tensors for a pocketlab ModelConfig (HF builds none): every name and shape the loader
+    expects, matrices ~ N(0, std) and the (1 + w) norm weights ~ N(0, 0.1), so a w-vs-(1+w) slip shows."""
+    from .loader import _mtp_shapes
+    std = std if std is not None else (0.1 if cfg.hidden_size <= 256 else 0.02)
+    gen = torch.Generator().manual_seed(10_000 + seed)
+    out = {}
+    for name, shape in sorted(_mtp_shapes(cfg).items()):
+        scale = 0.1 if len(shape) == 1 else std
+        out[name] = (torch.randn(shape, generator=gen) * scale).to(device=device, dtype=dtype)
+    return out
+
+
+def add_mtp(path: str | Path, seed: int = 0) -> None:
+    """Give a written Qwen3.5 checkpoint random mtp.* tensors, where real checkpoints keep them: in the
+    weights files (a new shard listed in the index when sharded), next to the `mtp_num_hidden_layers`
+    key that config.json already carries (HF's config class keeps unknown keys)."""
+    from safetensors.torch import load_file, save_file
+
+    from .config import ModelConfig
+    path = Path(path)
+    cfg = ModelConfig.from_pretrained(path)
+    if not cfg.mtp_num_hidden_layers:
+        raise ValueError(f"{path}/config.json declares no mtp_num_hidden_layers")
+    dtype = next(iter(load_file(str(next(path.glob("*.safetensors")))).values())).dtype
+    extra = {k: v.contiguous() for k, v in mtp_weights(cfg, seed, dtype=dtype).items()}
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        save_file(extra, str(path / "model-mtp.safetensors"), metadata={"format": "pt"})
+        doc = json.loads(index.read_text())
+        doc["weight_map"].update({k: "model-mtp.safetensors" for k in extra})
+        index.write_text(json.dumps(doc, indent=2))
+    else:
+        file = path / "model.safetensors"
+        save_file(load_file(str(file)) | extra, str(file), metadata={"format": "pt"})

@@ -32,20 +32,40 @@ class GatedDeltaNet:
         B, T, _ = x.shape
         qkv, z, b, a = F.linear(x, self.in_proj).split(self.splits, dim=-1)
         conv, rec = cache.conv[self.layer], cache.rec[self.layer]
-        qkv, conv[batch.slot_ids] = causal_conv1d(qkv, conv[batch.slot_ids], self.conv_weight, batch.lengths)
+        conv0, rec0 = conv[batch.slot_ids], rec[batch.slot_ids]  # gathered copies: the states before this forward
+        qkv_in = qkv
+        qkv, conv[batch.slot_ids] = causal_conv1d(qkv_in, conv0, self.conv_weight, batch.lengths)
         q, k, v = qkv.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
         group = self.hv // self.hk  # value head j reads key head j // group
         q = q.reshape(B, T, self.hk, self.dk).repeat_interleave(group, dim=2)
         k = k.reshape(B, T, self.hk, self.dk).repeat_interleave(group, dim=2)
         v = v.reshape(B, T, self.hv, self.dv)
         g = self.neg_A * F.softplus(a.float() + self.dt_bias)
-        o, rec[batch.slot_ids] = gated_delta_rule(q, k, v, g, b.sigmoid(), rec[batch.slot_ids], batch.lengths)
+        rule = ctx.get("delta_rule", gated_delta_rule)  # speculative verify may keep per-position states
+        beta = b.sigmoid()
+        o, rec[batch.slot_ids] = rule(q, k, v, g, beta, rec0, batch.lengths)
+        if "gdn_log" in ctx:  # speculative verify: what rolling back to an accepted prefix needs
+            ctx["gdn_log"][self.layer] = (qkv_in, conv0, (q, k, v, g, beta, rec0))
         o = gated_rms_norm(o, z.reshape(B, T, self.hv, self.dv), self.norm, self.cfg.rms_norm_eps)
         return F.linear(o.reshape(B, T, self.hv * self.dv), self.out)
 
 
 class HybridModel(DecoderModel):
     norm_offset = True  # Qwen3.5 norms scale by (1 + w)
+    record: dict | None = None  # extra per-forward context set by pocketlab.speculative while it verifies
+
+    def __init__(self, cfg: ModelConfig, w: dict, opts):
+        super().__init__(cfg, w, opts)
+        self.mtp = None  # the MTP draft head, built only when speculative decoding is on
+        if cfg.mtp_num_hidden_layers and opts.speculative_tokens:
+            from .mtp import MTPHead
+            self.mtp = MTPHead(cfg, w, self)
+        for name in [n for n in w if n.startswith("mtp.")]:
+            w.pop(name)
+
+    def context(self, batch: ForwardBatch) -> dict:
+        ctx = super().context(batch)
+        return ctx if self.record is None else ctx | self.record
 
     def make_mixer(self, w: dict, p: str, i: int):
         if self.cfg.layer_types[i] == "full_attention":

@@ -1,0 +1,74 @@
+"""Qwen3.5's multi-token-prediction (MTP) head: a one-layer draft model riding on the main model.
+
+For a sequence x_0 .. x_n with main-model final-normed hidden states h_t, the head's row t is
+
+    u_t = fc( cat( norm_e(embed(x_{t+1})), norm_h(h_t) ) )          fc: [hidden, 2*hidden], no bias
+    o_t = norm( block(u_t) )                                         block: one gated full-attention decoder layer
+    logits_t = lm_head(o_t)  ~  a guess for x_{t+2}
+
+with the embedding and lm_head shared with the main model and every norm in Qwen3.5's (1 + w) form.
+The block is exactly a main-model full-attention layer (Attention(gated=True) + MLP) with its own KV
+per slot, stored in SlotCache.k/v under the key "mtp" so snapshots and copies carry it.
+
+Position convention: row t (the pair h_t, x_{t+1}) is written to MTP KV index t and rotated at position t,
+the position of the hidden state it reads (vLLM's convention for this head). Rotating at t + 1 (the
+position of the token it embeds) instead gives the same logits up to rounding: RoPE scores depend only on
+the distance between query and key, and every row moves by the same 1 (tests/test_mtp.py checks both).
+
+Drafting k tokens applies the head recursively: row n-1 (h_{n-1}, x_n) gives d_1; row n then pairs the
+head's own output o_{n-1} (in place of the main model's h_n, not known yet) with d_1, and so on. Those
+recursive rows are provisional: after verification the accepted rows are recomputed from the main
+model's real hidden states (see pocketlab.speculative.MTPDrafter).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..batch import ForwardBatch
+from ..cache import SlotCache
+from ..config import ModelConfig
+from ..layers.norm import rms_norm
+from .qwen3 import MLP, Attention
+
+KV_KEY = "mtp"
+
+
+class MTPHead:
+    def __init__(self, cfg: ModelConfig, w: dict, main):
+        if cfg.mtp_num_hidden_layers != 1:
+            raise ValueError(f"mtp_num_hidden_layers={cfg.mtp_num_hidden_layers}: pocketlab drafts with one MTP "
+                             "layer (Qwen3.5 checkpoints carry exactly one)")
+        if cfg.mtp_use_dedicated_embeddings:
+            raise ValueError("mtp_use_dedicated_embeddings=true: pocketlab's MTP head shares the main embedding")
+        self.cfg, self.main = cfg, main
+        self.fc = w.pop("mtp.fc.weight")
+        self.norm_embed = w.pop("mtp.pre_fc_norm_embedding.weight")
+        self.norm_hidden = w.pop("mtp.pre_fc_norm_hidden.weight")
+        p = "mtp.layers.0."
+        self.norm1 = w.pop(p + "input_layernorm.weight")
+        self.attn = Attention(cfg, w, p + "self_attn.", KV_KEY, gated=True)
+        self.norm2 = w.pop(p + "post_attention_layernorm.weight")
+        self.mlp = MLP(w, p + "mlp.")
+        self.norm = w.pop("mtp.norm.weight")
+
+    def register(self, cache: SlotCache) -> None:
+        """Give every slot a KV region for the MTP layer."""
+        if KV_KEY not in cache.k:
+            cache.add_kv(KV_KEY, self.cfg.num_key_value_heads, self.cfg.head_dim)
+
+    def forward(self, batch: ForwardBatch, hidden: torch.Tensor, cache: SlotCache) -> torch.Tensor:
+        """Rows (h_t, x_{t+1}): batch.tokens[b, j] = x_{t+1}, hidden[b, j] = h_t, t = batch.start[b] + j.
+
+        Writes the MTP KV at index t for each row and returns the normed outputs o_t [B, T, hidden]
+        (feed them to `logits`, or back in as the hidden state of the next recursive row)."""
+        eps = self.cfg.rms_norm_eps
+        e = rms_norm(F.embedding(batch.tokens, self.main.embed), self.norm_embed, eps, True)
+        x = F.linear(torch.cat([e, rms_norm(hidden.to(e.dtype), self.norm_hidden, eps, True)], dim=-1), self.fc)
+        ctx = self.main.context(batch)
+        x = x + self.attn(rms_norm(x, self.norm1, eps, True), batch, cache, ctx)
+        x = x + self.mlp(rms_norm(x, self.norm2, eps, True))
+        return rms_norm(x, self.norm, eps, True)
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        return self.main.logits(out)

@@ -1,0 +1,378 @@
+"""Prefix cache: a prompt reuses whatever any slot already computed for its prefix, exactly, dense or hybrid.
+
+Where reusable prefixes live (each is a `Record`: token ids plus where their K/V and states are):
+  * slot records, one per slot: the slot's own rows. Attention K/V serve any prefix of the slot's history,
+    to the token; the slot's live conv/recurrent state serves exactly its end. A cleared (released) slot's
+    rows still hold its old history until the slot is written again: the record becomes a *ghost* and is
+    still found, at no copy cost.
+  * state checkpoints (hybrid models only): Gated DeltaNet state cannot be rewound, so prefill keeps copies
+    of every linear layer's conv + recurrent state at the end of each prompt and at every multiple of
+    `snapshot_stride` (prefill pieces are cut there). A shared prefix resumes from the nearest checkpoint at
+    or below the shared length, never from a block boundary hundreds of tokens back.
+  * retained entries: just before a slot's rows are overwritten, what they held beyond the part that stays
+    (its history for dense models; up to its last checkpoint for hybrid ones) is copied out into an entry of
+    its own, checkpoints moved along, unless another record already serves it.
+
+Lookup (`prepare`): chain hashes of `prefix_block`-token blocks index every record. The prompt's block
+hashes find the candidates in one dict probe per block; a token comparison then confirms each match (ruling
+out collisions) and extends it to the exact token inside the next block. The target slot's own history is
+always compared directly, so it is reused to the token even below one block. Cost: O(prompt / block) hashing
+and probes plus O(match) C-speed list comparisons per candidate; no Python loop per token.
+
+Budget: checkpoints and retained entries count against `prefix_cache_bytes`, evicted least recently used
+first (a hit refreshes what it used). Live slot rows and states are never counted and never evicted.
+
+Staleness: a slot's token list (`cache.TokenHistory`) records the lowest index changed since this cache last
+looked, so whatever edits it (prefill, decode, a speculative rollback) hashed blocks and checkpoints above the
+change are dropped before any lookup. Clearing or restoring a slot tells this cache first (`SlotCache.watcher`);
+`reset` forgets everything, so a run after it is computed exactly as on a fresh engine.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+_SEED = 0x5EED
+
+
+def plan_pieces(start: int, end: int, chunk: int, stride: int = 0) -> list[tuple[int, int]]:
+    """[lo, hi) prefill pieces covering start..end, at most `chunk` tokens each and, when stride > 0, never
+    crossing a multiple of `stride` (so the state at every stride multiple exists between two pieces)."""
+    pieces, lo = [], start
+    while lo < end:
+        hi = min(lo + chunk, end)
+        if stride:
+            hi = min(hi, (lo // stride + 1) * stride)
+        pieces.append((lo, hi))
+        lo = hi
+    return pieces
+
+
+def common_len(a, b, limit: int | None = None, known: int = 0) -> int:
+    """Length of the common prefix of token lists a and b, at most `limit`. `known` is a length the block
+    hashes say is equal: confirmed with one comparison (a collision just falls back to a full compare)."""
+    n = min(len(a), len(b), len(a) + len(b) if limit is None else limit)
+    lo, k = 0, min(known, n)
+    if k and a[:k] == b[:k]:
+        lo = k
+    step = 64
+    while lo < n:
+        hi = min(lo + step, n)
+        if a[lo:hi] == b[lo:hi]:
+            lo, step = hi, step * 2
+        elif hi - lo <= 8:
+            while a[lo] == b[lo]:
+                lo += 1
+            return lo
+        else:
+            step = (hi - lo) // 2
+    return n
+
+
+def block_hash(prev: int, block: list[int]) -> int:
+    """One block's hash, chained to the hash of everything before it. Collisions only cost a comparison."""
+    return hash((prev, *block))
+
+
+def chain_hashes(tokens, block: int, n_blocks: int, first: int = 0, prev: int = _SEED) -> list[int]:
+    """Hash of blocks first..n_blocks-1, each chained to all blocks before it (prev: the hash of block first-1)."""
+    out = []
+    for k in range(first, n_blocks):
+        prev = block_hash(prev, tokens[k * block:(k + 1) * block])
+        out.append(prev)
+    return out
+
+
+@dataclass(eq=False)
+class Record:
+    """A reusable prefix: `tokens` and where the K/V for them lives, plus hybrid state checkpoints."""
+    tokens: list[int]
+    slot: int | None = None          # K/V in this slot's rows; None: a retained entry holding copies in `kv`
+    live: bool = False               # the slot's live conv/recurrent state is the state at len(tokens)
+    kv: dict | None = None           # retained entry: {("k"|"v", layer key): [kv_heads, len(tokens), head_dim]}
+    states: dict[int, dict] = field(default_factory=dict)   # position -> {("conv"|"rec", layer): copy}
+    hashes: list[int] = field(default_factory=list)         # chain hash of each full block of `tokens`
+
+    def resume_point(self, shared: int, stateful: bool) -> int:
+        """The longest prefix (<= shared tokens) this record can hand over: any length for K/V alone; for
+        hybrid models only where a state is known (a checkpoint, or the live state at the end)."""
+        if not stateful:
+            return shared
+        best = max((p for p in self.states if p <= shared), default=0)
+        if self.live and len(self.tokens) <= shared:
+            best = max(best, len(self.tokens))
+        return best
+
+
+class PrefixCache:
+    def __init__(self, cache, options):
+        self.cache = cache
+        self.block, self.stride, self.budget = options.prefix_block, options.snapshot_stride, options.prefix_cache_bytes
+        self.slots = [Record(cache.slots[s].tokens, slot=s, live=True) for s in range(cache.num_slots)]
+        self.entries: list[Record] = []                   # retained entries
+        self.index: dict[int, set[Record]] = {}           # chain hash -> records holding that block chain
+        self.lru: OrderedDict[tuple[Record, int | None], int] = OrderedDict()  # (record, position|None) -> bytes
+        self.used = 0
+        self.stats = dict(prefills=0, hits=0, reused_tokens=0, computed_tokens=0, checkpoints=0, retained=0,
+                          evicted=0)
+        cache.watcher = self
+
+    # -- the engine's entry points -------------------------------------------------------------
+    def prepare(self, slot: int, prompt: list[int]) -> int:
+        """Bring `slot` to the longest reusable prefix of `prompt` (at most len-1 tokens: the last is always
+        computed) by truncation or device copy; returns its length, the position prefill starts from."""
+        for rec in self.slots:
+            self._sync(rec)
+        own, limit = self.slots[slot], len(prompt) - 1
+        m_own = common_len(own.tokens, prompt, limit)
+        src, r = own, own.resume_point(m_own, self.stateful)
+        other, r_other = self._search(prompt, limit, skip=own)
+        if r_other > r:
+            src, r = other, r_other
+        keep = min(m_own, r)   # rows [0, keep) of the slot already hold what the prompt needs
+        self._touch(src, r)
+        self._retire(own, keep, pin=src)
+        state = self._state_at(src, r) if self.stateful and not (src is own and own.live and r == len(own.tokens)) \
+            else None
+        if src is not own:
+            self._copy_kv(src, slot, keep, r)
+        if state is not None or (self.stateful and r == 0):
+            self._load_state(slot, state)
+        tokens = self.cache.slots[slot].tokens
+        if own.live and own.tokens is tokens and src is own:
+            del tokens[r:]
+        else:
+            self.cache.slots[slot].tokens = prompt[:r]
+            tokens = self.cache.slots[slot].tokens
+        own.tokens, own.live = tokens, True
+        tokens.changed_from = len(tokens)
+        self.stats["prefills"] += 1
+        self.stats["hits"] += r > 0
+        self.stats["reused_tokens"] += r
+        self.stats["computed_tokens"] += len(prompt) - r
+        return r
+
+    @property
+    def stateful(self) -> bool:
+        """Per-slot state beyond positional K/V (conv, recurrent, registered extras) cannot be rewound."""
+        return bool(self.cache.conv or self.cache.rec or getattr(self.cache, "extra", None))
+
+    def stride_for_pieces(self) -> int:
+        """Prefill cuts pieces at multiples of this (hybrid models: so checkpoints land there)."""
+        return self.stride if self.stateful else 0
+
+    def reached(self, slot: int, position: int, final: bool) -> None:
+        """Prefill computed `slot` up to `position`: checkpoint the state at prompt ends and stride multiples."""
+        if not self.stateful or not (final or (self.stride and position % self.stride == 0)):
+            return
+        rec = self.slots[slot]
+        self._sync(rec)   # the tokens up to `position` are now seen: what is added next is valid for them
+        if position in rec.states:
+            self._touch(rec, position)
+            return
+        nbytes = self.state_bytes()
+        if self._make_room(nbytes):
+            rec.states[position] = self._live_state(slot, clone=True)
+            self._add((rec, position), nbytes)
+            self.stats["checkpoints"] += 1
+
+    def before_clear(self, slot: int) -> None:
+        """SlotCache.clear is about to forget the slot's sequence: its K/V rows stay (a ghost, still
+        reusable); its live state is zeroed, so checkpoint it first."""
+        rec = self.slots[slot]
+        self._sync(rec)
+        if rec.live and self.stateful and rec.tokens:
+            self.reached(slot, len(rec.tokens), final=True)
+        rec.tokens, rec.live = list(rec.tokens), False
+
+    def before_restore(self, slot: int) -> None:
+        """SlotCache.restore is about to overwrite the slot: keep what it held, if worth it, and start over."""
+        rec = self.slots[slot]
+        self._sync(rec)
+        self._retire(rec, 0)
+
+    def forget(self, slot: int | None = None) -> None:
+        """Drop what was learned about one slot (or everything, retained entries included)."""
+        for rec in self.slots if slot is None else [self.slots[slot]]:
+            self._truncate(rec, 0)
+            rec.tokens, rec.live = self.cache.slots[rec.slot].tokens, True
+            rec.tokens.changed_from = len(rec.tokens)
+        if slot is None:
+            for entry in list(self.entries):
+                self._evict((entry, None), count=False)
+
+    def kv_bytes(self, n_tokens: int) -> int:
+        """Device bytes of n tokens' K/V over every attention region (what retaining them costs)."""
+        return sum(t[0, :, :n_tokens].numel() * t.element_size() for _, _, t in self._kv_banks())
+
+    def state_bytes(self) -> int:
+        """Device bytes of one state checkpoint (every conv, recurrent and extra per-slot tensor)."""
+        return sum(t[0].numel() * t.element_size() for _, _, t in self._state_banks())
+
+    def contents(self) -> list[dict]:
+        """What the budget holds, least recently used first."""
+        return [dict(kind="entry" if pos is None else "checkpoint", slot=rec.slot, tokens=len(rec.tokens),
+                     position=len(rec.tokens) if pos is None else pos, bytes=nbytes)
+                for (rec, pos), nbytes in self.lru.items()]
+
+    def describe(self) -> dict:
+        return dict(self.stats, entries=len(self.entries), used_bytes=self.used, budget_bytes=self.budget,
+                    checkpoints_held=sum(len(r.states) for r in self.slots + self.entries))
+
+    # -- lookup ------------------------------------------------------------------------------------
+    def _search(self, prompt: list[int], limit: int, skip: Record | None = None) -> tuple[Record | None, int]:
+        """The record (other than `skip`) that hands over the longest prefix of prompt[:limit], via block hashes."""
+        depth: dict[Record, int] = {}
+        if not self.index:
+            return None, 0
+        prev = _SEED
+        for k in range(limit // self.block):
+            prev = block_hash(prev, prompt[k * self.block:(k + 1) * self.block])
+            holders = self.index.get(prev)
+            if not holders:
+                break
+            for rec in holders:
+                depth[rec] = k + 1
+        best, best_r = None, 0
+        for rec, d in depth.items():
+            if rec is skip:
+                continue
+            r = rec.resume_point(common_len(rec.tokens, prompt, limit, known=d * self.block), self.stateful)
+            if r > best_r or (r == best_r and best is not None and rec.slot is not None and best.slot is None):
+                best, best_r = rec, r
+        return best, best_r
+
+    def _sync(self, rec: Record) -> None:
+        """Catch up with whatever changed the slot's token list since the last look."""
+        cur = self.cache.slots[rec.slot].tokens
+        if rec.live and cur is rec.tokens:
+            valid = cur.changed_from
+            if valid == len(cur) and len(rec.hashes) == valid // self.block:   # nothing new since the last look
+                return
+        elif rec.live:          # the list was replaced without telling us
+            valid = min(getattr(rec.tokens, "changed_from", 0), common_len(rec.tokens, cur))
+        elif not cur:           # ghost: the rows still hold rec.tokens
+            return
+        else:                   # something filled a ghost slot without telling us
+            valid = common_len(rec.tokens, cur)
+        self._truncate(rec, valid)
+        rec.tokens, rec.live = cur, True
+        cur.changed_from = len(cur)
+        n = len(cur) // self.block
+        if n > len(rec.hashes):
+            new = chain_hashes(cur, self.block, n, len(rec.hashes), rec.hashes[-1] if rec.hashes else _SEED)
+            self._index(rec, new)
+
+    def _index(self, rec: Record, hashes: list[int]) -> None:
+        for h in hashes:
+            self.index.setdefault(h, set()).add(rec)
+        rec.hashes.extend(hashes)
+
+    def _truncate(self, rec: Record, n: int) -> None:
+        """Forget everything the record claims beyond its first n tokens (hashed blocks, checkpoints)."""
+        nb = n // self.block
+        if nb >= len(rec.hashes) and not any(p > n for p in rec.states):
+            return
+        for h in rec.hashes[nb:]:
+            holders = self.index.get(h)
+            if holders is not None:
+                holders.discard(rec)
+                if not holders:
+                    del self.index[h]
+        del rec.hashes[nb:]
+        for p in [p for p in rec.states if p > n]:
+            self._evict((rec, p), count=False)
+
+    # -- keeping what is about to be overwritten ---------------------------------------------------
+    def _retire(self, rec: Record, keep: int, pin: Record | None = None) -> None:
+        """The slot's rows beyond `keep` are about to be overwritten: copy out what is worth keeping."""
+        ends = list(rec.states) + ([len(rec.tokens)] if rec.live and rec.tokens else [])
+        end = max(ends, default=0) if self.stateful else len(rec.tokens)
+        if end - keep >= self.block and self._search(rec.tokens[:end], end, skip=rec)[1] < end:
+            self._retain(rec, keep, end, pin)
+        self._truncate(rec, keep)
+
+    def _retain(self, rec: Record, keep: int, end: int, pin: Record | None) -> None:
+        slot, banks = rec.slot, self._kv_banks()
+        kv_bytes = sum(t[slot, :, :end].numel() * t.element_size() for _, _, t in banks)
+        copy_live = self.stateful and rec.live and end == len(rec.tokens) and end not in rec.states
+        if not self._make_room(kv_bytes + (self.state_bytes() if copy_live else 0), pinned={rec, pin}):
+            return
+        states = {}
+        for p in [p for p in rec.states if keep < p <= end]:
+            states[p] = rec.states.pop(p)
+            self.used -= self.lru.pop((rec, p))
+        if copy_live:
+            states[end] = self._live_state(slot, clone=True)
+        entry = Record(list(rec.tokens[:end]), kv={(kind, name): t[slot, :, :end].clone() for kind, name, t in banks},
+                       states=states)
+        self._index(entry, rec.hashes[:end // self.block])
+        self.entries.append(entry)
+        self._add((entry, None), kv_bytes + len(states) * self.state_bytes())
+        self.stats["retained"] += 1
+
+    # -- budget ------------------------------------------------------------------------------------
+    def _add(self, key, nbytes: int) -> None:
+        self.lru[key] = nbytes
+        self.used += nbytes
+
+    def _touch(self, rec: Record | None, position: int) -> None:
+        key = (rec, None) if rec is not None and rec.slot is None else (rec, position)
+        if key in self.lru:
+            self.lru.move_to_end(key)
+
+    def _make_room(self, nbytes: int, pinned=()) -> bool:
+        """Evict least recently used checkpoints/entries (never `pinned` records') until nbytes fit."""
+        if nbytes > self.budget:
+            return False
+        for key in list(self.lru):
+            if self.used + nbytes <= self.budget:
+                break
+            if key[0] not in pinned:
+                self._evict(key)
+        return self.used + nbytes <= self.budget
+
+    def _evict(self, key, count: bool = True) -> None:
+        rec, position = key
+        self.used -= self.lru.pop(key, 0)
+        self.stats["evicted"] += count
+        if position is None:
+            self._truncate(rec, 0)
+            rec.kv, rec.tokens = None, []
+            self.entries.remove(rec)
+        else:
+            rec.states.pop(position, None)
+
+    # -- device copies (generic over whatever layers the cache holds) ---------------------------------
+    def _kv_banks(self):
+        return [(kind, name, t) for kind, bank in (("k", self.cache.k), ("v", self.cache.v)) for name, t in bank.items()]
+
+    def _state_banks(self):
+        banks = (("conv", self.cache.conv), ("rec", self.cache.rec), ("extra", getattr(self.cache, "extra", {})))
+        return [(kind, name, t) for kind, bank in banks for name, t in bank.items()]
+
+    def _live_state(self, slot: int, clone: bool) -> dict:
+        return {(kind, name): (t[slot].clone() if clone else t[slot]) for kind, name, t in self._state_banks()}
+
+    def _state_at(self, rec: Record, position: int) -> dict | None:
+        if position == 0:
+            return None
+        if position in rec.states:
+            return rec.states[position]
+        return self._live_state(rec.slot, clone=False)   # resume_point guarantees: live and at its end
+
+    def _load_state(self, slot: int, state: dict | None) -> None:
+        for kind, name, t in self._state_banks():
+            if state is None:
+                t[slot].zero_()
+            else:
+                t[slot].copy_(state[(kind, name)])
+
+    def _copy_kv(self, src: Record, slot: int, lo: int, hi: int) -> None:
+        if hi <= lo:
+            return
+        for kind, name, t in self._kv_banks():
+            part = src.kv[(kind, name)][:, lo:hi] if src.kv is not None else t[src.slot, :, lo:hi]
+            t[slot, :, lo:hi].copy_(part)

@@ -1,0 +1,196 @@
+"""Speculative decoding is exact: greedy output is token-identical to plain greedy decoding (MTP, oracle,
+adversarial and half-right drafters, k = 1, 2, 3, one slot and several batched and interleaved), rolled-back
+state equals plain decoding's, and sampled tokens follow plain sampling's law (chi-square, alpha = 1e-3)."""
+import pytest
+import torch
+
+from pocketlab import BatchedRequest, EngineOptions, QwenEngine, SamplingParams
+from pocketlab.speculative import AdversarialDrafter, Drafter, Drafts, OracleDrafter
+from pocketlab.verify import mtp as vmtp
+from conftest import DEVICE, DTYPE, random_prompt
+
+PRESET = "tiny-qwen3_5-mtp"
+PROMPTS = [random_prompt(5, seed=31), random_prompt(9, seed=32), random_prompt(14, seed=33)]
+NEW = 64
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls gain nothing from threads; on a busy 2-core box they cost several x (see verify.common)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def path(checkpoint):
+    return checkpoint(PRESET)
+
+
+def engine(path, k, **kw):
+    opts = dict(max_slots=3, max_seq_len=96, prefill_chunk=8, device=DEVICE, dtype=DTYPE, speculative_tokens=k) | kw
+    return QwenEngine.from_pretrained(path, EngineOptions(**opts))
+
+
+@pytest.fixture(scope="module")
+def reference(path):
+    """Plain greedy decoding, each prompt alone: prompt + NEW + 4 tokens."""
+    return vmtp.plain_greedy(engine(path, 0), PROMPTS, NEW + 3)
+
+
+def drafter(name, refs):
+    refs = dict(enumerate(refs))
+    return {"oracle": lambda: OracleDrafter(refs), "adversarial": lambda: AdversarialDrafter(refs),
+            "half": lambda: OracleDrafter(refs, accuracy=0.5, seed=3)}[name]()
+
+
+def check_equal(reqs, reference):
+    for r, ref in zip(reqs, reference):
+        assert r.generated_tokens[:NEW + 1] == ref[len(r.prompt_tokens):][:NEW + 1], f"slot {r.slot_id}"
+        assert len(r.generated_tokens) >= NEW + 1
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("name", ["mtp", "oracle", "adversarial", "half"])
+def test_greedy_batched_interleaved_equals_plain(path, reference, name, k):
+    eng = engine(path, k)
+    if name != "mtp":
+        eng.speculator.use(drafter(name, reference))
+    reqs, calls = vmtp.interleaved(eng, PROMPTS, NEW)
+    check_equal(reqs, reference)
+    assert all(c["forwards"] == 1 for c in calls if "decode" in c["call"])  # one verify forward per call
+    st = eng.speculator.stats
+    if name == "oracle":
+        assert st.acceptance_rate == 1.0 and st.tokens_per_step > k  # k + 1 except where max_seq/NEW cut it
+    if name == "adversarial":
+        assert st.accepted == 0 and st.tokens_per_step == 1.0
+    if name == "half":
+        assert 0.2 < st.acceptance_rate < 0.8
+
+
+@pytest.mark.parametrize("rollback", ["replay", "states"])
+def test_rolled_back_state_equals_plain_decoding(path, reference, rollback):
+    """After speculative steps with partial acceptance, every slot's K/V, conv and recurrent state equal those of
+    plain decoding of the same tokens (to rounding: the verify forward batches k+1 tokens)."""
+    eng = engine(path, 3, speculative_rollback=rollback)
+    eng.speculator.use(drafter("half", reference))
+    reqs, _ = vmtp.interleaved(eng, PROMPTS, 20)
+    check = engine(path, 0)
+    for r in reqs:
+        tokens = eng.cache.slots[r.slot_id].tokens
+        assert tokens == reference[r.slot_id][:len(tokens)]
+        check.prefill(r.prompt_tokens, slot_id=r.slot_id)
+        for t in tokens[len(r.prompt_tokens):]:
+            check.decode_step(t, slot_id=r.slot_id)
+        got, want = eng.snapshot(r.slot_id).tensors, check.snapshot(r.slot_id).tensors
+        for name, x in want.items():
+            torch.testing.assert_close(got[name], x, atol=2e-5, rtol=1e-4, msg=name)
+
+
+def test_single_slot_results_carry_every_token(path, reference):
+    eng = engine(path, 3)
+    eng.speculator.use(drafter("oracle", reference))
+    r = eng.prefill(PROMPTS[1], slot_id=1)
+    assert r.tokens == [r.next_token]
+    out = [r.next_token]
+    while len(out) < NEW + 1:
+        r = eng.decode_step(out[-1], slot_id=1)
+        assert r.next_token == r.tokens[-1] and len(r.tokens) == 4 or len(out) + len(r.tokens) > NEW
+        assert r.position == len(PROMPTS[1]) + len(out) + len(r.tokens) - 1
+        assert torch.equal(r.logits.argmax(), torch.tensor(r.next_token))
+        out.extend(r.tokens)
+    assert out[:NEW + 1] == reference[1][len(PROMPTS[1]):][:NEW + 1]
+
+
+def test_batch_result_lists_and_requests(path, reference):
+    eng = engine(path, 2)
+    eng.speculator.use(drafter("half", reference))
+    reqs = [BatchedRequest(i, p, slot_id=i) for i, p in enumerate(PROMPTS)]
+    eng.batch_prefill(reqs)
+    before = [list(r.generated_tokens) for r in reqs]
+    res = eng.batch_decode_step(reqs)
+    for r, b, toks, last, pos in zip(reqs, before, res.tokens, res.next_tokens, res.positions):
+        assert r.generated_tokens == b + toks and last == toks[-1] == r.last_token
+        assert pos == eng.position(r.slot_id) == len(r.prompt_tokens) + len(r.generated_tokens) - 1
+    assert res.logits.shape == (3, eng.cfg.vocab_size)
+
+
+def test_snapshot_restore_carries_the_mtp_state(path, reference):
+    """A slot restored elsewhere drafts exactly as the original (MTP KV and hidden-state queue travel along)."""
+    eng = engine(path, 2)
+    d = eng.speculator.drafter
+    r = eng.prefill(PROMPTS[2], slot_id=0)
+    toks = [r.next_token]
+    for _ in range(5):
+        toks.extend(eng.decode_step(toks[-1], slot_id=0).tokens)
+    snap = eng.snapshot(0)
+    d.trace = []
+    a = eng.decode_step(toks[-1], slot_id=0)
+    trace_a = d.trace
+    eng.restore(snap, slot_id=2)
+    d.trace = []
+    b = eng.decode_step(toks[-1], slot_id=2)
+    assert a.tokens == b.tokens
+    assert [t["tokens"] for t in trace_a] == [t["tokens"] for t in d.trace]
+    assert torch.equal(torch.cat([t["logits"] for t in trace_a]), torch.cat([t["logits"] for t in d.trace]))
+
+
+def test_drafts_shrink_at_max_seq_len(path, reference):
+    eng = engine(path, 3, max_seq_len=len(PROMPTS[0]) + 10)
+    eng.speculator.use(drafter("oracle", reference))
+    r = eng.prefill(PROMPTS[0])
+    out = [r.next_token]
+    while eng.position() < eng.options.max_seq_len:
+        out.extend(eng.decode_step(out[-1]).tokens)
+    assert eng.position() == eng.options.max_seq_len
+    assert out == reference[0][len(PROMPTS[0]):][:len(out)]
+    with pytest.raises(ValueError, match="max_seq_len"):
+        eng.decode_step(out[-1])
+
+
+def test_bad_drafts_are_refused(path):
+    class Bad(Drafter):
+        def draft(self, spec, rows):
+            return Drafts([[10 ** 6] * r.k for r in rows], [None] * len(rows))
+    eng = engine(path, 2)
+    eng.prefill(PROMPTS[0])
+    eng.speculator.use(Bad())
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        eng.decode_step(1)
+    assert eng.position() == len(PROMPTS[0])
+
+
+def test_generate_with_speculation(path, reference):
+    eng = engine(path, 2)
+    out = eng.generate([PROMPTS[0], PROMPTS[2]], SamplingParams(max_new_tokens=20))
+    assert out == [reference[0][5:25], reference[2][14:34]]
+
+
+def test_sampling_is_reproducible_and_batch_independent(path):
+    sp = [SamplingParams(temperature=1.0, top_k=5, seed=s) for s in (1, 2, 3)]
+    outs = []
+    for order in ([0, 1, 2], [2, 0, 1]):
+        eng = engine(path, 2)
+        reqs = [BatchedRequest(i, PROMPTS[0], slot_id=j, sampling=sp[i]) for j, i in enumerate(order)]
+        eng.batch_prefill(reqs)
+        for _ in range(6):
+            eng.batch_decode_step(reqs)
+        outs.append({r.request_id: r.generated_tokens[:7] for r in reqs})
+    assert outs[0] == outs[1]
+    assert len({tuple(v) for v in outs[0].values()}) > 1
+
+
+@pytest.mark.skipif(DTYPE != "float32", reason="the chi-square check runs in float32")
+def test_sampling_distribution_matches_plain_sampling():
+    """Chi-square goodness of fit (alpha = 1e-3, 26 dof, 400 runs each) of the first 3 sampled tokens
+    (temperature 1, top-k 3) against their exact joint law under plain sampling, enumerated from the model.
+    The MTP drafter exercises the p/q ratio and the max(0, p - q) residual, the oracle (greedy continuation)
+    and adversarial drafters the one-hot q; plain sampling checks the check; and the same test must reject
+    the law at half the temperature (it has power)."""
+    table = vmtp.sampling_check(PRESET, DEVICE, DTYPE, runs=400, alpha=1e-3)
+    print(table.to_string())
+    assert table["pass"].all()
+    for name in ("mtp", "oracle"):
+        row = table[table.drafter == name].iloc[0]
+        assert 0 < row.accepted < row.drafted   # both acceptance and rejection were exercised
