@@ -2,6 +2,7 @@
 PY      ?= .venv/bin/python
 DEVICE  ?= cpu
 DTYPE   ?= $(if $(filter cuda,$(DEVICE)),bfloat16,float32)
+MODELS  ?= tiny-qwen3 tiny-qwen2 tiny-qwen3_5
 MODEL   ?= tiny-qwen3
 export PYTHONUNBUFFERED := 1
 
@@ -18,7 +19,8 @@ test: .venv/.installed
 	$(PY) -m pytest -p no:cacheprovider --nbval-lax notebooks/
 
 reports: .venv/.installed
-	$(PY) -m pocketlab.verify.reports --device $(DEVICE) --dtype $(DTYPE) --model $(MODEL)
+	$(PY) -m pocketlab.verify.reports --device $(DEVICE) --dtype $(DTYPE) \
+		--models $(if $(filter command line,$(origin MODEL)),$(MODEL),$(MODELS))
 
 baseline: .venv/.installed
 	$(PY) -m pocketlab.verify.perf --write-baseline --device $(DEVICE) --dtype $(DTYPE) --model $(MODEL)

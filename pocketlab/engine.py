@@ -87,7 +87,9 @@ class QwenEngine:
     # -- single-slot API -----------------------------------------------------------------------
     def prefill(self, tokens: list[int], slot_id: int = 0, sampling: SamplingParams = GREEDY) -> ForwardResult:
         """Make `tokens` the slot's sequence (reusing the prefix it already holds) and predict the next token."""
-        return self._prefill([(slot_id, list(tokens), sampling)])[0]
+        items = [(slot_id, list(tokens), sampling)]
+        self._check_prefill(items, ["prompt"])
+        return self._run_prefill(items)[0]
 
     def decode_step(self, token: int, slot_id: int = 0, sampling: SamplingParams = GREEDY) -> ForwardResult:
         """Append one token to the slot's sequence and predict the next (with speculative_tokens > 0, maybe
@@ -98,20 +100,18 @@ class QwenEngine:
     # -- batch API -----------------------------------------------------------------------------
     def batch_prefill(self, requests: list[BatchedRequest]) -> BatchPrefillResult:
         """Prefill every request in ONE ragged forward (per prefill chunk); allocates missing slots."""
-        free = self._free_slots()
-        slots = [r.slot_id for r in requests if r.slot_id is not None]
-        need = sum(r.slot_id is None for r in requests)
-        if need > len([s for s in free if s not in slots]):
-            raise ValueError(f"{need} request(s) need a slot but only {len(free)} of {self.num_slots} are free")
+        taken = {r.slot_id for r in requests if r.slot_id is not None}
+        free = iter(s for s in self._free_slots() if s not in taken)
+        chosen = [r.slot_id if r.slot_id is not None else next(free, None) for r in requests]
+        if None in chosen:
+            raise ValueError(f"{chosen.count(None)} request(s) need a slot but only "
+                             f"{len(self._free_slots())} of {self.num_slots} are free")
+        items = [(s, r.prompt_tokens, r.sampling) for s, r in zip(chosen, requests)]
+        self._check_prefill(items, [f"request {r.request_id} prompt" for r in requests])
         for r in requests:
-            self._check_tokens(r.prompt_tokens, f"request {r.request_id} prompt")
-        planned = iter(s for s in free if s not in slots)
-        chosen = [r.slot_id if r.slot_id is not None else next(planned) for r in requests]
-        self._check_plan(chosen, [(s, r.prompt_tokens) for s, r in zip(chosen, requests)], prefill=True)
-        for r, s in zip(requests, chosen):
             if r.slot_id is None:
                 r.slot_id = self.allocate_slot(r.request_id)
-        results = self._prefill([(r.slot_id, r.prompt_tokens, r.sampling) for r in requests])
+        results = self._run_prefill(items)
         for r, res in zip(requests, results):
             r.generated_tokens = [res.next_token]
         return BatchPrefillResult(results)
@@ -205,10 +205,12 @@ class QwenEngine:
                 raise ValueError(f"slot {s} holds no sequence: prefill it before decode_step")
 
     # -- forward -------------------------------------------------------------------------------
-    def _prefill(self, items: list[tuple[int, list[int], SamplingParams]]) -> list[ForwardResult]:
-        for _, toks, _ in items:
-            self._check_tokens(toks, "prompt")
+    def _check_prefill(self, items: list[tuple[int, list[int], SamplingParams]], names: list[str]) -> None:
+        for (_, toks, _), name in zip(items, names):
+            self._check_tokens(toks, name)
         self._check_plan([s for s, _, _ in items], [(s, t) for s, t, _ in items], prefill=True)
+
+    def _run_prefill(self, items: list[tuple[int, list[int], SamplingParams]]) -> list[ForwardResult]:
         starts = [self._reuse_prefix(s, toks) for s, toks, _ in items]
         stride = self.prefix.stride_for_pieces() if self.prefix is not None else 0  # hybrid checkpoints land there
         pieces = [plan_pieces(p, len(t), self.options.prefill_chunk, stride) for (_, t, _), p in zip(items, starts)]
