@@ -4,6 +4,7 @@ DEVICE  ?= cpu
 DTYPE   ?= $(if $(filter cuda,$(DEVICE)),bfloat16,float32)
 MODELS  ?= tiny-qwen3 tiny-qwen2 tiny-qwen3_5
 MODEL   ?= tiny-qwen3
+ONE_OR_ALL = $(if $(filter command line,$(origin MODEL)),$(MODEL),$(MODELS))
 export PYTHONUNBUFFERED := 1
 
 .PHONY: test reports baseline lab bench clean
@@ -20,10 +21,11 @@ test: .venv/.installed
 
 reports: .venv/.installed
 	$(PY) -m pocketlab.verify.reports --device $(DEVICE) --dtype $(DTYPE) \
-		--models $(if $(filter command line,$(origin MODEL)),$(MODEL),$(MODELS))
+		--models $(ONE_OR_ALL)
 
 baseline: .venv/.installed
-	$(PY) -m pocketlab.verify.perf --write-baseline --device $(DEVICE) --dtype $(DTYPE) --model $(MODEL)
+	for m in $(ONE_OR_ALL); do \
+		$(PY) -m pocketlab.verify.perf --write-baseline --device $(DEVICE) --dtype $(DTYPE) --model $$m || exit 1; done
 
 bench: .venv/.installed
 	$(PY) -m pocketlab.bench --model $(MODEL)

@@ -6,7 +6,7 @@
 # bounded by what is left of the time budget, and a failing step never stops the next one.
 #
 # Knobs (env vars, defaults in brackets):
-#   STEPS            [tests bench baseline reports]  which steps run, in this order
+#   STEPS            [tests bench baseline extras reports]  which steps run, in this order
 #   MODELS           [qwen3-0.6b qwen3-8b qwen3.5-0.8b qwen3.5-9b]  benched, one after the other
 #   REPORT_MODELS    [qwen3-0.6b]       `make reports DEVICE=cuda MODEL=m` for each
 #   PEER_MODES       [eager,static]     HF peers (static = static cache + HF's compiled decode step)
@@ -20,7 +20,7 @@
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
-STEPS=${STEPS:-tests bench baseline reports}
+STEPS=${STEPS:-tests bench baseline extras reports}
 MODELS=${MODELS:-qwen3-0.6b qwen3-8b qwen3.5-0.8b qwen3.5-9b}
 REPORT_MODELS=${REPORT_MODELS:-qwen3-0.6b}
 PEER_MODES=${PEER_MODES:-eager,static}
@@ -100,7 +100,19 @@ if wants baseline; then
   done
 fi
 
-# -- 4. reports at real shape; the perf notebook reuses this run's bench JSON (POCKETLAB_BENCH_DIR) -----
+# -- 4. prefix-cache time to first token and MTP verify cost at real shapes (issues 6 and 7) -----------
+if wants extras; then
+  mkdir -p reports/gpu
+  step "prefix-cache TTFT qwen3-8b, qwen3.5-9b" 150 "$reserve" python3 -c "
+from pocketlab.verify.prefix import ttft
+for m in ('qwen3-8b', 'qwen3.5-9b'):
+    df = ttft(model=m); print(df.to_string()); df.to_csv(f'reports/gpu/ttft-{m}.csv', index=False)"
+  step "MTP verify cost qwen3.5-9b" 150 "$reserve" python3 -c "
+from pocketlab.verify.mtp import verify_cost
+df = verify_cost('qwen3.5-9b', batch_sizes=(1, 8)); print(df.to_string()); df.to_csv('reports/gpu/mtp-cost-qwen3.5-9b.csv', index=False)"
+fi
+
+# -- 5. reports at real shape; the perf notebook reuses this run's bench JSON (POCKETLAB_BENCH_DIR) -----
 if wants reports; then
   for m in $REPORT_MODELS; do
     # -o: the machine brings its own packages, so never (re)build the CPU venv the target depends on

@@ -70,11 +70,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     o = torch.empty(B, H, splits, D, device=q.device, dtype=torch.float32)
     lse = torch.empty(B, H, splits, device=q.device, dtype=torch.float32)
     G = H // kvh
+    # K and V tiles of 16 KiB each keep two pipeline stages well inside shared memory (fp32, head_dim 256 too)
+    block_n = max(16, min(64, 16384 // (D * k_cache.element_size())))
     _partial_attention[(B, kvh, splits)](
         q, k_cache, v_cache, slot_ids, lengths, o, lse, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
-        G=G, BLOCK_G=max(triton.next_power_of_2(G), 16), D=D, BLOCK_N=64, SPLIT_LEN=split_len,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+        G=G, BLOCK_G=max(triton.next_power_of_2(G), 16), D=D, BLOCK_N=block_n, SPLIT_LEN=split_len,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_stages=2)
     weights = torch.softmax(lse, dim=-1).nan_to_num_(0.0)  # splits past the end have lse = -inf
     return (o * weights[..., None]).sum(dim=2).to(q.dtype)
