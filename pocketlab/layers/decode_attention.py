@@ -7,6 +7,8 @@ torch epilogue merges the partial softmaxes.
 """
 import torch
 
+from .fused import cuda_compiled
+
 try:
     import triton
     import triton.language as tl
@@ -78,5 +80,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
         G=G, BLOCK_G=max(triton.next_power_of_2(G), 16), D=D, BLOCK_N=block_n, SPLIT_LEN=split_len,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_stages=2)
-    weights = torch.softmax(lse, dim=-1).nan_to_num_(0.0)  # splits past the end have lse = -inf
-    return (o * weights[..., None]).sum(dim=2).to(q.dtype)
+    return merge_splits(o, lse, q)
+
+
+@cuda_compiled
+def merge_splits(o: torch.Tensor, lse: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Combine the per-split softmaxes [B, H, S, D] by their log-sum-exps (one kernel on CUDA)."""
+    weights = torch.softmax(lse, dim=-1).nan_to_num(0.0)  # splits past the end have lse = -inf
+    return (o * weights[..., None]).sum(dim=2).to(like.dtype)

@@ -4,14 +4,23 @@ import torch
 from .fused import cuda_compiled
 
 
-@cuda_compiled
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
     """Normalise in float32 like HF does, so low-precision runs round the same way."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if offset:  # Qwen3.5 stores w with the 1 taken out
         return (xf * (1.0 + weight.float())).to(x.dtype)
     return weight * xf.to(x.dtype)
+
+
+rms_norm = cuda_compiled(_rms_norm)
+
+
+@cuda_compiled
+def add_rms_norm(x: torch.Tensor, update: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False):
+    """(x + update, its norm): the residual add and the next pre-norm in one kernel on CUDA."""
+    x = x + update
+    return x, _rms_norm(x, weight, eps, offset)
 
 
 @cuda_compiled

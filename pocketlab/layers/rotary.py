@@ -2,6 +2,7 @@
 import torch
 
 from .fused import cuda_compiled
+from .norm import _rms_norm
 
 
 class Rotary:
@@ -11,17 +12,24 @@ class Rotary:
         freqs = torch.outer(torch.arange(max_positions, device=device).float(), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
-        self.rotary_dim = rotary_dim
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [B, T, heads, head_dim]; positions: [B, T]."""
-        return apply_rotary(x, self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2))
+    def table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [B, T, 1, rotary_dim] for positions [B, T]: gathered once per forward, used by every layer."""
+        return self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)
 
 
-@cuda_compiled
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     rotary_dim = cos.shape[-1]
     rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
     half = rotary_dim // 2
     out = rot * cos + torch.cat((-rot[..., half:], rot[..., :half]), dim=-1) * sin
     return torch.cat((out, rest), dim=-1)
+
+
+@cuda_compiled
+def norm_and_rotate(q: torch.Tensor, k: torch.Tensor, q_norm, k_norm, cos: torch.Tensor, sin: torch.Tensor,
+                    eps: float, offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head q/k RMSNorm (Qwen3, Qwen3.5; None for Qwen2) then RoPE, as one kernel on CUDA."""
+    if q_norm is not None:
+        q, k = _rms_norm(q, q_norm, eps, offset), _rms_norm(k, k_norm, eps, offset)
+    return _apply_rotary(q, cos, sin), _apply_rotary(k, cos, sin)

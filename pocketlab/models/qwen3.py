@@ -10,8 +10,8 @@ from ..config import ModelConfig
 from ..layers.attention import cached_attention, write_kv
 from ..layers.decode_attention import available as decode_attention_available
 from ..layers.fused import cuda_compiled
-from ..layers.norm import rms_norm
-from ..layers.rotary import Rotary
+from ..layers.norm import add_rms_norm, rms_norm
+from ..layers.rotary import Rotary, norm_and_rotate
 
 
 class MLP:
@@ -52,10 +52,7 @@ class Attention:
             q, gate = q.view(B, T, self.nq, 2 * self.hd).chunk(2, dim=-1)
             gate = gate.reshape(B, T, self.nq * self.hd)
         q, k, v = q.reshape(B, T, self.nq, self.hd), k.view(B, T, self.nkv, self.hd), v.view(B, T, self.nkv, self.hd)
-        if self.q_norm is not None:
-            q = rms_norm(q, self.q_norm, self.cfg.rms_norm_eps, offset=self.gated)
-            k = rms_norm(k, self.k_norm, self.cfg.rms_norm_eps, offset=self.gated)
-        q, k = ctx["rotary"](q, ctx["positions"]), ctx["rotary"](k, ctx["positions"])
+        q, k = norm_and_rotate(q, k, self.q_norm, self.k_norm, *ctx["rope"], self.cfg.rms_norm_eps, self.gated)
         write_kv(cache.k[self.layer], cache.v[self.layer], k, v, batch, ctx["targets"])
         out = cached_attention(q, cache.k[self.layer], cache.v[self.layer], batch, ctx["mask"], self.hd ** -0.5)
         out = out.reshape(B, T, self.nq * self.hd)
@@ -88,7 +85,7 @@ class DecoderModel:
     def context(self, batch: ForwardBatch) -> dict:
         """Per-forward tensors shared by all layers (computed once, not per layer)."""
         one_token = batch.tokens.shape[1] == 1 and self.decode_kernel
-        return {"rotary": self.rotary, "positions": batch.positions, "targets": batch.write_targets(),
+        return {"rope": self.rotary.table(batch.positions), "targets": batch.write_targets(),
                 "mask": None if one_token else batch.attention_mask()}
 
     def forward(self, batch: ForwardBatch, cache: SlotCache) -> torch.Tensor:
@@ -96,10 +93,12 @@ class DecoderModel:
         eps, off = self.cfg.rms_norm_eps, self.norm_offset
         ctx = self.context(batch)
         x = F.embedding(batch.tokens, self.embed)
-        for norm1, mixer, norm2, mlp in self.layers:
-            x = x + mixer(rms_norm(x, norm1, eps, off), batch, cache, ctx)
-            x = x + mlp(rms_norm(x, norm2, eps, off))
-        return rms_norm(x, self.final_norm, eps, off)
+        h = rms_norm(x, self.layers[0][0], eps, off)
+        next_norms = [layer[0] for layer in self.layers[1:]] + [self.final_norm]
+        for (_, mixer, norm2, mlp), next_norm in zip(self.layers, next_norms):
+            x, h = add_rms_norm(x, mixer(h, batch, cache, ctx), norm2, eps, off)
+            x, h = add_rms_norm(x, mlp(h), next_norm, eps, off)
+        return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head).float()
