@@ -18,8 +18,9 @@ from .config import EngineOptions, ModelConfig
 
 class TokenHistory(list):
     """A slot's token list that remembers the lowest index changed since `changed_from` was last set.
-    Appending changes nothing below the old length; any other edit lowers the mark, so the prefix cache
-    drops exactly the checkpoints and hashed blocks that went stale, whoever made the edit."""
+    Appending changes nothing below the old length; the edits the engine makes (item assignment, `del`,
+    pop, clear) lower the mark, so the prefix cache drops exactly the checkpoints and hashed blocks that
+    went stale, whoever made the edit."""
 
     def __init__(self, tokens=()):
         super().__init__(tokens)
@@ -42,33 +43,13 @@ class TokenHistory(list):
         self._mark(self._first(i))
         super().__delitem__(i)
 
-    def insert(self, i, value):
-        self._mark(min(self._first(i), len(self)))
-        super().insert(i, value)
-
     def pop(self, i=-1):
         self._mark(self._first(i))
         return super().pop(i)
 
-    def remove(self, value):
-        self._mark(self.index(value))
-        super().remove(value)
-
     def clear(self):
         self._mark(0)
         super().clear()
-
-    def sort(self, *args, **kwargs):
-        self._mark(0)
-        super().sort(*args, **kwargs)
-
-    def reverse(self):
-        self._mark(0)
-        super().reverse()
-
-    def __imul__(self, n):
-        self._mark(0)
-        return super().__imul__(n)
 
 
 @dataclass

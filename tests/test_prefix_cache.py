@@ -295,8 +295,7 @@ def test_token_history_marks_the_lowest_change():
     t += [13]
     assert t.changed_from == 10 and len(t) == 14
     for edit, low in [(lambda: t.__delitem__(slice(8, None)), 8), (lambda: t.__setitem__(6, 0), 6),
-                      (lambda: t.pop(), 7), (lambda: t.insert(3, 1), 3), (lambda: t.__setitem__(-4, 9), 4),
-                      (lambda: t.remove(9), 4), (lambda: t.reverse(), 0), (lambda: t.clear(), 0)]:
+                      (lambda: t.pop(), 7), (lambda: t.__setitem__(-4, 9), 3), (lambda: t.clear(), 0)]:
         t.changed_from = len(t)
         edit()
         assert t.changed_from == low, low
