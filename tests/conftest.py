@@ -13,6 +13,15 @@ DTYPE = os.environ.get("POCKETLAB_DTYPE", "float32" if DEVICE == "cpu" else "bfl
 LOGIT_TOL = 1e-4 if DTYPE == "float32" else 0.05
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_thread():
+    """Tiny matmuls gain nothing from threads; on a busy 2-core box they cost several x."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory):
     """checkpoint(preset, **overrides) -> folder, written once per session."""

@@ -70,14 +70,6 @@ def reference_mtp(w, c, hidden, tokens, positions):
     return out @ head.T, out
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def ref(checkpoint):
     path = checkpoint(PRESET)

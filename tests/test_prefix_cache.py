@@ -21,15 +21,6 @@ def close(a, b):
     return (a.float() - b.float()).abs().max().item() <= tol
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls gain nothing from threads; on a busy 2-core box they cost several x (see verify.common)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def engines(make_engine):
     """(cached engine, cold reference) per preset, built once; each test starts from reset()."""

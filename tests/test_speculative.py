@@ -14,15 +14,6 @@ PROMPTS = [random_prompt(5, seed=31), random_prompt(9, seed=32), random_prompt(1
 NEW = 64
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls gain nothing from threads; on a busy 2-core box they cost several x (see verify.common)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def path(checkpoint):
     return checkpoint(PRESET)
