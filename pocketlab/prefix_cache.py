@@ -32,7 +32,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-import torch
 
 _SEED = 0x5EED
 

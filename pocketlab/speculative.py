@@ -39,7 +39,7 @@ counted; `Speculator.stats` has acceptance figures.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 

@@ -12,7 +12,6 @@ Drafters: "mtp" (the checkpoint's head), "oracle" (the known greedy continuation
 from __future__ import annotations
 
 import contextlib
-import math
 
 import pandas as pd
 import torch
@@ -22,7 +21,7 @@ from ..engine import BatchedRequest, QwenEngine
 from ..sampling import SamplingParams, filtered_probs
 from ..speculative import AdversarialDrafter, OracleDrafter
 from ..synthetic import PRESETS, build_hf_model, ensure_checkpoint, mtp_weights
-from .common import Report, as_pair, checkpoint_root, random_prompts, single_thread_on_cpu
+from .common import Report, checkpoint_root, random_prompts, single_thread_on_cpu
 
 DEFAULT_MODEL = "tiny-qwen3_5-mtp"
 DRAFTERS = ("mtp", "oracle", "adversarial", "oracle@0.5")

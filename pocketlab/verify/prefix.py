@@ -14,7 +14,6 @@ whole shared prefix for dense models; for hybrid models the nearest state checkp
 from __future__ import annotations
 
 import pandas as pd
-import torch
 
 from ..bench import Clock
 from ..sampling import SamplingParams
