@@ -30,15 +30,17 @@ BENCH_DIR_ENV = "POCKETLAB_BENCH_DIR"  # reuse a bench JSON from the same GPU ru
 # What the check measures, per device kind. CPU: tiny and fast (nbval runs it), many samples, one thread.
 # On the CPU only the ratios to the HF peer are judged: a tiny model's step is pure Python overhead, the DRAM
 # copy rate on a shared machine swings by 20% with the neighbours' traffic, and prefill against the matmul
-# calibration moved by up to 17% between back-to-back runs. Roofline and prefill are still shown.
+# calibration moved by up to 17% between back-to-back runs. Roofline and prefill are still shown. Even the
+# ratios moved by up to 8% between back-to-back runs of the tiny hybrid here, so the CPU tolerance is 15%;
+# the GPU keeps the 5% the perf contract asks for.
 SETTINGS = {
     "cpu": dict(batch_sizes=(1, 4, 16), prompt_lens=(64, 256), new_tokens=32, repeats=30, decode_repeats=3,
                 peer_modes=("eager",), peer_batch_sizes=None, threads=1, quantile=0.1, rounds=5,
-                kinds=("vs_hf",)),
+                kinds=("vs_hf",), tolerance=0.15),
     "cuda": dict(batch_sizes=(1, 4, 16, 32, 64), prompt_lens=(512, 4096), new_tokens=128, repeats=3,
                  peer_modes=("eager", "static"), peer_batch_sizes=(1, 32), peer_eager_new_tokens=32, peer_repeats=2,
                  threads=0, quantile=0.5, rounds=1,
-                 kinds=("vs_hf", "roofline", "prefill")),
+                 kinds=("vs_hf", "roofline", "prefill"), tolerance=TOLERANCE),
 }
 
 
@@ -60,7 +62,7 @@ def measure(model: str = "tiny-qwen3", device: str = "cpu", dtype: str = "", see
     """
     s = settings(device, **overrides)
     rounds = s.pop("rounds")
-    s.pop("kinds")
+    s.pop("kinds"), s.pop("tolerance")
     reused = reuse_bench(model, device, dtype)
     if reused is not None:
         return [reused]
@@ -112,8 +114,9 @@ def write_baseline(results: list[dict], kinds, path: Path) -> Path:
     """Store the judged figures (medians over rounds), the settings and the raw first round."""
     table = rounds_table(results, kinds)
     meta = results[0]["meta"]
-    doc = {"model": meta["config"]["model"], "device": meta["config"]["device"], "dtype": meta["config"]["dtype"],
-           "kinds": list(kinds), "tolerance": TOLERANCE, "figures": table["median"].to_dict(),
+    device = meta["config"]["device"]
+    doc = {"model": meta["config"]["model"], "device": device, "dtype": meta["config"]["dtype"],
+           "kinds": list(kinds), "tolerance": settings(device)["tolerance"], "figures": table["median"].to_dict(),
            "rounds": len(results), "meta": meta, "raw": results[0]}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1, default=str))
