@@ -447,6 +447,7 @@ def ints(text: str) -> tuple[int, ...]:
 
 
 def option(text: str) -> tuple[str, object]:
+    """KEY=VALUE from the command line; VALUE as a Python literal where it parses, else the string."""
     key, _, value = text.partition("=")
     try:
         return key, ast.literal_eval(value)

@@ -13,7 +13,6 @@ finishes but recorded passed=False is FAIL too. Any FAIL makes the command exit 
 from __future__ import annotations
 
 import argparse
-import ast
 import html
 import json
 import os
@@ -25,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..bench import option
 from .common import RECORD_ENV
 
 DEFAULT_MODELS = ["tiny-qwen3", "tiny-qwen2", "tiny-qwen3_5"]   # a new model family is one more name here
@@ -151,14 +151,6 @@ def _meta(args, models) -> dict:
                 torch=torch.__version__, transformers=transformers.__version__)
 
 
-def _param(text: str) -> tuple[str, object]:
-    key, _, value = text.partition("=")
-    try:
-        return key, ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        return key, value
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pocketlab.verify.reports", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="tiny-qwen3", help="one preset name or checkpoint folder")
@@ -181,7 +173,7 @@ def main(argv=None) -> int:
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    params = dict(device=args.device, dtype=args.dtype, seed=args.seed) | dict(map(_param, args.param))
+    params = dict(device=args.device, dtype=args.dtype, seed=args.seed) | dict(map(option, args.param))
     outcomes = []
     with tqdm(total=len(models) * len(books), desc="reports", unit="notebook") as bar:
         for model in models:
