@@ -100,7 +100,7 @@ class EngineOptions:
     device: str = "cpu"
     dtype: str = "float32"
     cuda_graphs: bool = True          # replay batch decode from captured graphs on CUDA
-    compile: bool = True              # fuse elementwise chains with torch.compile on CUDA
+    compile: bool = True              # fuse elementwise chains with torch.compile in captured decode graphs
     decode_attention: str = "auto"    # "triton" (live keys read in place), "sdpa", or "auto": triton on CUDA
     graph_batch_sizes: tuple[int, ...] = field(default=(1, 2, 4, 8, 16, 32, 64))
     speculative_tokens: int = 0       # drafts per decode step (MTP head), verified in one forward; 0: off

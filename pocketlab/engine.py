@@ -10,7 +10,6 @@ from .batch import ForwardBatch
 from .cache import SlotCache, Snapshot
 from .config import EngineOptions, ModelConfig
 from .graphs import DecodeGraphs
-from .layers import fused
 from .loader import load_weights, validate_weights
 from .models import build_model
 from .prefix_cache import PrefixCache, plan_pieces
@@ -67,7 +66,6 @@ class BatchDecodeResult:
 class QwenEngine:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], options: EngineOptions | None = None):
         self.cfg, self.options = cfg, options or EngineOptions()
-        fused.ENABLED["cuda"] = self.options.compile
         weights = validate_weights(dict(weights), cfg, self.options.device, self.options.torch_dtype)
         self.model = build_model(cfg, weights, self.options)
         self.cache = SlotCache(cfg, self.options)

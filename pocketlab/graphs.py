@@ -11,6 +11,7 @@ import bisect
 import torch
 
 from .batch import ForwardBatch
+from .layers import fused
 
 
 def key_buckets(max_seq_len: int, smallest: int = 128) -> list[int]:
@@ -27,7 +28,7 @@ class DecodeGraphs:
         self.model, self.cache = model, cache
         sizes = sorted({b for b in options.graph_batch_sizes if b < options.max_slots} | {options.max_slots})
         self.batch_sizes, self.key_sizes = sizes, key_buckets(options.max_seq_len)
-        self.device = options.device
+        self.device, self.compile = options.device, options.compile
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, ForwardBatch, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
@@ -54,11 +55,12 @@ class DecodeGraphs:
         batch.kv_len = kv
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up outside the graph (cuBLAS handles, autotuning)
-            self._step(batch)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self._step(batch)
+        with fused.compiled_kernels(self.compile):
+            with torch.cuda.stream(side):  # warm-up outside the graph (cuBLAS handles, compilation)
+                self._step(batch)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = self._step(batch)
         self.graphs[(b, kv)] = (graph, batch, out)
         return self.graphs[(b, kv)]

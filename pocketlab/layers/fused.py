@@ -1,20 +1,32 @@
-"""Elementwise chains fused by torch.compile on CUDA.
+"""Elementwise chains fused by torch.compile, inside captured CUDA-graph decode steps only.
 
 A decode step is hundreds of tiny kernels and each costs microseconds even inside a CUDA graph;
-compiling the elementwise chains (norms, rotary, SwiGLU) makes each one kernel. CPU runs them eagerly,
-so CI needs no compiler. Each call site (dtype, strides, batch of one or more) is its own compiled
-variant: the recompile limit is raised for that, and past it dynamo runs the function eagerly
-(fullgraph=False) instead of failing.
+compiling the elementwise chains (norms, rotary, SwiGLU, the split-softmax merge) makes each one kernel.
+Outside a graph the opposite holds: a compiled call costs far more host time than the few eager kernels
+it replaces (the first H200 run saw ~50 ms per eager prefill forward), so everything else, and the CPU,
+runs eagerly. Each call site (dtype, strides, batch of one or more) is its own compiled variant: the
+recompile limit is raised for that, and past it dynamo runs the function eagerly instead of failing.
 """
+import contextlib
 import functools
 
 import torch
 import torch._dynamo
 
-ENABLED = {"cuda": True}  # EngineOptions(compile=False) switches it off (process-wide)
+_state = {"on": False}
 for _name in ("recompile_limit", "cache_size_limit"):
     if hasattr(torch._dynamo.config, _name):
         setattr(torch._dynamo.config, _name, max(getattr(torch._dynamo.config, _name), 64))
+
+
+@contextlib.contextmanager
+def compiled_kernels(enabled: bool = True):
+    """Within this block, CUDA calls of the functions below run their compiled form (graph capture)."""
+    before, _state["on"] = _state["on"], enabled
+    try:
+        yield
+    finally:
+        _state["on"] = before
 
 
 def cuda_compiled(fn):
@@ -22,5 +34,5 @@ def cuda_compiled(fn):
 
     @functools.wraps(fn)
     def run(x, *args, **kwargs):
-        return (compiled if x.is_cuda and ENABLED["cuda"] else fn)(x, *args, **kwargs)
+        return (compiled if _state["on"] and x.is_cuda else fn)(x, *args, **kwargs)
     return run
