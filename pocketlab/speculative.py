@@ -302,7 +302,7 @@ class _StatesRule:
     def __call__(self, q, k, v, g, beta, S, lengths):
         outs, per = [], []
         for t in range(q.shape[1]):
-            live = (lengths > t).to(lengths.dtype)
+            live = None if lengths is None else (lengths > t).to(lengths.dtype)
             o, S = gated_delta_rule(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1],
                                     beta[:, t:t + 1], S, live)
             outs.append(o)

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from ..batch import ForwardBatch
 from ..cache import SlotCache
 from ..config import ModelConfig
+from ..layers.fused import cuda_compiled
 from ..layers.gated_delta import causal_conv1d, gated_delta_rule
 from ..layers.norm import gated_rms_norm
 from .qwen3 import Attention, DecoderModel
@@ -34,20 +35,26 @@ class GatedDeltaNet:
         conv, rec = cache.conv[self.layer], cache.rec[self.layer]
         conv0, rec0 = conv[batch.slot_ids], rec[batch.slot_ids]  # gathered copies: the states before this forward
         qkv_in = qkv
-        qkv, conv[batch.slot_ids] = causal_conv1d(qkv_in, conv0, self.conv_weight, batch.lengths)
+        lengths = batch.lengths if T > 1 else None  # one token per row is always real: skip the padding masks
+        qkv, conv[batch.slot_ids] = causal_conv1d(qkv_in, conv0, self.conv_weight, lengths)
         q, k, v = qkv.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
         group = self.hv // self.hk  # value head j reads key head j // group
         q = q.reshape(B, T, self.hk, self.dk).repeat_interleave(group, dim=2)
         k = k.reshape(B, T, self.hk, self.dk).repeat_interleave(group, dim=2)
         v = v.reshape(B, T, self.hv, self.dv)
-        g = self.neg_A * F.softplus(a.float() + self.dt_bias)
+        g, beta = decay_and_beta(a, b, self.neg_A, self.dt_bias)
         rule = ctx.get("delta_rule", gated_delta_rule)  # speculative verify may keep per-position states
-        beta = b.sigmoid()
-        o, rec[batch.slot_ids] = rule(q, k, v, g, beta, rec0, batch.lengths)
+        o, rec[batch.slot_ids] = rule(q, k, v, g, beta, rec0, lengths)
         if "gdn_log" in ctx:  # speculative verify: what rolling back to an accepted prefix needs
             ctx["gdn_log"][self.layer] = (qkv_in, conv0, (q, k, v, g, beta, rec0))
         o = gated_rms_norm(o, z.reshape(B, T, self.hv, self.dv), self.norm, self.cfg.rms_norm_eps)
         return F.linear(o.reshape(B, T, self.hv * self.dv), self.out)
+
+
+@cuda_compiled
+def decay_and_beta(a: torch.Tensor, b: torch.Tensor, neg_A: torch.Tensor, dt_bias: torch.Tensor):
+    """The delta rule's log-decay g = -exp(A_log) * softplus(a + dt_bias) (float32) and beta = sigmoid(b)."""
+    return neg_A * F.softplus(a.float() + dt_bias), b.sigmoid()
 
 
 class HybridModel(DecoderModel):
