@@ -5,6 +5,12 @@
 # Why one script: the GPU machine has no network and a short lease; one call does everything, each step
 # bounded by what is left of the time budget, and a failing step never stops the next one.
 #
+# One H200 call is limited to 10 minutes; the full run takes three (each with `.whl` carried):
+#   1. STEPS="tests bench" MODELS="qwen3-0.6b qwen3-8b"
+#   2. STEPS="bench extras" MODELS="qwen3.5-0.8b qwen3.5-9b"
+#   3. STEPS="baseline reports" MODELS="qwen3-0.6b qwen3-8b" REPORT_MODELS="qwen3-0.6b qwen3-8b"
+# then commit reports/bench, reports/gpu, reports/baseline and the per-model index from reports.tgz.
+#
 # Knobs (env vars, defaults in brackets):
 #   STEPS            [tests bench baseline extras reports]  which steps run, in this order
 #   MODELS           [qwen3-0.6b qwen3-8b qwen3.5-0.8b qwen3.5-9b]  benched, one after the other
@@ -15,7 +21,7 @@
 #   BENCH_ARGS       []                 extra `python -m pocketlab.bench` arguments for every model
 #   WRITE_BASELINE   [0]                1: overwrite reports/baseline/cuda-<model>.json from this run's bench
 #   BUDGET_S         [480]              wall-clock budget; a step gets min(its cap, what is left)
-#   BENCH_CAP_S      [200]  TESTS_CAP_S [120]  REPORTS_CAP_S [150]  (reports' time is reserved while benching)
+#   BENCH_CAP_S      [200]  TESTS_CAP_S [240]  REPORTS_CAP_S [150]  (reports' time is reserved while benching)
 #   OUT              [out]              folder whose files come back: gpu_run.log, summary.txt, reports.tgz
 set -u
 cd "$(dirname "$0")/.."
@@ -30,7 +36,7 @@ BENCH_ARGS=${BENCH_ARGS:-}
 WRITE_BASELINE=${WRITE_BASELINE:-0}
 BUDGET_S=${BUDGET_S:-480}
 BENCH_CAP_S=${BENCH_CAP_S:-200}
-TESTS_CAP_S=${TESTS_CAP_S:-120}
+TESTS_CAP_S=${TESTS_CAP_S:-240}
 REPORTS_CAP_S=${REPORTS_CAP_S:-150}
 START=$(date +%s)
 mkdir -p "$OUT" reports/bench
