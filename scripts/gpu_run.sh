@@ -6,10 +6,11 @@
 # bounded by what is left of the time budget, and a failing step never stops the next one.
 #
 # One H200 call is limited to 10 minutes; the full run takes three (each with `.whl` carried):
-#   1. STEPS="tests bench" MODELS="qwen3-0.6b qwen3-8b"
-#   2. STEPS="bench extras" MODELS="qwen3.5-0.8b qwen3.5-9b"
-#   3. STEPS="baseline reports" MODELS="qwen3-0.6b qwen3-8b" REPORT_MODELS="qwen3-0.6b qwen3-8b"
-# then commit reports/bench, reports/gpu, reports/baseline and the per-model index from reports.tgz.
+#   1. STEPS="tests bench baseline" MODELS="qwen3-0.6b qwen3-8b"
+#   2. STEPS="bench baseline extras" MODELS="qwen3.5-0.8b qwen3.5-9b"
+#   3. STEPS="reports" REPORT_MODELS="qwen3-0.6b qwen3-8b"
+# After each call unpack $OUT/reports.tgz here and commit reports/bench, reports/gpu and reports/baseline:
+# every call starts from your tree, so call 3's reports reuse the bench JSONs only once they are committed.
 #
 # Knobs (env vars, defaults in brackets):
 #   STEPS            [tests bench baseline extras reports]  which steps run, in this order
