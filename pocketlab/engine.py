@@ -1,6 +1,7 @@
 """QwenEngine: the slot API. Every slot owns its sequence; batch calls run ONE forward for all slots."""
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -192,7 +193,7 @@ class QwenEngine:
     def _check_plan(self, slots: list[int], seqs: list[tuple[int, list[int]]], prefill: bool) -> None:
         for s in slots:
             self._check_slot(s)
-        dup = sorted({s for s in slots if slots.count(s) > 1})
+        dup = sorted(s for s, n in Counter(slots).items() if n > 1)
         if dup:
             raise ValueError(f"slot(s) {dup} appear more than once in one batch; each slot runs one sequence")
         for s, toks in seqs:
