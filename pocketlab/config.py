@@ -96,7 +96,7 @@ class ModelConfig:
 class EngineOptions:
     max_slots: int = 4
     max_seq_len: int = 1024
-    prefill_chunk: int = 256          # longer prompts are prefilled in chunks of this many tokens
+    prefill_chunk: int = 2048         # longer prompts are prefilled in chunks of this many tokens
     device: str = "cpu"
     dtype: str = "float32"
     cuda_graphs: bool = True          # replay batch decode from captured graphs on CUDA
