@@ -45,8 +45,12 @@ def make_engine(checkpoint):
 
 def greedy_run(engine: QwenEngine, prompt: list[int], steps: int, slot_id: int = 0):
     """Prefill then `steps` greedy decodes on one slot: (tokens, [logits per step])."""
-    r = engine.prefill(prompt, slot_id=slot_id)
-    tokens, logits = [r.next_token], [r.logits]
+    return greedy_continue(engine, engine.prefill(prompt, slot_id=slot_id), steps, slot_id)
+
+
+def greedy_continue(engine: QwenEngine, first, steps: int, slot_id: int = 0):
+    """`steps` greedy decodes after the prefill result `first`: (tokens, [logits per step]) including it."""
+    tokens, logits = [first.next_token], [first.logits]
     for _ in range(steps):
         r = engine.decode_step(tokens[-1], slot_id=slot_id)
         tokens.append(r.next_token)

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from pocketlab import BatchedRequest, EngineOptions, QwenEngine
 from pocketlab.config import ModelConfig
 from pocketlab.speculative import MTPDrafter, choose
-from conftest import DEVICE, DTYPE, LOGIT_TOL, random_prompt
+from conftest import DEVICE, DTYPE, LOGIT_TOL, greedy_run, random_prompt
 
 PRESET = "tiny-qwen3_5-mtp"
 
@@ -146,14 +146,7 @@ class HalfRight(MTPDrafter):
 def greedy_reference(path, prompts, steps):
     eng = QwenEngine.from_pretrained(path, EngineOptions(max_slots=len(prompts), max_seq_len=128, prefill_chunk=8,
                                                          device=DEVICE, dtype=DTYPE))
-    out = []
-    for s, p in enumerate(prompts):
-        r = eng.prefill(p, slot_id=s)
-        seq = list(p) + [r.next_token]
-        for _ in range(steps):
-            seq.append(eng.decode_step(seq[-1], slot_id=s).next_token)
-        out.append(seq)
-    return out
+    return [list(p) + greedy_run(eng, p, steps, slot_id=s)[0] for s, p in enumerate(prompts)]
 
 
 @pytest.mark.parametrize("k", [1, 3])

@@ -8,7 +8,7 @@ from pocketlab import BatchedRequest, verify
 from pocketlab import prefix_cache as pc
 from pocketlab.verify import prefix as vprefix
 from pocketlab.cache import TokenHistory
-from conftest import DTYPE, LOGIT_TOL, greedy_run, random_prompt
+from conftest import DTYPE, LOGIT_TOL, greedy_continue, greedy_run, random_prompt
 
 PRESETS = ["tiny-qwen3", "tiny-qwen3_5"]
 STRIDE, BLOCK, CHUNK = 8, 4, 16
@@ -43,12 +43,7 @@ def cold_run(cold, prompt, steps):
 
 def run(eng, prompt, steps, slot):
     r = eng.prefill(prompt, slot_id=slot)
-    tokens, logits = [r.next_token], [r.logits]
-    for _ in range(steps):
-        d = eng.decode_step(tokens[-1], slot_id=slot)
-        tokens.append(d.next_token)
-        logits.append(d.logits)
-    return tokens, torch.stack(logits), r.reused_tokens, r.computed_tokens
+    return (*greedy_continue(eng, r, steps, slot), r.reused_tokens, r.computed_tokens)
 
 
 def check(eng, cold, prompt, slot, expected_reused, steps=3):

@@ -21,7 +21,7 @@ from ..engine import BatchedRequest, QwenEngine
 from ..sampling import SamplingParams, filtered_probs
 from ..speculative import AdversarialDrafter, OracleDrafter
 from ..synthetic import PRESETS, build_hf_model, ensure_checkpoint, mtp_weights
-from .common import Report, checkpoint_root, random_prompts, single_thread_on_cpu
+from .common import Report, checkpoint_root, random_prompts, single_thread_on_cpu, solo_run
 
 DEFAULT_MODEL = "tiny-qwen3_5-mtp"
 DRAFTERS = ("mtp", "oracle", "adversarial", "oracle@0.5")
@@ -65,11 +65,7 @@ def plain_greedy(eng: QwenEngine, prompts: list[list[int]], new_tokens: int) -> 
     out = []
     with plain(eng):
         for s, p in enumerate(prompts):
-            r = eng.prefill(p, slot_id=s)
-            seq = list(p) + [r.next_token]
-            for _ in range(new_tokens):
-                seq.append(eng.decode_step(seq[-1], slot_id=s).next_token)
-            out.append(seq)
+            out.append(list(p) + solo_run(eng, p, new_tokens, slot=s).tokens)
             eng.reset(s)
     return out
 
