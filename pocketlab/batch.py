@@ -48,14 +48,14 @@ class ForwardBatch:
         """[B, T] True for real tokens."""
         return torch.arange(self.tokens.shape[1], device=self.tokens.device) < self.lengths[:, None]
 
-    def write_targets(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def write_targets(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(slot, position) [B, T] where each token's K/V goes: its own slot, or the scratch slot for padding."""
         valid = self.valid
         slots = torch.where(valid, self.slot_ids[:, None], self.scratch_slot)
         t = torch.arange(self.tokens.shape[1], device=self.tokens.device).expand_as(valid)
-        return slots, torch.where(valid, self.positions, t)
+        return slots, torch.where(valid, positions, t)
 
-    def attention_mask(self) -> torch.Tensor:
+    def attention_mask(self, positions: torch.Tensor) -> torch.Tensor:
         """[B, 1, T, kv_len] causal mask over each slot's cached keys plus the new ones."""
         keys = torch.arange(self.kv_len, device=self.tokens.device)
-        return keys[None, None, None, :] <= self.positions[:, None, :, None]
+        return keys[None, None, None, :] <= positions[:, None, :, None]

@@ -85,8 +85,9 @@ class DecoderModel:
     def context(self, batch: ForwardBatch) -> dict:
         """Per-forward tensors shared by all layers (computed once, not per layer)."""
         one_token = batch.tokens.shape[1] == 1 and self.decode_kernel
-        return {"rope": self.rotary.table(batch.positions), "targets": batch.write_targets(),
-                "mask": None if one_token else batch.attention_mask()}
+        positions = batch.positions
+        return {"rope": self.rotary.table(positions), "targets": batch.write_targets(positions),
+                "mask": None if one_token else batch.attention_mask(positions)}
 
     def forward(self, batch: ForwardBatch, cache: SlotCache) -> torch.Tensor:
         """Final-normed hidden states [B, T, hidden] for every token of the batch."""
