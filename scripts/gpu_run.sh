@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole GPU run in one script, from the repo root on the H200 machine (DESIGN §6-7):
-#   tests on CUDA bf16 -> pocketlab.bench per model -> perf baselines (only where missing) -> make reports
+#   kernel profile -> tests on CUDA bf16 -> pocketlab.bench per model -> perf baselines (only where missing) -> make reports
 #   -> reports/ tarred into $OUT.
 # Why one script: the GPU machine has no network and a short lease; one call does everything, each step
 # bounded by what is left of the time budget, and a failing step never stops the next one.
@@ -13,7 +13,7 @@
 # every call starts from your tree, so call 3's reports reuse the bench JSONs only once they are committed.
 #
 # Knobs (env vars, defaults in brackets):
-#   STEPS            [tests bench baseline extras reports]  which steps run, in this order
+#   STEPS            [profile tests bench baseline extras reports]  which steps run, in this order
 #   MODELS           [qwen3-0.6b qwen3-8b qwen3.5-0.8b qwen3.5-9b]  benched, one after the other
 #   REPORT_MODELS    [qwen3-0.6b]       `make reports DEVICE=cuda MODEL=m` for each
 #   PEER_MODES       [eager,static]     HF peers (static = static cache + HF's compiled decode step)
@@ -27,7 +27,7 @@
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
-STEPS=${STEPS:-tests bench baseline extras reports}
+STEPS=${STEPS:-profile tests bench baseline extras reports}
 MODELS=${MODELS:-qwen3-0.6b qwen3-8b qwen3.5-0.8b qwen3.5-9b}
 REPORT_MODELS=${REPORT_MODELS:-qwen3-0.6b}
 PEER_MODES=${PEER_MODES:-eager,static}
@@ -83,9 +83,16 @@ export PATH="/tmp/site/bin:$PATH" PYTHONUNBUFFERED=1 TQDM_MININTERVAL=5 TRANSFOR
 reserve=0
 wants reports && reserve=$REPORTS_CAP_S
 
+# -- 0. where a decode step's GPU time goes (kernel table, graphs on and off), per model -------------
+if wants profile; then
+  for m in $MODELS; do
+    step "profile $m" 120 "$reserve" python3 -m pocketlab.profile --model "$m" --batch-sizes 1,32
+  done
+fi
+
 # -- 1. unit tests on CUDA (bf16 where a test supports it) ----------------------------------------
 wants tests && step "pytest tests (POCKETLAB_DEVICE=cuda)" "$TESTS_CAP_S" "$reserve" \
-  env POCKETLAB_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests
+  env POCKETLAB_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider --tb=short -rfE tests
 
 # -- 2. bench each model; JSON rewritten after every task, so a timeout keeps what was measured -------
 if wants bench; then
