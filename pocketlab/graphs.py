@@ -29,7 +29,7 @@ class DecodeGraphs:
         sizes = sorted({b for b in options.graph_batch_sizes if b < options.max_slots} | {options.max_slots})
         self.batch_sizes, self.key_sizes = sizes, key_buckets(options.max_seq_len)
         self.device, self.compile = options.device, options.compile
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, ForwardBatch, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
     def logits(self, seqs: list[tuple[int, int, list[int]]]) -> torch.Tensor:
@@ -37,12 +37,11 @@ class DecodeGraphs:
         B = len(seqs)
         b = self.batch_sizes[bisect.bisect_left(self.batch_sizes, B)]
         kv = self.key_sizes[bisect.bisect_left(self.key_sizes, max(p for _, p, _ in seqs) + 1)]
-        graph, batch, out = self.graphs.get((b, kv)) or self._capture(b, kv)
-        rows = [(t[0], s, p) for s, p, t in seqs] + [(0, self.cache.scratch, 0)] * (b - B)
-        inputs = torch.tensor(rows, dtype=torch.long).to(self.device)
-        batch.tokens[:, 0].copy_(inputs[:, 0])
-        batch.slot_ids.copy_(inputs[:, 1])
-        batch.start.copy_(inputs[:, 2])
+        graph, inputs, out = self.graphs.get((b, kv)) or self._capture(b, kv)
+        pad = b - B
+        inputs.copy_(torch.tensor([[t[0] for _, _, t in seqs] + [0] * pad,
+                                   [s for s, _, _ in seqs] + [self.cache.scratch] * pad,
+                                   [p for _, p, _ in seqs] + [0] * pad]))  # one host-to-device copy
         graph.replay()
         return out[:B].clone()  # the static buffer is overwritten by the next replay
 
@@ -50,9 +49,12 @@ class DecodeGraphs:
         return self.model.logits(self.model.forward(batch, self.cache)[:, 0])
 
     def _capture(self, b: int, kv: int):
-        filler = [(self.cache.scratch, 0, [0])] * b
-        batch = ForwardBatch.build(filler, self.cache.scratch, self.device)
-        batch.kv_len = kv
+        # tokens, slot ids and start positions live in one static [3, b] buffer; filler rows: the scratch slot
+        inputs = torch.zeros(3, b, dtype=torch.long, device=self.device)
+        inputs[1] = self.cache.scratch
+        batch = ForwardBatch(tokens=inputs[0, :, None], slot_ids=inputs[1], start=inputs[2],
+                             lengths=torch.ones(b, dtype=torch.long, device=self.device), kv_len=kv,
+                             scratch_slot=self.cache.scratch)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with fused.compiled_kernels(self.compile):
@@ -62,5 +64,5 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 out = self._step(batch)
-        self.graphs[(b, kv)] = (graph, batch, out)
+        self.graphs[(b, kv)] = (graph, inputs, out)
         return self.graphs[(b, kv)]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole GPU run in one script, from the repo root on the H200 machine (DESIGN §6-7):
-#   kernel profile -> tests on CUDA bf16 -> pocketlab.bench per model -> perf baselines (only where missing) -> make reports
+#   kernel profile -> tests on CUDA (float32) -> pocketlab.bench per model -> perf baselines (only where missing) -> make reports
 #   -> reports/ tarred into $OUT.
 # Why one script: the GPU machine has no network and a short lease; one call does everything, each step
 # bounded by what is left of the time budget, and a failing step never stops the next one.
@@ -9,6 +9,9 @@
 #   1. STEPS="tests bench baseline" MODELS="qwen3-0.6b qwen3-8b"
 #   2. STEPS="bench baseline extras" MODELS="qwen3.5-0.8b qwen3.5-9b"
 #   3. STEPS="reports" REPORT_MODELS="qwen3-0.6b qwen3-8b"
+# On a two-GPU machine (kind nvidia-h200-x2) run two lanes at once, one per GPU, each with its own OUT:
+#   (CUDA_VISIBLE_DEVICES=0 OUT=$OUT/a STEPS=... bash scripts/gpu_run.sh &
+#    CUDA_VISIBLE_DEVICES=1 OUT=$OUT/b STEPS=... bash scripts/gpu_run.sh; wait) >/dev/null; cat $OUT/*/summary.txt
 # After each call unpack $OUT/reports.tgz here and commit reports/bench, reports/gpu and reports/baseline:
 # every call starts from your tree, so call 3's reports reuse the bench JSONs only once they are committed.
 #
@@ -16,6 +19,7 @@
 #   STEPS            [profile tests bench baseline extras reports]  which steps run, in this order
 #   MODELS           [qwen3-0.6b qwen3-8b qwen3.5-0.8b qwen3.5-9b]  benched, one after the other
 #   REPORT_MODELS    [qwen3-0.6b]       `make reports DEVICE=cuda MODEL=m` for each
+#   TTFT_MODELS      [qwen3-8b qwen3.5-9b]  MTP_MODELS [qwen3.5-9b]   the extras step's models
 #   PEER_MODES       [eager,static]     HF peers (static = static cache + HF's compiled decode step)
 #   EAGER_NEW_TOKENS [32]               HF eager decodes ~14 tok/s at batch 1: capped (recorded in the JSON)
 #   PEER_REPEATS     [2]
@@ -30,6 +34,8 @@ OUT=${OUT:-out}
 STEPS=${STEPS:-profile tests bench baseline extras reports}
 MODELS=${MODELS:-qwen3-0.6b qwen3-8b qwen3.5-0.8b qwen3.5-9b}
 REPORT_MODELS=${REPORT_MODELS:-qwen3-0.6b}
+TTFT_MODELS=${TTFT_MODELS:-qwen3-8b qwen3.5-9b}
+MTP_MODELS=${MTP_MODELS:-qwen3.5-9b}
 PEER_MODES=${PEER_MODES:-eager,static}
 EAGER_NEW_TOKENS=${EAGER_NEW_TOKENS:-32}
 PEER_REPEATS=${PEER_REPEATS:-2}
@@ -67,8 +73,10 @@ step() {
 }
 
 # -- environment: the carried wheels (papermill, nbval, fla, ...) and pocketlab from this checkout --------
-if [ ! -d /tmp/site/papermill ] && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -3 | tee -a "$LOG"
+# (under a lock: two lanes, one per GPU, may start together; see the two-GPU line above)
+if ls .whl/*.whl >/dev/null 2>&1; then
+  flock /tmp/site.lock sh -c '[ -d /tmp/site/papermill ] ||
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl' 2>&1 | tail -3 | tee -a "$LOG"
 fi
 export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" JUPYTER_PATH=/tmp/site/share/jupyter
 export PATH="/tmp/site/bin:$PATH" PYTHONUNBUFFERED=1 TQDM_MININTERVAL=5 TRANSFORMERS_NO_ADVISORY_WARNINGS=1
@@ -90,9 +98,10 @@ if wants profile; then
   done
 fi
 
-# -- 1. unit tests on CUDA (bf16 where a test supports it) ----------------------------------------
+# -- 1. unit tests on CUDA in float32 (the contracts; bf16 is judged at real shapes by the reports), 4 workers;
+#       each failure printed as it happens, so a run cut by its limit still says what failed -----------
 wants tests && step "pytest tests (POCKETLAB_DEVICE=cuda)" "$TESTS_CAP_S" "$reserve" \
-  env POCKETLAB_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider --tb=short -rfE tests
+  env POCKETLAB_DEVICE=cuda POCKETLAB_INSTAFAIL=1 python3 -m pytest -q -p no:cacheprovider -n 4 --tb=short tests
 
 # -- 2. bench each model; JSON rewritten after every task, so a timeout keeps what was measured -------
 if wants bench; then
@@ -117,13 +126,16 @@ fi
 # -- 4. prefix-cache time to first token and MTP verify cost at real shapes (issues 6 and 7) -----------
 if wants extras; then
   mkdir -p reports/gpu
-  step "prefix-cache TTFT qwen3-8b, qwen3.5-9b" 150 "$reserve" python3 -c "
+  for m in $TTFT_MODELS; do
+    step "prefix-cache TTFT $m" 150 "$reserve" python3 -c "
 from pocketlab.verify.prefix import ttft
-for m in ('qwen3-8b', 'qwen3.5-9b'):
-    df = ttft(model=m); print(df.to_string()); df.to_csv(f'reports/gpu/ttft-{m}.csv', index=False)"
-  step "MTP verify cost qwen3.5-9b" 150 "$reserve" python3 -c "
+df = ttft(model='$m'); print(df.to_string()); df.to_csv('reports/gpu/ttft-$m.csv', index=False)"
+  done
+  for m in $MTP_MODELS; do
+    step "MTP verify cost $m" 150 "$reserve" python3 -c "
 from pocketlab.verify.mtp import verify_cost
-df = verify_cost('qwen3.5-9b', batch_sizes=(1, 8)); print(df.to_string()); df.to_csv('reports/gpu/mtp-cost-qwen3.5-9b.csv', index=False)"
+df = verify_cost('$m', batch_sizes=(1, 8)); print(df.to_string()); df.to_csv('reports/gpu/mtp-cost-$m.csv', index=False)"
+  done
 fi
 
 # -- 5. reports at real shape; the perf notebook reuses this run's bench JSON (POCKETLAB_BENCH_DIR) -----

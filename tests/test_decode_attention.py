@@ -12,19 +12,31 @@ pytestmark = pytest.mark.skipif(da.triton is None or not (on_gpu or interpreted)
                                 reason="needs Triton on a GPU (or TRITON_INTERPRET=1)")
 
 
-@pytest.mark.parametrize("heads,kv_heads,dim,max_len", [(16, 8, 128, 600), (8, 2, 256, 300), (4, 2, 16, 64)])
-def test_matches_reference(heads, kv_heads, dim, max_len):
+@pytest.mark.parametrize("heads,kv_heads,dim,max_len", [(16, 8, 128, 600), (8, 2, 256, 300), (4, 2, 16, 64),
+                                                       (4, 1, 16, 2000)])
+def test_matches_reference_and_stores_the_new_token(heads, kv_heads, dim, max_len):
     dev = "cuda" if on_gpu else "cpu"
-    gen = torch.Generator(device="cpu").manual_seed(0)
+    gen = torch.Generator(device="cpu").manual_seed(max_len)
     k_cache, v_cache = (torch.randn(4, kv_heads, max_len, dim, generator=gen).to(dev) for _ in range(2))
     q = torch.randn(3, heads, dim, generator=gen).to(dev)
+    k_new, v_new = (torch.randn(3, kv_heads, dim, generator=gen).to(dev) for _ in range(2))
     slots, lengths = torch.tensor([2, 0, 3], device=dev), torch.tensor([max_len - 5, 1, 37], device=dev)
-    out = da.decode_attention(q, k_cache, v_cache, slots, lengths, max_len, dim ** -0.5, split_len=128)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    k_ref[slots, :, lengths - 1], v_ref[slots, :, lengths - 1] = k_new, v_new
+    out = da.decode_attention(q, k_new, v_new, k_cache, v_cache, slots, lengths, max_len, dim ** -0.5)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)  # the new token stored, nothing else touched
     for b in range(3):
-        k = k_cache[slots[b], :, :lengths[b]].repeat_interleave(heads // kv_heads, 0)
-        v = v_cache[slots[b], :, :lengths[b]].repeat_interleave(heads // kv_heads, 0)
+        k = k_ref[slots[b], :, :lengths[b]].repeat_interleave(heads // kv_heads, 0)
+        v = v_ref[slots[b], :, :lengths[b]].repeat_interleave(heads // kv_heads, 0)
         probs = torch.softmax(torch.einsum("hd,hnd->hn", q[b], k) * dim ** -0.5, -1)
         assert (out[b] - torch.einsum("hn,hnd->hd", probs, v)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("programs,max_len", [(1, 128), (8, 4096), (256, 4096), (2048, 64), (1, 10**6)])
+def test_splits_are_whole_blocks_and_few(programs, max_len):
+    split = da.split_length(programs, max_len, 64)
+    splits = -(-max_len // split)
+    assert split % 64 == 0 and splits <= 64 and (splits == 1 or programs * (splits - 1) < 256)
 
 
 def test_engine_decodes_the_same_with_either_attention(make_engine):

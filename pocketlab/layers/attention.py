@@ -14,19 +14,29 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache[slots, :, positions] = v
 
 
-def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
-                     mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """q: [B, T, H, hd] -> [B, T, H, hd], attending to cache[slot, :, :kv_len] under `mask` [B,1,T,kv_len].
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           batch: ForwardBatch, ctx: dict, scale: float) -> torch.Tensor:
+    """Store the new k, v [B, T, kv_heads, hd] in the cache, then attend: q [B, T, H, hd] -> [B, T, H, hd].
 
-    mask None means one query per sequence on CUDA: the Triton kernel reads each slot's live keys in place.
+    ctx["mask"] None means one query per sequence on CUDA: the Triton kernel stores the token's K/V and
+    reads each slot's live keys in place, in one launch.
+    """
+    if ctx["mask"] is None:
+        out = decode_attention(q[:, 0], k[:, 0], v[:, 0], k_cache, v_cache, batch.slot_ids, ctx["lengths"],
+                               batch.kv_len, scale)
+        return out[:, None]
+    write_kv(k_cache, v_cache, k, v, batch, ctx["targets"])
+    return cached_attention(q, k_cache, v_cache, batch, ctx["mask"], scale)
+
+
+def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
+                     mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [B, T, H, hd] -> [B, T, H, hd], attending to cache[slot, :, :kv_len] under `mask` [B,1,T,kv_len].
 
     Grouped-query heads are folded into the query rows ([B, kv_heads, G*T, hd]) so K/V are never
     repeated in memory.
     """
     B, T, H, hd = q.shape
-    if mask is None:
-        out = decode_attention(q[:, 0], k_cache, v_cache, batch.slot_ids, batch.start + 1, batch.kv_len, scale)
-        return out[:, None]
     kvh = k_cache.shape[1]
     G = H // kvh
     k = k_cache[batch.slot_ids, :, :batch.kv_len]

@@ -264,11 +264,12 @@ def gated_delta_rule(
     fla's kernels take raw q/k and normalise them in-kernel (use_qk_l2norm_in_kernel=True, eps 1e-6), apply
     `scale` to q afterwards, take g as log-decay and keep the state as [B, H, dk, dv] float32, which is exactly
     our contract. Arguments go by keyword because fla's positional order differs between its two entry points
-    (fused_recurrent has gk/gv before beta).
+    (fused_recurrent has gk/gv before beta). float32 prompts run our chunk code: fla's chunk kernels multiply
+    in TF32 there (~1e-3 off), which would break the float32 parity contract.
     """
     ops = _fla_ops(q.device)
     T = q.shape[1]
-    if ops is None:
+    if ops is None or (T > 1 and v.dtype == torch.float32):  # fla's chunk kernels take TF32 dots in float32
         if T == 1:
             return recurrent_gated_delta_rule(q, k, v, g, beta, initial_state, lengths)
         return chunk_gated_delta_rule(q, k, v, g, beta, initial_state, lengths)

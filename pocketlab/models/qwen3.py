@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from ..batch import ForwardBatch
 from ..cache import SlotCache
 from ..config import ModelConfig
-from ..layers.attention import cached_attention, write_kv
+from ..layers.attention import attend
 from ..layers.decode_attention import available as decode_attention_available
 from ..layers.fused import cuda_compiled
 from ..layers.norm import add_rms_norm, rms_norm
@@ -53,8 +53,7 @@ class Attention:
             gate = gate.reshape(B, T, self.nq * self.hd)
         q, k, v = q.reshape(B, T, self.nq, self.hd), k.view(B, T, self.nkv, self.hd), v.view(B, T, self.nkv, self.hd)
         q, k = norm_and_rotate(q, k, self.q_norm, self.k_norm, *ctx["rope"], self.cfg.rms_norm_eps, self.gated)
-        write_kv(cache.k[self.layer], cache.v[self.layer], k, v, batch, ctx["targets"])
-        out = cached_attention(q, cache.k[self.layer], cache.v[self.layer], batch, ctx["mask"], self.hd ** -0.5)
+        out = attend(q, k, v, cache.k[self.layer], cache.v[self.layer], batch, ctx, self.hd ** -0.5)
         out = out.reshape(B, T, self.nq * self.hd)
         if self.gated:
             out = out * torch.sigmoid(gate)
@@ -84,10 +83,11 @@ class DecoderModel:
 
     def context(self, batch: ForwardBatch) -> dict:
         """Per-forward tensors shared by all layers (computed once, not per layer)."""
-        one_token = batch.tokens.shape[1] == 1 and self.decode_kernel
         positions = batch.positions
+        if batch.tokens.shape[1] == 1 and self.decode_kernel:  # the decode kernel writes K/V itself
+            return {"rope": self.rotary.table(positions), "mask": None, "lengths": batch.start + 1}
         return {"rope": self.rotary.table(positions), "targets": batch.write_targets(positions),
-                "mask": None if one_token else batch.attention_mask(positions)}
+                "mask": batch.attention_mask(positions)}
 
     def forward(self, batch: ForwardBatch, cache: SlotCache) -> torch.Tensor:
         """Final-normed hidden states [B, T, hidden] for every token of the batch."""
