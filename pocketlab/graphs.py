@@ -39,9 +39,9 @@ class DecodeGraphs:
         kv = self.key_sizes[bisect.bisect_left(self.key_sizes, max(p for _, p, _ in seqs) + 1)]
         graph, inputs, out = self.graphs.get((b, kv)) or self._capture(b, kv)
         pad = b - B
-        inputs.copy_(torch.tensor([[t[0] for _, _, t in seqs] + [0] * pad,
-                                   [s for s, _, _ in seqs] + [self.cache.scratch] * pad,
-                                   [p for _, p, _ in seqs] + [0] * pad]))  # one host-to-device copy
+        inputs[:3].copy_(torch.tensor([[t[0] for _, _, t in seqs] + [0] * pad,
+                                       [s for s, _, _ in seqs] + [self.cache.scratch] * pad,
+                                       [p for _, p, _ in seqs] + [0] * pad]))  # one host-to-device copy
         graph.replay()
         return out[:B].clone()  # the static buffer is overwritten by the next replay
 
@@ -49,12 +49,12 @@ class DecodeGraphs:
         return self.model.logits(self.model.forward(batch, self.cache)[:, 0])
 
     def _capture(self, b: int, kv: int):
-        # tokens, slot ids and start positions live in one static [3, b] buffer; filler rows: the scratch slot
-        inputs = torch.zeros(3, b, dtype=torch.long, device=self.device)
-        inputs[1] = self.cache.scratch
-        batch = ForwardBatch(tokens=inputs[0, :, None], slot_ids=inputs[1], start=inputs[2],
-                             lengths=torch.ones(b, dtype=torch.long, device=self.device), kv_len=kv,
-                             scratch_slot=self.cache.scratch)
+        # Rows: tokens, slot ids, start positions, lengths (all 1). One static buffer that the graph reads and
+        # that outlives it (a tensor freed after capture would be reused under the graph); filler: scratch slot.
+        inputs = torch.zeros(4, b, dtype=torch.long, device=self.device)
+        inputs[1], inputs[3] = self.cache.scratch, 1
+        batch = ForwardBatch(tokens=inputs[0, :, None], slot_ids=inputs[1], start=inputs[2], lengths=inputs[3],
+                             kv_len=kv, scratch_slot=self.cache.scratch)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with fused.compiled_kernels(self.compile):
