@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from pocketlab import BatchedRequest, EngineOptions, QwenEngine
 from pocketlab.config import ModelConfig
+from pocketlab.layers.gated_delta import backend_name
 from pocketlab.speculative import MTPDrafter, choose
 from conftest import DEVICE, DTYPE, LOGIT_TOL, greedy_run, random_prompt
 
@@ -72,6 +73,9 @@ def reference_mtp(w, c, hidden, tokens, positions):
 
 @pytest.fixture(scope="module")
 def ref(checkpoint):
+    if backend_name("cuda") == "fla":  # seen on the H200 machine, transformers 5.17 + fla 0.6
+        pytest.skip("HF's Qwen3.5 hands CPU tensors to fla's Triton kernels when fla is installed; this float32 "
+                    "reference runs where fla is absent (CI)")
     path = checkpoint(PRESET)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     cfg = json.loads((path / "config.json").read_text())
