@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
 # The whole GPU run in one script, from the repo root on the H200 machine (DESIGN §6-7):
-#   kernel profile -> tests on CUDA (float32) -> pocketlab.bench per model -> perf baselines (only where missing) -> make reports
-#   -> reports/ tarred into $OUT.
+#   kernel profile -> tests on CUDA (float32) -> pocketlab.bench per model -> perf baselines (only where
+#   missing) -> prefix-cache TTFT and MTP cost -> make reports -> reports/ tarred into $OUT.
 # Why one script: the GPU machine has no network and a short lease; one call does everything, each step
 # bounded by what is left of the time budget, and a failing step never stops the next one.
 #
-# One H200 call is limited to 10 minutes; the full run takes three (each with `.whl` carried):
-#   1. STEPS="tests bench baseline" MODELS="qwen3-0.6b qwen3-8b"
-#   2. STEPS="bench baseline extras" MODELS="qwen3.5-0.8b qwen3.5-9b"
-#   3. STEPS="reports" REPORT_MODELS="qwen3-0.6b qwen3-8b"
-# On a two-GPU machine (kind nvidia-h200-x2) run two lanes at once, one per GPU, each with its own OUT:
-#   (CUDA_VISIBLE_DEVICES=0 OUT=$OUT/a STEPS=... bash scripts/gpu_run.sh &
-#    CUDA_VISIBLE_DEVICES=1 OUT=$OUT/b STEPS=... bash scripts/gpu_run.sh; wait) >/dev/null; cat $OUT/*/summary.txt
+# One call is limited to 10 minutes. Seen on 2026-11-30: tests ~90 s (4 workers), bench ~2 min (0.6B) to
+# ~3 min (8B), extras ~1 min per model, `make reports` at the 8B shape > 150 s. On a two-GPU machine (kind
+# nvidia-h200-x2) run two lanes at once, one per GPU, each with its own OUT, e.g.
+#   (CUDA_VISIBLE_DEVICES=0 OUT=$OUT/a STEPS=... MODELS=... bash scripts/gpu_run.sh &
+#    CUDA_VISIBLE_DEVICES=1 OUT=$OUT/b STEPS=... MODELS=... bash scripts/gpu_run.sh; wait) >/dev/null
+# Plan (each line one x2 call, `.whl` carried):
+#   1. a: STEPS="tests bench baseline" MODELS="qwen3-0.6b qwen3.5-0.8b"  b: STEPS="bench baseline" MODELS="qwen3-8b qwen3.5-9b"
+#   2. a: STEPS=reports REPORT_MODELS=qwen3-0.6b REPORTS_CAP_S=400   b: the same for qwen3-8b
+#   3. a: STEPS=extras TTFT_MODELS="qwen3-8b qwen3.5-9b" MTP_MODELS=""   b: STEPS=extras TTFT_MODELS="" MTP_MODELS=qwen3.5-9b
 # After each call unpack $OUT/reports.tgz here and commit reports/bench, reports/gpu and reports/baseline:
-# every call starts from your tree, so call 3's reports reuse the bench JSONs only once they are committed.
+# every call starts from your tree, so call 2's reports reuse the bench JSONs only once they are committed.
 #
 # Knobs (env vars, defaults in brackets):
 #   STEPS            [profile tests bench baseline extras reports]  which steps run, in this order
@@ -34,8 +36,8 @@ OUT=${OUT:-out}
 STEPS=${STEPS:-profile tests bench baseline extras reports}
 MODELS=${MODELS:-qwen3-0.6b qwen3-8b qwen3.5-0.8b qwen3.5-9b}
 REPORT_MODELS=${REPORT_MODELS:-qwen3-0.6b}
-TTFT_MODELS=${TTFT_MODELS:-qwen3-8b qwen3.5-9b}
-MTP_MODELS=${MTP_MODELS:-qwen3.5-9b}
+TTFT_MODELS=${TTFT_MODELS-qwen3-8b qwen3.5-9b}  # set empty for none
+MTP_MODELS=${MTP_MODELS-qwen3.5-9b}
 PEER_MODES=${PEER_MODES:-eager,static}
 EAGER_NEW_TOKENS=${EAGER_NEW_TOKENS:-32}
 PEER_REPEATS=${PEER_REPEATS:-2}
