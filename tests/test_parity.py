@@ -8,6 +8,7 @@ import pytest
 import torch
 import transformers
 
+from pocketlab.layers.gated_delta import backend_name
 from conftest import DEVICE, DTYPE, LOGIT_TOL, greedy_run, random_prompt
 
 
@@ -56,6 +57,8 @@ def test_dense_parity_with_hf(preset, length, make_engine, checkpoint):
 
 @pytest.mark.parametrize("length", [1, 63, 64, 65, 200])
 def test_hybrid_parity_with_hf(length, make_engine, checkpoint):
+    if DTYPE == "float32" and backend_name(DEVICE) == "fla":
+        pytest.skip("HF's float32 Qwen3.5 runs fla's TF32 chunk kernels on CUDA; the 1e-4 check runs on the CPU")
     engine = make_engine("tiny-qwen3_5", prefill_chunk=64, max_seq_len=320)
     diff = check_parity(engine, checkpoint("tiny-qwen3_5"), length)
     print(f"tiny-qwen3_5 prompt={length}: max |diff| = {diff:.2e}")
