@@ -5,7 +5,7 @@ never touch a live slot's KV or recurrent state; `lengths` says which tokens are
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,6 +18,8 @@ class ForwardBatch:
     lengths: torch.Tensor     # [B] long, real new tokens per sequence (1..T)
     kv_len: int               # keys to attend over: max(start + lengths), or the static cache length
     scratch_slot: int
+    # (row, t) -> {} that stateful layers fill with their state after the row's first t new tokens
+    checkpoints: dict[tuple[int, int], dict] = field(default_factory=dict)
 
     @classmethod
     def build(cls, seqs: list[tuple[int, int, list[int]]], scratch_slot: int, device) -> "ForwardBatch":

@@ -211,17 +211,23 @@ class QwenEngine:
 
     def _run_prefill(self, items: list[tuple[int, list[int], SamplingParams]]) -> list[ForwardResult]:
         starts = [self._reuse_prefix(s, toks) for s, toks, _ in items]
-        stride = self.prefix.stride_for_pieces() if self.prefix is not None else 0  # hybrid checkpoints land there
+        stride = self.prefix.stride_for_pieces() if self.prefix is not None else 0
         pieces = [plan_pieces(p, len(t), self.options.prefill_chunk, stride) for (_, t, _), p in zip(items, starts)]
         last_hidden = [None] * len(items)
         for c in range(max(map(len, pieces))):
             rows = [b for b in range(len(items)) if c < len(pieces[b])]
             seqs = [(items[b][0], pieces[b][c][0], items[b][1][slice(*pieces[b][c])]) for b in rows]
-            hidden = self._forward(seqs)
+            # hybrid models: the layers hand back their state at stride multiples inside each piece
+            marks = {(i, t): {} for i, (_, lo, piece) in enumerate(seqs)
+                     for t in (self.prefix.marks(lo, lo + len(piece)) if self.prefix is not None else [])}
+            hidden = self._forward(seqs, marks)
             for i, (b, (s, lo, piece)) in enumerate(zip(rows, seqs)):
                 last_hidden[b] = hidden[i, len(piece) - 1]
                 self.cache.slots[s].tokens.extend(piece)
                 if self.prefix is not None:
+                    for (row, t), state in marks.items():
+                        if row == i:
+                            self.prefix.reached(s, lo + t, final=False, state=state)
                     self.prefix.reached(s, lo + len(piece), final=c == len(pieces[b]) - 1)
         logits = self.model.logits(torch.stack(last_hidden))
         positions = [len(t) for _, t, _ in items]
@@ -259,9 +265,10 @@ class QwenEngine:
         return self.graphs.logits(seqs)
 
     @torch.inference_mode()
-    def _forward(self, seqs: list[tuple[int, int, list[int]]]) -> torch.Tensor:
+    def _forward(self, seqs: list[tuple[int, int, list[int]]], checkpoints: dict | None = None) -> torch.Tensor:
         self.forward_count += 1
         batch = ForwardBatch.build(seqs, self.cache.scratch, self.options.device)
+        batch.checkpoints = checkpoints or {}
         hidden = self.model.forward(batch, self.cache)
         if self.speculator is not None:  # the MTP head writes its rows for these positions (prefill)
             self.speculator.observe(seqs, hidden)

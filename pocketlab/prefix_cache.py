@@ -7,7 +7,7 @@ Where reusable prefixes live (each is a `Record`: token ids plus where their K/V
     still found, at no copy cost.
   * state checkpoints (hybrid models only): Gated DeltaNet state cannot be rewound, so prefill keeps copies
     of every linear layer's conv + recurrent state at the end of each prompt and at every multiple of
-    `snapshot_stride` (prefill pieces are cut there). A shared prefix resumes from the nearest checkpoint at
+    `snapshot_stride` (the layers hand those back from inside the prefill forward: `marks`). A shared prefix resumes from the nearest checkpoint at
     or below the shared length, never from a block boundary hundreds of tokens back.
   * retained entries: just before a slot's rows are overwritten, what they held beyond the part that stays
     (its history for dense models; up to its last checkpoint for hybrid ones) is copied out into an entry of
@@ -158,12 +158,26 @@ class PrefixCache:
         """Per-slot state beyond positional K/V (conv, recurrent, registered extras) cannot be rewound."""
         return bool(self.cache.conv or self.cache.rec or getattr(self.cache, "extra", None))
 
-    def stride_for_pieces(self) -> int:
-        """Prefill cuts pieces at multiples of this (hybrid models: so checkpoints land there)."""
-        return self.stride if self.stateful else 0
+    @property
+    def marks_in_forward(self) -> bool:
+        """Conv and recurrent states can be captured mid-forward by the layers; registered extras (the MTP
+        head's rows) cannot, so with those prefill pieces are cut at stride multiples instead."""
+        return not getattr(self.cache, "extra", None)
 
-    def reached(self, slot: int, position: int, final: bool) -> None:
-        """Prefill computed `slot` up to `position`: checkpoint the state at prompt ends and stride multiples."""
+    def stride_for_pieces(self) -> int:
+        """Prefill cuts pieces at multiples of this: only when checkpoints cannot be taken inside a forward."""
+        return self.stride if self.stateful and not self.marks_in_forward else 0
+
+    def marks(self, lo: int, hi: int) -> list[int]:
+        """Stride multiples strictly inside the prefill piece [lo, hi): offsets (from lo) where the forward
+        must hand back each linear layer's state, so one forward serves any number of checkpoints."""
+        if not (self.stateful and self.stride and self.marks_in_forward):
+            return []
+        return [p - lo for p in range((lo // self.stride + 1) * self.stride, hi, self.stride)]
+
+    def reached(self, slot: int, position: int, final: bool, state: dict | None = None) -> None:
+        """Prefill computed `slot` up to `position`: checkpoint the state at prompt ends and stride multiples
+        (the slot's live state, or `state` captured inside the forward at that position)."""
         if not self.stateful or not (final or (self.stride and position % self.stride == 0)):
             return
         rec = self.slots[slot]
@@ -173,7 +187,7 @@ class PrefixCache:
             return
         nbytes = self.state_bytes()
         if self._make_room(nbytes):
-            rec.states[position] = self._live_state(slot, clone=True)
+            rec.states[position] = state if state is not None else self._live_state(slot, clone=True)
             self._add((rec, position), nbytes)
             self.stats["checkpoints"] += 1
 

@@ -1,9 +1,10 @@
-"""Where one decode step's GPU time goes: a kernel table from torch.profiler, graphs on and off.
+"""Where a decode step's (graphs on and off) and a prefill's GPU time goes: kernel tables from torch.profiler.
 
 Why: decode at batch 1 is bound by kernel count and small-matmul efficiency, not FLOPs; the table
 (kernels per step, GPU-busy vs wall time, the costliest kernels) says which of the two to attack.
+Wall time far above GPU-busy time means host overhead (Python, launches, syncs).
 
-    python -m pocketlab.profile --model qwen3-0.6b [--batch-sizes 1,32] [--steps 20] [--top 12]
+    python -m pocketlab.profile --model qwen3-0.6b [--batch-sizes 1,32] [--prefill-lens 512,4096] [--steps 20]
 """
 from __future__ import annotations
 
@@ -18,56 +19,92 @@ from .bench import BenchConfig, build, ints, random_tokens
 from .engine import BatchedRequest, QwenEngine
 
 
-def _device_us(event) -> float:
+def _self_us(event, cuda: bool) -> float:
+    if not cuda:
+        return event.self_cpu_time_total
     return getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0)
 
 
-def profile_decode(engine: QwenEngine, batch: int, steps: int, prompt: int = 128, seed: int = 0):
-    """(summary dict, per-kernel DataFrame) over `steps` batch_decode_steps after a warm-up."""
+def kernel_table(prof, steps: int, cuda: bool = True) -> pd.DataFrame:
+    """GPU kernels (on the CPU: operators) by self time per step."""
+    kind = DeviceType.CUDA if cuda else DeviceType.CPU
+    rows = [{"kernel": e.key[:90], "per_step": e.count / steps, "us_per_step": _self_us(e, cuda) / steps,
+             "us_each": _self_us(e, cuda) / max(e.count, 1)}
+            for e in prof.key_averages() if e.device_type == kind and _self_us(e, cuda) > 0]
+    return pd.DataFrame(rows, columns=["kernel", "per_step", "us_per_step", "us_each"]).sort_values(
+        "us_per_step", ascending=False, ignore_index=True)
+
+
+def profile(step, steps: int, batch: int, what: str, setup=None):
+    """(summary dict, per-kernel DataFrame) of `steps` calls of step() after a warm-up. Wall time covers step()
+    alone (synchronised around it); the kernel table also holds setup()'s few kernels."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def loop() -> float:
+        total = 0.0
+        for _ in range(steps):
+            if setup is not None:
+                setup()
+            sync()
+            t = time.perf_counter()
+            step()
+            sync()
+            total += time.perf_counter() - t
+        return total / steps
+    loop()  # warm-up: captures graphs, autotunes kernels
+    wall = loop()
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        loop()
+    kernels = kernel_table(prof, steps, cuda)
+    summary = {"what": what, "batch": batch, "wall_us": wall * 1e6, "gpu_busy_us": kernels.us_per_step.sum(),
+               "kernels_per_step": kernels.per_step.sum(), "tokens_per_s": batch / wall}
+    return summary, kernels
+
+
+def decode_step(engine: QwenEngine, batch: int, prompt: int = 128, seed: int = 0):
+    """One batch_decode_step over `batch` slots holding `prompt` tokens each."""
     gen = torch.Generator().manual_seed(seed)
     reqs = [BatchedRequest(i, random_tokens(prompt, engine.cfg.vocab_size, gen), slot_id=i) for i in range(batch)]
     engine.reset()
     engine.batch_prefill(reqs)
-    for _ in range(3):  # captures the graph of this bucket
-        engine.batch_decode_step(reqs)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(steps):
-        engine.batch_decode_step(reqs)
-    wall = (time.perf_counter() - t) / steps
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            engine.batch_decode_step(reqs)
-    rows = [{"kernel": e.key[:90], "per_step": e.count / steps, "us_per_step": _device_us(e) / steps,
-             "us_each": _device_us(e) / max(e.count, 1)}
-            for e in prof.key_averages() if e.device_type == DeviceType.CUDA and _device_us(e) > 0]
-    kernels = pd.DataFrame(rows).sort_values("us_per_step", ascending=False, ignore_index=True)
-    summary = {"graphs": engine.graphs is not None, "batch": batch, "wall_us": wall * 1e6,
-               "gpu_busy_us": kernels.us_per_step.sum(), "kernels_per_step": kernels.per_step.sum(),
-               "tokens_per_s": batch / wall}
-    return summary, kernels
+    return lambda: engine.batch_decode_step(reqs)
+
+
+def prefill_call(engine: QwenEngine, length: int, seed: int = 0):
+    """One prefill of `length` tokens into slot 0 (profile() resets the slot before each call)."""
+    prompt = random_tokens(length, engine.cfg.vocab_size, torch.Generator().manual_seed(seed))
+    return lambda: engine.prefill(prompt)
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m pocketlab.profile", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="qwen3-0.6b")
+    p.add_argument("--device", default="cuda", help="cpu: operator tables instead of kernel tables")
     p.add_argument("--batch-sizes", type=ints, default=(1, 32))
+    p.add_argument("--prefill-lens", type=ints, default=(512, 4096))
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--top", type=int, default=12)
     a = p.parse_args(argv)
-    cfg = BenchConfig(model=a.model, device="cuda", batch_sizes=a.batch_sizes, prompt_lens=(128,), peer=False)
+    cfg = BenchConfig(model=a.model, device=a.device, batch_sizes=a.batch_sizes, prompt_lens=a.prefill_lens,
+                      peer=False)
     hf, engine = build(cfg)
     del hf
     graphs, summaries = engine.graphs, []
-    for use_graphs in (True, False):
-        engine.graphs = graphs if use_graphs else None
-        for b in a.batch_sizes:
-            summary, kernels = profile_decode(engine, b, a.steps)
-            summaries.append(summary)
-            print(f"\n[{a.model} b{b} graphs={use_graphs}] " + ", ".join(
-                f"{k}={v:.1f}" for k, v in summary.items() if isinstance(v, float)))
-            print(kernels.head(a.top).to_string(index=False, float_format=lambda x: f"{x:.2f}"))
+    runs = [(f"decode graphs={g}", b, g) for g in (True, False) for b in a.batch_sizes]
+    runs += [(f"prefill {n}", n, None) for n in a.prefill_lens]
+    for what, n, use_graphs in runs:
+        if use_graphs is not None:
+            engine.graphs = graphs if use_graphs else None
+            summary, kernels = profile(decode_step(engine, n), a.steps, n, what)
+        else:
+            summary, kernels = profile(prefill_call(engine, n), max(a.steps // 4, 2), n, what,
+                                       setup=lambda: engine.reset(0))
+        summaries.append(summary)
+        print(f"\n[{a.model} {what} x{n}] " + ", ".join(
+            f"{k}={v:.1f}" for k, v in summary.items() if isinstance(v, float)))
+        print(kernels.head(a.top).to_string(index=False, float_format=lambda x: f"{x:.2f}"))
     print("\n" + pd.DataFrame(summaries).to_string(index=False, float_format=lambda x: f"{x:.1f}"))
 
 

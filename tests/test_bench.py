@@ -87,3 +87,15 @@ def test_baseline_file_round_trip(result, tmp_path):
     worse["decode"][0]["roofline_frac"] *= 1 - 2 * perf.settings("cpu")["tolerance"]
     table, ok = perf.check([worse], path)
     assert not ok and list(table.loc[~table["pass"], "figure"]) == ["roofline_frac_b1"]
+
+
+def test_profile_tables_a_decode_step_and_a_prefill(make_engine):
+    """pocketlab.profile on the CPU: operator tables instead of kernel tables, same code path."""
+    from pocketlab import profile
+    engine = make_engine("tiny-qwen3")
+    cases = ((profile.decode_step(engine, 2), None), (profile.prefill_call(engine, 20), lambda: engine.reset(0)))
+    for step, setup in cases:
+        summary, kernels = profile.profile(step, 2, 2, "check", setup)
+        assert summary["wall_us"] > 0 and summary["kernels_per_step"] >= 10
+        assert (kernels.us_per_step.diff().dropna() <= 0).all()  # costliest first
+        assert "aten::mm" in set(kernels.kernel) or "aten::addmm" in set(kernels.kernel)

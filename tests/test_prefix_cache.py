@@ -314,3 +314,19 @@ def test_ttft_table(pairs):
                                 "hit: other slot (copy)", "hit: released slot"]
     assert list(df.reused) == [0, 0, 40, 40, 40] and list(df.computed) == [48, 48, 8, 8, 8]
     assert (df.ttft_ms > 0).all() and df.speedup_vs_cold.iloc[0] == 1.0
+
+
+def test_checkpoints_cost_no_extra_forwards(engines):
+    """A cold hybrid prompt runs as many forwards with the cache on as off: the layers hand back their state at
+    every stride multiple from inside the forward, and each such checkpoint resumes exactly."""
+    eng, cold = engines("tiny-qwen3_5")
+    prompt = random_prompt(4 * CHUNK + 3, seed=31)
+    counts = []
+    for e in (eng, cold):
+        before = e.forward_count
+        e.prefill(prompt)
+        counts.append(e.forward_count - before)
+    assert counts[0] == counts[1] == -(-len(prompt) // CHUNK)
+    assert sorted(eng.prefix.slots[0].states) == list(range(STRIDE, len(prompt), STRIDE)) + [len(prompt)]
+    for cut in (STRIDE, 3 * STRIDE, 5 * STRIDE):  # mid-piece and piece-end checkpoints, resumed in another slot
+        check(eng, cold, prompt[:cut] + random_prompt(5, seed=cut), 1, cut)

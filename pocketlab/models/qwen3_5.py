@@ -44,11 +44,34 @@ class GatedDeltaNet:
         v = v.reshape(B, T, self.hv, self.dv)
         g, beta = decay_and_beta(a, b, self.neg_A, self.dt_bias)
         rule = ctx.get("delta_rule", gated_delta_rule)  # speculative verify may keep per-position states
-        o, rec[batch.slot_ids] = rule(q, k, v, g, beta, rec0, lengths)
+        if batch.checkpoints:
+            conv_inputs = torch.cat([conv0.to(qkv_in.dtype), qkv_in.transpose(1, 2)], dim=-1)
+            o, rec[batch.slot_ids] = self._with_checkpoints(rule, (q, k, v, g, beta), rec0, lengths, batch,
+                                                            conv_inputs, conv.dtype)
+        else:
+            o, rec[batch.slot_ids] = rule(q, k, v, g, beta, rec0, lengths)
         if "gdn_log" in ctx:  # speculative verify: what rolling back to an accepted prefix needs
             ctx["gdn_log"][self.layer] = (qkv_in, conv0, (q, k, v, g, beta, rec0))
         o = gated_rms_norm(o, z.reshape(B, T, self.hv, self.dv), self.norm, self.cfg.rms_norm_eps)
         return F.linear(o.reshape(B, T, self.hv * self.dv), self.out)
+
+    def _with_checkpoints(self, rule, inputs, state, lengths, batch: ForwardBatch, conv_inputs: torch.Tensor,
+                          conv_dtype: torch.dtype):
+        """The delta rule in segments ending at each requested offset, handing back the state there (prefix-cache
+        checkpoints without cutting the forward). conv_inputs [B, C, K-1+T]: the window after t tokens is
+        conv_inputs[:, :, t:t+K-1]."""
+        offsets = sorted({t for _, t in batch.checkpoints})
+        bounds, outs, states = [0, *offsets, inputs[0].shape[1]], [], {}
+        for lo, hi in zip(bounds, bounds[1:]):
+            seg = None if lengths is None else (lengths - lo).clamp(0, hi - lo)  # rows that ended stay unchanged
+            o, state = rule(*(x[:, lo:hi] for x in inputs), state, seg)
+            outs.append(o)
+            states[hi] = state
+        window = conv_inputs.shape[-1] - inputs[0].shape[1]
+        for (row, t), dst in batch.checkpoints.items():
+            dst[("conv", self.layer)] = conv_inputs[row, :, t:t + window].to(conv_dtype, copy=True)
+            dst[("rec", self.layer)] = states[t][row].clone()
+        return torch.cat(outs, dim=1), state
 
 
 @cuda_compiled
