@@ -150,10 +150,12 @@ if wants reports; then
       cmd=(python3 -m pocketlab.verify.reports --device cuda --dtype bfloat16 --model "$m")
     fi
     step "make reports DEVICE=cuda MODEL=$m" "$REPORTS_CAP_S" 0 env POCKETLAB_BENCH_DIR="$PWD/reports/bench" "${cmd[@]}"
-    # reports.py rewrites index.html per call: keep one per model
-    for f in index.html summary.json; do [ -f "reports/$f" ] && cp "reports/$f" "reports/${f%.*}-$m.${f##*.}"; done
   done
 fi
+# one index over every GPU model whose notebooks have run here (this call's or committed ones)
+# shellcheck disable=SC2086
+python3 -m pocketlab.verify.reports --models $REPORT_MODELS qwen3-0.6b qwen3-8b --device cuda --dtype bfloat16 \
+  --index-only index-h200 2>&1 | tail -1 | tee -a "$LOG"
 
 tar czf "$OUT/reports.tgz" reports
 note "done in $(($(date +%s) - START))s; reports/ -> $OUT/reports.tgz"

@@ -197,6 +197,12 @@ def test_reports_runs_every_notebook_and_fails_at_the_end(tmp_path):
     page = (out / "index.html").read_text()
     assert "FAIL" in page and "answer" in page and "AssertionError" in page
     assert (out / "m1" / "01_ok.html").is_file() and (out / "m1" / "02_bad.ipynb").is_file()
+    # the same verdicts rebuilt from the files alone (a run split over machines, or cut short)
+    (out / "m1" / "02_bad.ipynb").unlink()
+    assert reports.main(["--notebooks", str(books), "--out", str(out), "--model", "m1", "--index-only", "again"]) == 0
+    again = json.loads((out / "again.json").read_text())
+    assert [(o["notebook"], o["passed"]) for o in again["outcomes"]] == [("01_ok", True)]
+    assert again["outcomes"][0]["record"]["figures"]["answer"] == 42 and (out / "again.html").is_file()
 
 
 def test_reports_models_flag_uses_the_default_list(tmp_path, monkeypatch):

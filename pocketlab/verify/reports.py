@@ -83,6 +83,21 @@ def run_notebook(nb: Path, model: str, params: dict, out: Path) -> Outcome:
                    page.relative_to(out).as_posix() if page.is_file() else "")
 
 
+def recorded_outcome(nb: Path, model: str, out: Path) -> Outcome | None:
+    """The Outcome of an earlier run from the files it left (record, executed notebook, HTML), or None if the
+    notebook never ran there: to rebuild an index, e.g. after a GPU run cut short or split over machines."""
+    folder = out / slug(model)
+    ipynb, page, rec = folder / nb.name, folder / f"{nb.stem}.html", folder / f"{nb.stem}.json"
+    if not ipynb.is_file():
+        return None
+    data = json.loads(rec.read_text()) if rec.is_file() else {}
+    meta = json.loads(ipynb.read_text()).get("metadata", {}).get("papermill", {})
+    error = meta.get("exception") and "the notebook raised (see its html)" or (
+        "" if data.get("passed") else "no passing record")
+    return Outcome(model, nb.stem, not error, float(meta.get("duration") or 0.0), error, data,
+                   ipynb.relative_to(out).as_posix(), page.relative_to(out).as_posix() if page.is_file() else "")
+
+
 # -- the index -----------------------------------------------------------------------------------
 def _fmt(v) -> str:
     if isinstance(v, float):
@@ -104,8 +119,9 @@ def _summary_html(entry: dict) -> str:
     return f"<h4>{html.escape(entry['name'])}: {'PASS' if entry['passed'] else 'FAIL'}</h4>{table}"
 
 
-def write_index(outcomes: list[Outcome], out: Path, meta: dict) -> Path:
-    """index.html (and summary.json): one row per (model, notebook) with verdict, figures and links."""
+def write_index(outcomes: list[Outcome], out: Path, meta: dict, name: str = "index") -> Path:
+    """<name>.html and its data (summary.json, or <name>.json): a row per (model, notebook) with verdict,
+    figures and links."""
     failed = [o for o in outcomes if not o.passed]
     verdict = "FAIL" if failed or not outcomes else "PASS"
     rows, details = [], []
@@ -132,10 +148,11 @@ details{{margin:.5em 0}} summary{{cursor:pointer;font-weight:bold}}</style></hea
 <p>{len(outcomes) - len(failed)}/{len(outcomes)} notebooks passed. {setting}</p>
 <table><tr><th>model</th><th>notebook</th><th>verdict</th><th>seconds</th><th>key figures</th><th>report</th></tr>
 {''.join(rows)}</table><h2>Summaries</h2>{''.join(details)}</body></html>"""
-    (out / "index.html").write_text(page, encoding="utf-8")
+    (out / f"{name}.html").write_text(page, encoding="utf-8")
     summary = dict(verdict=verdict, meta=meta, outcomes=[o.__dict__ for o in outcomes])
-    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
-    return out / "index.html"
+    data = out / ("summary.json" if name == "index" else f"{name}.json")
+    data.write_text(json.dumps(summary, indent=1, default=str))
+    return out / f"{name}.html"
 
 
 def _meta(args, models) -> dict:
@@ -163,18 +180,27 @@ def main(argv=None) -> int:
                     help="extra notebook parameter (Python literal), e.g. -p decode_steps=32")
     ap.add_argument("--notebooks", default="notebooks", help="folder holding NN_*.ipynb")
     ap.add_argument("--out", default="reports")
+    ap.add_argument("--index-only", metavar="NAME", default=None,
+                    help="run nothing: rebuild <out>/NAME.html from the notebooks that ran earlier")
     args = ap.parse_args(argv)
     from tqdm import tqdm
 
     models = args.models if args.models else (DEFAULT_MODELS if args.models is not None else [args.model])
+    models = list(dict.fromkeys(models))
     books = find_notebooks(args.notebooks)
     if not books:
         print(f"no notebooks matching {PATTERN} in {args.notebooks}", file=sys.stderr)
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.index_only:  # the environment of those runs is in each notebook, not here
+        outcomes = [o for m in models for nb in books if (o := recorded_outcome(nb, m, out)) is not None]
+        meta = dict(models=", ".join(models), device=args.device, dtype=args.dtype, source="earlier runs' records")
+        index = write_index(outcomes, out, meta, args.index_only)
+        print(f"{len(outcomes)} notebook runs found; see {index}")
+        return 0 if outcomes and all(o.passed for o in outcomes) else 1
     params = dict(device=args.device, dtype=args.dtype, seed=args.seed) | dict(map(option, args.param))
-    outcomes = []
+    meta, outcomes = _meta(args, models), []
     with tqdm(total=len(models) * len(books), desc="reports", unit="notebook") as bar:
         for model in models:
             for nb in books:
@@ -182,8 +208,8 @@ def main(argv=None) -> int:
                 outcomes.append(run_notebook(nb.resolve(), model, params, out))
                 if not outcomes[-1].passed:
                     tqdm.write(f"FAIL {model} / {nb.stem}: {outcomes[-1].error[:300]}")
+                index = write_index(outcomes, out, meta)  # after every notebook: a run cut short keeps its index
                 bar.update()
-    index = write_index(outcomes, out, _meta(args, models))
     failed = [o for o in outcomes if not o.passed]
     print(f"{len(outcomes) - len(failed)}/{len(outcomes)} notebooks passed; see {index}")
     return 1 if failed else 0
