@@ -25,39 +25,45 @@ def _self_us(event, cuda: bool) -> float:
     return getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0)
 
 
-def kernel_table(prof, steps: int, cuda: bool = True) -> pd.DataFrame:
-    """GPU kernels (on the CPU: operators) by self time per step."""
+def kernel_table(prof, cuda: bool = True) -> pd.DataFrame:
+    """GPU kernels (on the CPU: operators) of one profiled call: count and self time."""
     kind = DeviceType.CUDA if cuda else DeviceType.CPU
-    rows = [{"kernel": e.key[:90], "per_step": e.count / steps, "us_per_step": _self_us(e, cuda) / steps,
-             "us_each": _self_us(e, cuda) / max(e.count, 1)}
+    rows = [{"kernel": e.key[:90], "count": e.count, "us": _self_us(e, cuda)}
             for e in prof.key_averages() if e.device_type == kind and _self_us(e, cuda) > 0]
-    return pd.DataFrame(rows, columns=["kernel", "per_step", "us_per_step", "us_each"]).sort_values(
-        "us_per_step", ascending=False, ignore_index=True)
+    return pd.DataFrame(rows, columns=["kernel", "count", "us"])
 
 
 def profile(step, steps: int, batch: int, what: str, setup=None):
-    """(summary dict, per-kernel DataFrame) of `steps` calls of step() after a warm-up. Wall time covers step()
-    alone (synchronised around it); the kernel table also holds setup()'s few kernels."""
+    """(summary dict, per-kernel DataFrame) of `steps` calls of step() after a warm-up. setup() runs before each
+    call, outside both the wall clock and the profiler."""
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
 
-    def loop() -> float:
-        total = 0.0
+    def loop(profiled: bool) -> tuple[float, list[pd.DataFrame]]:
+        total, tables = 0.0, []
         for _ in range(steps):
             if setup is not None:
                 setup()
             sync()
-            t = time.perf_counter()
-            step()
-            sync()
-            total += time.perf_counter() - t
-        return total / steps
-    loop()  # warm-up: captures graphs, autotunes kernels
-    wall = loop()
-    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-    with torch.profiler.profile(activities=activities) as prof:
-        loop()
-    kernels = kernel_table(prof, steps, cuda)
+            if profiled:
+                with torch.profiler.profile(activities=activities) as prof:
+                    step()
+                    sync()
+                tables.append(kernel_table(prof, cuda))
+            else:
+                t = time.perf_counter()
+                step()
+                sync()
+                total += time.perf_counter() - t
+        return total / steps, tables
+    loop(False)  # warm-up: captures graphs, autotunes kernels
+    wall, _ = loop(False)
+    kernels = pd.concat(loop(True)[1]).groupby("kernel", as_index=False)[["count", "us"]].sum()
+    kernels["per_step"], kernels["us_per_step"] = kernels["count"] / steps, kernels["us"] / steps
+    kernels["us_each"] = kernels["us"] / kernels["count"].clip(lower=1)
+    kernels = kernels[["kernel", "per_step", "us_per_step", "us_each"]].sort_values(
+        "us_per_step", ascending=False, ignore_index=True)
     summary = {"what": what, "batch": batch, "wall_us": wall * 1e6, "gpu_busy_us": kernels.us_per_step.sum(),
                "kernels_per_step": kernels.per_step.sum(), "tokens_per_s": batch / wall}
     return summary, kernels

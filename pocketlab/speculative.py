@@ -294,15 +294,18 @@ class AdversarialDrafter(Drafter):
 
 # -- verification ------------------------------------------------------------------------------
 class _StatesRule:
-    """A delta rule that runs token by token and keeps every intermediate state (rollback "states")."""
+    """A delta rule that runs token by token and keeps every intermediate state (rollback "states").
+    `shortest`: the fewest tokens any row feeds; positions below it are real in every row, so they skip the
+    padding masks (a dozen small kernels per token and layer)."""
 
-    def __init__(self):
+    def __init__(self, shortest: int = 0):
+        self.shortest = shortest
         self.states: list[torch.Tensor] = []   # per GDN layer, in layer order: [B, T, H, dk, dv]
 
     def __call__(self, q, k, v, g, beta, S, lengths):
         outs, per = [], []
         for t in range(q.shape[1]):
-            live = None if lengths is None else (lengths > t).to(lengths.dtype)
+            live = None if lengths is None or t < self.shortest else (lengths > t).to(lengths.dtype)
             o, S = gated_delta_rule(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1],
                                     beta[:, t:t + 1], S, live)
             outs.append(o)
@@ -419,7 +422,7 @@ class Speculator:
         eng = self.engine
         batch = ForwardBatch.build(seqs, eng.cache.scratch, eng.options.device)
         log: dict = {}
-        states = _StatesRule() if self.rollback == "states" else None
+        states = _StatesRule(min(len(fed) for _, _, fed in seqs)) if self.rollback == "states" else None
         eng.model.record = {"gdn_log": log} | ({"delta_rule": states} if states is not None else {})
         try:
             hidden = eng.model.forward(batch, eng.cache)

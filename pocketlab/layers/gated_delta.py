@@ -44,17 +44,14 @@ def _valid_mask(lengths: torch.Tensor | None, B: int, T: int, device: torch.devi
 
 
 def _mask_padding(mask: torch.Tensor | None, *xs: torch.Tensor) -> list[torch.Tensor]:
-    """Zero every padding position (where, not multiply, so garbage there, even NaN, cannot leak).
+    """Zero every padding position (a fill, not a multiply, so garbage there, even NaN, cannot leak).
 
     With g = 0 and beta = 0 a token's update is the identity, which is what keeps states untouched; zeroing q, k
     and v as well keeps padding outputs clean and keeps inf/NaN out of the chunk matmuls."""
     if mask is None:
         return list(xs)
-    out = []
-    for x in xs:
-        m = mask.view(mask.shape + (1,) * (x.dim() - 2))
-        out.append(torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device)))
-    return out
+    pad = ~mask
+    return [x.masked_fill(pad.view(pad.shape + (1,) * (x.dim() - 2)), 0) for x in xs]
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
