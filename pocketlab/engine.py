@@ -218,16 +218,16 @@ class QwenEngine:
             rows = [b for b in range(len(items)) if c < len(pieces[b])]
             seqs = [(items[b][0], pieces[b][c][0], items[b][1][slice(*pieces[b][c])]) for b in rows]
             # hybrid models: the layers hand back their state at stride multiples inside each piece
-            marks = {(i, t): {} for i, (_, lo, piece) in enumerate(seqs)
-                     for t in (self.prefix.marks(lo, lo + len(piece)) if self.prefix is not None else [])}
-            hidden = self._forward(seqs, marks)
+            marks = [self.prefix.marks(lo, lo + len(piece)) if self.prefix is not None else []
+                     for _, lo, piece in seqs]
+            checkpoints = {(i, t): {} for i, ts in enumerate(marks) for t in ts}
+            hidden = self._forward(seqs, checkpoints)
             for i, (b, (s, lo, piece)) in enumerate(zip(rows, seqs)):
                 last_hidden[b] = hidden[i, len(piece) - 1]
                 self.cache.slots[s].tokens.extend(piece)
                 if self.prefix is not None:
-                    for (row, t), state in marks.items():
-                        if row == i:
-                            self.prefix.reached(s, lo + t, final=False, state=state)
+                    for t in marks[i]:
+                        self.prefix.reached(s, lo + t, final=False, state=checkpoints[(i, t)])
                     self.prefix.reached(s, lo + len(piece), final=c == len(pieces[b]) - 1)
         logits = self.model.logits(torch.stack(last_hidden))
         positions = [len(t) for _, t, _ in items]

@@ -7,8 +7,9 @@ Where reusable prefixes live (each is a `Record`: token ids plus where their K/V
     still found, at no copy cost.
   * state checkpoints (hybrid models only): Gated DeltaNet state cannot be rewound, so prefill keeps copies
     of every linear layer's conv + recurrent state at the end of each prompt and at every multiple of
-    `snapshot_stride` (the layers hand those back from inside the prefill forward: `marks`). A shared prefix resumes from the nearest checkpoint at
-    or below the shared length, never from a block boundary hundreds of tokens back.
+    `snapshot_stride` (the layers hand those back from inside the prefill forward: `marks`). A shared prefix
+    resumes from the nearest checkpoint at or below the shared length, never from a block boundary hundreds of
+    tokens back.
   * retained entries: just before a slot's rows are overwritten, what they held beyond the part that stays
     (its history for dense models; up to its last checkpoint for hybrid ones) is copied out into an entry of
     its own, checkpoints moved along, unless another record already serves it.

@@ -90,7 +90,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     _partial_attention[(B, kvh, splits)](
         q, k, v, k_cache, v_cache, slot_ids, lengths, o, lse, scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), o.stride(0), o.stride(1), o.stride(2),
+        lse.stride(0), lse.stride(1),
         G=G, BLOCK_G=max(triton.next_power_of_2(G), 16), D=D, BLOCK_N=block_n, SPLIT_LEN=split_len,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_stages=2)
     return merge_splits(o, lse, q)
