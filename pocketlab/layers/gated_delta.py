@@ -27,7 +27,7 @@ __all__ = [
     "backend_name",
 ]
 
-_L2_EPS = 1e-6
+L2_EPS = 1e-6
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -56,7 +56,7 @@ def _mask_padding(mask: torch.Tensor | None, *xs: torch.Tensor) -> list[torch.Te
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
     # Same form as HF (rsqrt of sum of squares + eps) so the fp32 paths agree to rounding.
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + _L2_EPS)
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + L2_EPS)
 
 
 def _prepare(q, k, v, g, beta, lengths):

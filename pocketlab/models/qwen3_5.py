@@ -8,16 +8,19 @@ from ..batch import ForwardBatch
 from ..cache import SlotCache
 from ..config import ModelConfig
 from ..layers.fused import cuda_compiled
-from ..layers.gated_delta import causal_conv1d, gated_delta_rule
+from ..layers.decode_attention import available as triton_available
+from ..layers.gated_delta import L2_EPS, causal_conv1d, gated_delta_rule
+from ..layers.linear_decode import conv_step, recurrent_step
 from ..layers.norm import gated_rms_norm
 from .qwen3 import Attention, DecoderModel
 
 
 class GatedDeltaNet:
-    """Linear attention whose per-slot state (conv window + fp32 delta-rule matrix) lives in the SlotCache."""
+    """Linear attention whose per-slot state (conv window + fp32 delta-rule matrix) lives in the SlotCache.
+    `in_place`: one-token steps run the Triton kernels that update each slot's state where it lives."""
 
-    def __init__(self, cfg: ModelConfig, w: dict, p: str, layer: int):
-        self.cfg, self.layer = cfg, layer
+    def __init__(self, cfg: ModelConfig, w: dict, p: str, layer: int, in_place: bool = False):
+        self.cfg, self.layer, self.in_place = cfg, layer, in_place
         self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
@@ -33,6 +36,10 @@ class GatedDeltaNet:
         B, T, _ = x.shape
         qkv, z, b, a = F.linear(x, self.in_proj).split(self.splits, dim=-1)
         conv, rec = cache.conv[self.layer], cache.rec[self.layer]
+        if T == 1 and self.in_place and not ctx.keys() & {"delta_rule", "gdn_log"}:
+            o = self._step_in_place(qkv[:, 0], b, a, conv, rec, batch.slot_ids)
+            o = gated_rms_norm(o[:, None], z.reshape(B, T, self.hv, self.dv), self.norm, self.cfg.rms_norm_eps)
+            return F.linear(o.reshape(B, T, self.hv * self.dv), self.out)
         conv0, rec0 = conv[batch.slot_ids], rec[batch.slot_ids]  # gathered copies: the states before this forward
         qkv_in = qkv
         lengths = batch.lengths if T > 1 else None  # one token per row is always real: skip the padding masks
@@ -54,6 +61,15 @@ class GatedDeltaNet:
             ctx["gdn_log"][self.layer] = (qkv_in, conv0, (q, k, v, g, beta, rec0))
         o = gated_rms_norm(o, z.reshape(B, T, self.hv, self.dv), self.norm, self.cfg.rms_norm_eps)
         return F.linear(o.reshape(B, T, self.hv * self.dv), self.out)
+
+    def _step_in_place(self, qkv, b, a, conv, rec, slot_ids) -> torch.Tensor:
+        """One token per row: [B, Hv, dv] outputs, each slot's conv window and state advanced where they live."""
+        y = conv_step(qkv, conv, self.conv_weight, slot_ids)
+        q, k, v = y.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
+        g, beta = decay_and_beta(a[:, 0], b[:, 0], self.neg_A, self.dt_bias)
+        B = y.shape[0]
+        return recurrent_step(q.view(B, self.hk, self.dk), k.view(B, self.hk, self.dk), v.view(B, self.hv, self.dv),
+                              g, beta, rec, slot_ids, L2_EPS)
 
     def _with_checkpoints(self, rule, inputs, state, lengths, batch: ForwardBatch, conv_inputs: torch.Tensor,
                           conv_dtype: torch.dtype):
@@ -85,6 +101,9 @@ class HybridModel(DecoderModel):
     record: dict | None = None  # extra per-forward context set by pocketlab.speculative while it verifies
 
     def __init__(self, cfg: ModelConfig, w: dict, opts):
+        pow2 = all(n & (n - 1) == 0 for n in (cfg.linear_key_head_dim, cfg.linear_value_head_dim))
+        self.in_place = pow2 and (opts.linear_decode == "triton" or (
+            opts.linear_decode == "auto" and triton_available(opts.device)))
         super().__init__(cfg, w, opts)
         self.mtp = None  # the MTP draft head, built only when speculative decoding is on
         if cfg.mtp_num_hidden_layers and opts.speculative_tokens:
@@ -100,4 +119,4 @@ class HybridModel(DecoderModel):
     def make_mixer(self, w: dict, p: str, i: int):
         if self.cfg.layer_types[i] == "full_attention":
             return Attention(self.cfg, w, p + "self_attn.", i, gated=True)
-        return GatedDeltaNet(self.cfg, w, p + "linear_attn.", i)
+        return GatedDeltaNet(self.cfg, w, p + "linear_attn.", i, self.in_place)
