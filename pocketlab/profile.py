@@ -2,7 +2,8 @@
 
 Why: decode at batch 1 is bound by kernel count and small-matmul efficiency, not FLOPs; the table
 (kernels per step, GPU-busy vs wall time, the costliest kernels) says which of the two to attack.
-Wall time far above GPU-busy time means host overhead (Python, launches, syncs).
+Wall time far above GPU-busy time means host overhead (Python, launches, syncs) or, inside a CUDA graph,
+the gaps between many tiny kernels.
 
     python -m pocketlab.profile --model qwen3-0.6b [--batch-sizes 1,32] [--prefill-lens 512,4096] [--steps 20]
 """

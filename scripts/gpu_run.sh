@@ -13,7 +13,8 @@
 # Plan (each line one x2 call, `.whl` carried):
 #   1. a: STEPS="tests bench baseline" MODELS="qwen3-0.6b qwen3.5-0.8b"  b: STEPS="bench baseline" MODELS="qwen3-8b qwen3.5-9b"
 #   2. a: STEPS=reports REPORT_MODELS=qwen3-0.6b REPORTS_CAP_S=400   b: the same for qwen3-8b
-#   3. a: STEPS=extras TTFT_MODELS="qwen3-8b qwen3.5-9b" MTP_MODELS=""   b: STEPS=extras TTFT_MODELS="" MTP_MODELS=qwen3.5-9b
+#   3. a: STEPS="profile extras" MODELS="qwen3-8b" TTFT_MODELS="qwen3-8b qwen3.5-9b" MTP_MODELS=""
+#      b: STEPS="profile extras" MODELS="qwen3.5-0.8b" TTFT_MODELS="" MTP_MODELS=qwen3.5-9b
 # After each call unpack $OUT/reports.tgz here and commit reports/bench, reports/gpu and reports/baseline:
 # every call starts from your tree, so call 2's reports reuse the bench JSONs only once they are committed.
 #
