@@ -13,6 +13,8 @@ DEVICE = os.environ.get("POCKETLAB_DEVICE", "cpu")
 DTYPE = os.environ.get("POCKETLAB_DTYPE", "float32")
 # float32 parity is the contract (1e-4); in bf16 we allow errors relative to the logit scale.
 LOGIT_TOL = 1e-4 if DTYPE == "float32" else 0.05
+# POCKETLAB_KERNELS=triton (with TRITON_INTERPRET=1 on a CPU) runs every engine test through our Triton kernels
+KERNELS = dict(decode_attention="triton", linear_decode="triton") if os.environ.get("POCKETLAB_KERNELS") else {}
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -40,7 +42,7 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def make_engine(checkpoint):
     def make(preset: str = "tiny-qwen3", **options) -> QwenEngine:
-        opts = dict(max_slots=4, max_seq_len=256, prefill_chunk=16, device=DEVICE, dtype=DTYPE) | options
+        opts = dict(max_slots=4, max_seq_len=256, prefill_chunk=16, device=DEVICE, dtype=DTYPE) | KERNELS | options
         return QwenEngine.from_pretrained(checkpoint(preset), EngineOptions(**opts))
     return make
 

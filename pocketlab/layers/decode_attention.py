@@ -39,9 +39,10 @@ if triton is not None:
         acc = tl.zeros([BLOCK_G, D], tl.float32)
         base = slot * stride_cs + kvh * stride_ch
         start = split * SPLIT_LEN
-        mine = (start <= last) & (last < start + SPLIT_LEN)  # this split holds the new token: store it
-        tl.store(k_ptr + base + last * stride_ct + d, k_new, mask=mine & (d < D))
-        tl.store(v_ptr + base + last * stride_ct + d, v_new, mask=mine & (d < D))
+        at = last + 0 * d  # [D] copies of the new token's position: this split stores it if it holds it
+        mine = (at >= start) & (at < start + SPLIT_LEN)
+        tl.store(k_ptr + base + last * stride_ct + d, k_new, mask=mine)
+        tl.store(v_ptr + base + last * stride_ct + d, v_new, mask=mine)
         for n0 in range(0, SPLIT_LEN, BLOCK_N):  # masked loads past `length` move no memory
             n = start + n0 + tl.arange(0, BLOCK_N)
             cached = n < last
