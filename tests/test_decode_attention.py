@@ -5,6 +5,8 @@ import pytest
 import torch
 
 from pocketlab.layers import decode_attention as da
+from pocketlab.layers.norm import _rms_norm
+from pocketlab.layers.rotary import _apply_rotary
 
 on_gpu = torch.cuda.is_available()
 interpreted = os.environ.get("TRITON_INTERPRET") == "1"
@@ -12,24 +14,36 @@ pytestmark = pytest.mark.skipif(da.triton is None or not (on_gpu or interpreted)
                                 reason="needs Triton on a GPU (or TRITON_INTERPRET=1)")
 
 
-@pytest.mark.parametrize("heads,kv_heads,dim,max_len", [(16, 8, 128, 600), (8, 2, 256, 300), (4, 2, 16, 64),
-                                                       (4, 1, 16, 2000)])
-def test_matches_reference_and_stores_the_new_token(heads, kv_heads, dim, max_len):
+@pytest.mark.parametrize("heads,kv_heads,dim,max_len,rot,norm", [
+    (16, 8, 128, 600, 128, "w"), (8, 2, 256, 300, 64, "1+w"), (4, 2, 16, 64, 16, None), (4, 1, 16, 2000, 8, "w")])
+def test_matches_reference_and_stores_the_new_token(heads, kv_heads, dim, max_len, rot, norm):
+    """Raw q/k in: per-head RMSNorm (Qwen3 w*x, Qwen3.5 (1+w)*x, Qwen2 none) and (partial) RoPE applied in the
+    kernel exactly as layers.norm / layers.rotary do; the new K/V stored; attention over each slot's live keys."""
     dev = "cuda" if on_gpu else "cpu"
     gen = torch.Generator(device="cpu").manual_seed(max_len)
     k_cache, v_cache = (torch.randn(4, kv_heads, max_len, dim, generator=gen).to(dev) for _ in range(2))
     q = torch.randn(3, heads, dim, generator=gen).to(dev)
     k_new, v_new = (torch.randn(3, kv_heads, dim, generator=gen).to(dev) for _ in range(2))
+    cos, sin = (torch.randn(3, rot, generator=gen).to(dev) for _ in range(2))
     slots, lengths = torch.tensor([2, 0, 3], device=dev), torch.tensor([max_len - 5, 1, 37], device=dev)
+    norms = None
+    if norm is not None:
+        norms = (torch.randn(dim, generator=gen).to(dev), torch.randn(dim, generator=gen).to(dev), 1e-6, norm == "1+w")
+        q_ref, k_ref_new = _rms_norm(q, norms[0], 1e-6, norms[3]), _rms_norm(k_new, norms[1], 1e-6, norms[3])
+    else:
+        q_ref, k_ref_new = q, k_new
+    q_ref = _apply_rotary(q_ref, cos[:, None], sin[:, None])
+    k_ref_new = _apply_rotary(k_ref_new, cos[:, None], sin[:, None])
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    k_ref[slots, :, lengths - 1], v_ref[slots, :, lengths - 1] = k_new, v_new
-    out = da.decode_attention(q, k_new, v_new, k_cache, v_cache, slots, lengths, max_len, dim ** -0.5)
-    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)  # the new token stored, nothing else touched
+    k_ref[slots, :, lengths - 1], v_ref[slots, :, lengths - 1] = k_ref_new, v_new
+    out = da.decode_attention(q, k_new, v_new, k_cache, v_cache, slots, lengths, max_len, dim ** -0.5, (cos, sin),
+                              norms)
+    assert (k_cache - k_ref).abs().max() < 1e-5 and torch.equal(v_cache, v_ref)  # the new token, nothing else
     for b in range(3):
         k = k_ref[slots[b], :, :lengths[b]].repeat_interleave(heads // kv_heads, 0)
         v = v_ref[slots[b], :, :lengths[b]].repeat_interleave(heads // kv_heads, 0)
-        probs = torch.softmax(torch.einsum("hd,hnd->hn", q[b], k) * dim ** -0.5, -1)
-        assert (out[b] - torch.einsum("hn,hnd->hd", probs, v)).abs().max() < 1e-5
+        probs = torch.softmax(torch.einsum("hd,hnd->hn", q_ref[b], k) * dim ** -0.5, -1)
+        assert (out[b] - torch.einsum("hn,hnd->hd", probs, v)).abs().max() < 1e-4
 
 
 @pytest.mark.parametrize("programs,max_len", [(1, 128), (8, 4096), (256, 4096), (2048, 64), (1, 10**6)])

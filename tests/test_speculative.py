@@ -7,7 +7,7 @@ import torch
 from pocketlab import BatchedRequest, EngineOptions, QwenEngine, SamplingParams
 from pocketlab.speculative import AdversarialDrafter, Drafter, Drafts, OracleDrafter
 from pocketlab.verify import mtp as vmtp
-from conftest import DEVICE, DTYPE, random_prompt
+from conftest import DEVICE, DTYPE, KERNELS, random_prompt
 
 PRESET = "tiny-qwen3_5-mtp"
 PROMPTS = [random_prompt(5, seed=31), random_prompt(9, seed=32), random_prompt(14, seed=33)]
@@ -20,7 +20,8 @@ def path(checkpoint):
 
 
 def engine(path, k, **kw):
-    opts = dict(max_slots=3, max_seq_len=96, prefill_chunk=8, device=DEVICE, dtype=DTYPE, speculative_tokens=k) | kw
+    opts = dict(max_slots=3, max_seq_len=96, prefill_chunk=8, device=DEVICE, dtype=DTYPE, speculative_tokens=k)
+    opts |= KERNELS | kw
     return QwenEngine.from_pretrained(path, EngineOptions(**opts))
 
 

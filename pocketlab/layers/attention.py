@@ -1,9 +1,9 @@
-"""Attention over the slot KV cache: write the new K/V, then attend over each slot's live prefix."""
+"""Attention over the slot KV cache for prompts (the decode kernel covers one token per row): write the new
+K/V, then attend over each slot's live prefix."""
 import torch
 import torch.nn.functional as F
 
 from ..batch import ForwardBatch
-from .decode_attention import decode_attention
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -12,21 +12,6 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     slots, positions = targets
     k_cache[slots, :, positions] = k
     v_cache[slots, :, positions] = v
-
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-           batch: ForwardBatch, ctx: dict, scale: float) -> torch.Tensor:
-    """Store the new k, v [B, T, kv_heads, hd] in the cache, then attend: q [B, T, H, hd] -> [B, T, H, hd].
-
-    ctx["mask"] None means one query per sequence on CUDA: the Triton kernel stores the token's K/V and
-    reads each slot's live keys in place, in one launch.
-    """
-    if ctx["mask"] is None:
-        out = decode_attention(q[:, 0], k[:, 0], v[:, 0], k_cache, v_cache, batch.slot_ids, ctx["lengths"],
-                               batch.kv_len, scale)
-        return out[:, None]
-    write_kv(k_cache, v_cache, k, v, batch, ctx["targets"])
-    return cached_attention(q, k_cache, v_cache, batch, ctx["mask"], scale)
 
 
 def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,

@@ -2,9 +2,10 @@
 
 One query token per sequence. Each program reads only the live keys of its own slot
 (cache[slot, kv_head, :length]) in blocks, so there is no gather copy, no mask tensor, and a
-padded key bucket costs nothing. The new token's K/V arrive in registers: the program whose split
-holds the last position uses them and stores them into the cache, so no separate write kernel runs.
-Splits over the key axis keep the GPU busy at batch 1; a short epilogue merges the partial softmaxes.
+padded key bucket costs nothing. The new token's raw q/k/v arrive as inputs: each program applies the
+per-head RMSNorm and rotary embedding itself, and the program whose split holds the last position stores
+the new K/V into the cache, so no separate norm, rotary or write kernel runs. Splits over the key axis keep
+the GPU busy at batch 1; a short epilogue merges the partial softmaxes.
 """
 import torch
 
@@ -18,10 +19,34 @@ except ImportError:  # CPU-only installs: the engine uses SDPA there
 
 if triton is not None:
     @triton.jit
+    def _norm_rope(ptrs, partner_ptrs, mask, w_ptr, cos, sin, d, partner, eps,
+                   D: tl.constexpr, ROT: tl.constexpr, HAS_NORM: tl.constexpr, OFFSET: tl.constexpr):
+        """Rows [R, D] of raw q or k -> per-row RMSNorm (w * x, or (1 + w) * x for Qwen3.5), then rotate-half
+        RoPE on the first ROT dims; rounded to the input dtype where layers.norm and layers.rotary round."""
+        dtype = ptrs.dtype.element_ty
+        x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        xp = tl.load(partner_ptrs, mask=mask, other=0.0).to(tl.float32)  # the rotate-half partner of each dim
+        if HAS_NORM:
+            r = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
+            w = tl.load(w_ptr + d).to(tl.float32)[None, :]
+            wp = tl.load(w_ptr + partner).to(tl.float32)[None, :]
+            if OFFSET:
+                x = (x * r * (1.0 + w)).to(dtype).to(tl.float32)
+                xp = (xp * r * (1.0 + wp)).to(dtype).to(tl.float32)
+            else:
+                x = (w * (x * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+                xp = (wp * (xp * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        sign = tl.where(d < ROT // 2, -1.0, 1.0)[None, :]
+        rotated = x * cos[None, :] + sign * xp * sin[None, :]
+        return tl.where((d < ROT)[None, :], rotated, x).to(dtype)
+
+    @triton.jit
     def _partial_attention(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, o_ptr, lse_ptr, scale,
-                           stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
+                           qw_ptr, kw_ptr, cos_ptr, sin_ptr, eps,
+                           stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rb,
                            stride_cs, stride_ch, stride_ct, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                           G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+                           G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr,
+                           HAS_NORM: tl.constexpr, OFFSET: tl.constexpr,
                            BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr, PRECISION: tl.constexpr):
         b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         slot = tl.load(slot_ptr + b).to(tl.int64)
@@ -29,28 +54,34 @@ if triton is not None:
         last = length - 1  # the new token: its K/V come from kn/vn, not the cache
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, D)
+        partner = tl.where(d < ROT, (d + ROT // 2) % ROT, d)
+        cos = tl.load(cos_ptr + b * stride_rb + d, mask=d < ROT, other=1.0).to(tl.float32)
+        sin = tl.load(sin_ptr + b * stride_rb + d, mask=d < ROT, other=0.0).to(tl.float32)
         heads = kvh * G + g
-        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                    mask=g[:, None] < G, other=0.0)
-        k_new = tl.load(kn_ptr + b * stride_kb + kvh * stride_kh + d)
-        v_new = tl.load(vn_ptr + b * stride_vb + kvh * stride_vh + d)
+        q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
+        q = _norm_rope(q_rows + d[None, :], q_rows + partner[None, :], g[:, None] < G, qw_ptr, cos, sin, d,
+                       partner, eps, D, ROT, HAS_NORM, OFFSET)
+        k_row = kn_ptr + b * stride_kb + kvh * stride_kh + tl.zeros([1], tl.int32)[:, None]
+        k_new = _norm_rope(k_row + d[None, :], k_row + partner[None, :], d[None, :] < D, kw_ptr, cos, sin, d,
+                           partner, eps, D, ROT, HAS_NORM, OFFSET)  # [1, D]
+        v_new = tl.load(vn_ptr + b * stride_vb + kvh * stride_vh + d)[None, :]
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, D], tl.float32)
         base = slot * stride_cs + kvh * stride_ch
         start = split * SPLIT_LEN
-        at = last + 0 * d  # [D] copies of the new token's position: this split stores it if it holds it
+        at = last + 0 * d[None, :]  # [1, D] copies of the new token's position: stored by the split holding it
         mine = (at >= start) & (at < start + SPLIT_LEN)
-        tl.store(k_ptr + base + last * stride_ct + d, k_new, mask=mine)
-        tl.store(v_ptr + base + last * stride_ct + d, v_new, mask=mine)
+        tl.store(k_ptr + base + last * stride_ct + d[None, :], k_new, mask=mine)
+        tl.store(v_ptr + base + last * stride_ct + d[None, :], v_new, mask=mine)
         for n0 in range(0, SPLIT_LEN, BLOCK_N):  # masked loads past `length` move no memory
             n = start + n0 + tl.arange(0, BLOCK_N)
             cached = n < last
             k = tl.load(k_ptr + base + n[:, None] * stride_ct + d[None, :], mask=cached[:, None], other=0.0)
             v = tl.load(v_ptr + base + n[:, None] * stride_ct + d[None, :], mask=cached[:, None], other=0.0)
             is_new = (n == last)[:, None]
-            k = tl.where(is_new, k_new[None, :], k)
-            v = tl.where(is_new, v_new[None, :], v)
+            k = tl.where(is_new, k_new, k)
+            v = tl.where(is_new, v_new, v)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_G, BLOCK_N]
             s = tl.where((n < length)[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -73,9 +104,10 @@ def available(device) -> bool:
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, slot_ids: torch.Tensor, lengths: torch.Tensor, max_len: int,
-                     scale: float) -> torch.Tensor:
-    """q [B, H, D], new k/v [B, kv_heads, D] -> [B, H, D]: stores k/v at cache[slot, :, length - 1], then
-    attends over cache[slot_ids[b], :, :lengths[b]].
+                     scale: float, rope: tuple[torch.Tensor, torch.Tensor], norms=None) -> torch.Tensor:
+    """Raw q [B, H, D] and new k/v [B, kv_heads, D] -> [B, H, D]. q and k get the per-head RMSNorm of `norms`
+    ((q_weight, k_weight, eps, offset), or None: Qwen2) and RoPE from `rope` (cos, sin rows [B, rotary_dim]);
+    k/v are stored at cache[slot, :, length - 1]; then attention over cache[slot_ids[b], :, :lengths[b]].
 
     `max_len` (a bound on every length, e.g. the key bucket) fixes the grid, so CUDA graphs can replay it.
     """
@@ -88,12 +120,15 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     o = torch.empty(B, H, splits, D, device=q.device, dtype=torch.float32)
     lse = torch.empty(B, H, splits, device=q.device, dtype=torch.float32)
     G = H // kvh
+    cos, sin = rope
+    q_w, k_w, eps, offset = norms if norms is not None else (cos, cos, 0.0, False)  # weights unused without norms
     _partial_attention[(B, kvh, splits)](
-        q, k, v, k_cache, v_cache, slot_ids, lengths, o, lse, scale,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        q, k, v, k_cache, v_cache, slot_ids, lengths, o, lse, scale, q_w, k_w, cos, sin, eps,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), o.stride(0), o.stride(1), o.stride(2),
         lse.stride(0), lse.stride(1),
-        G=G, BLOCK_G=max(triton.next_power_of_2(G), 16), D=D, BLOCK_N=block_n, SPLIT_LEN=split_len,
+        G=G, BLOCK_G=max(triton.next_power_of_2(G), 16), D=D, ROT=cos.shape[-1], HAS_NORM=norms is not None,
+        OFFSET=bool(offset), BLOCK_N=block_n, SPLIT_LEN=split_len,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_stages=2)
     return merge_splits(o, lse, q)
 

@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from ..batch import ForwardBatch
 from ..cache import SlotCache
 from ..config import ModelConfig
-from ..layers.attention import attend
-from ..layers.decode_attention import available as decode_attention_available
+from ..layers.attention import cached_attention, write_kv
+from ..layers.decode_attention import available as decode_attention_available, decode_attention
 from ..layers.fused import cuda_compiled
 from ..layers.norm import add_rms_norm, rms_norm
 from ..layers.rotary import Rotary, norm_and_rotate
@@ -52,8 +52,16 @@ class Attention:
             q, gate = q.view(B, T, self.nq, 2 * self.hd).chunk(2, dim=-1)
             gate = gate.reshape(B, T, self.nq * self.hd)
         q, k, v = q.reshape(B, T, self.nq, self.hd), k.view(B, T, self.nkv, self.hd), v.view(B, T, self.nkv, self.hd)
-        q, k = norm_and_rotate(q, k, self.q_norm, self.k_norm, *ctx["rope"], self.cfg.rms_norm_eps, self.gated)
-        out = attend(q, k, v, cache.k[self.layer], cache.v[self.layer], batch, ctx, self.hd ** -0.5)
+        k_cache, v_cache, eps = cache.k[self.layer], cache.v[self.layer], self.cfg.rms_norm_eps
+        if ctx["mask"] is None:  # one token per row on CUDA: one kernel norms, rotates, stores K/V and attends
+            norms = (self.q_norm, self.k_norm, eps, self.gated) if self.q_norm is not None else None
+            rope = tuple(t[:, 0, 0] for t in ctx["rope"])
+            out = decode_attention(q[:, 0], k[:, 0], v[:, 0], k_cache, v_cache, batch.slot_ids, ctx["lengths"],
+                                   batch.kv_len, self.hd ** -0.5, rope, norms)[:, None]
+        else:
+            q, k = norm_and_rotate(q, k, self.q_norm, self.k_norm, *ctx["rope"], eps, self.gated)
+            write_kv(k_cache, v_cache, k, v, batch, ctx["targets"])
+            out = cached_attention(q, k_cache, v_cache, batch, ctx["mask"], self.hd ** -0.5)
         out = out.reshape(B, T, self.nq * self.hd)
         if self.gated:
             out = out * torch.sigmoid(gate)
