@@ -45,7 +45,8 @@ import torch
 
 from .batch import ForwardBatch
 from .config import MAX_SPECULATIVE_TOKENS
-from .layers.gated_delta import gated_delta_rule
+from .layers.gated_delta import L2_EPS, gated_delta_rule
+from .layers.linear_decode import recurrent_step
 from .sampling import SamplingParams, filtered_probs, inverse_cdf
 
 DRAW_TARGET, DRAW_DRAFT, DRAW_ACCEPT, DRAW_RESIDUAL = 0, 1, 2, 3
@@ -296,20 +297,27 @@ class AdversarialDrafter(Drafter):
 class _StatesRule:
     """A delta rule that runs token by token and keeps every intermediate state (rollback "states").
     `shortest`: the fewest tokens any row feeds; positions below it are real in every row, so they skip the
-    padding masks (a dozen small kernels per token and layer)."""
+    padding masks (a dozen small kernels per token and layer). `in_place`: those positions run the one-launch
+    Triton step of layers.linear_decode on a working copy of the state (CUDA; the fla call it replaces costs
+    far more host time per token)."""
 
-    def __init__(self, shortest: int = 0):
-        self.shortest = shortest
+    def __init__(self, shortest: int = 0, in_place: bool = False):
+        self.shortest, self.in_place = shortest, in_place
         self.states: list[torch.Tensor] = []   # per GDN layer, in layer order: [B, T, H, dk, dv]
 
     def __call__(self, q, k, v, g, beta, S, lengths):
         outs, per = [], []
+        rows = torch.arange(q.shape[0], device=q.device)
+        S = S.to(torch.float32).clone()  # a working copy: the in-place step writes it, the cache stays as it was
         for t in range(q.shape[1]):
-            live = None if lengths is None or t < self.shortest else (lengths > t).to(lengths.dtype)
-            o, S = gated_delta_rule(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1],
-                                    beta[:, t:t + 1], S, live)
+            if t < self.shortest and self.in_place:
+                o = recurrent_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], S, rows, L2_EPS)[:, None]
+            else:
+                live = None if lengths is None or t < self.shortest else (lengths > t).to(lengths.dtype)
+                o, S = gated_delta_rule(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1],
+                                        beta[:, t:t + 1], S, live)
             outs.append(o)
-            per.append(S)
+            per.append(S.clone())  # S may be advanced in place at the next position
         self.states.append(torch.stack(per, 1))
         return torch.cat(outs, 1), S
 
@@ -422,7 +430,8 @@ class Speculator:
         eng = self.engine
         batch = ForwardBatch.build(seqs, eng.cache.scratch, eng.options.device)
         log: dict = {}
-        states = _StatesRule(min(len(fed) for _, _, fed in seqs)) if self.rollback == "states" else None
+        shortest = min(len(fed) for _, _, fed in seqs)
+        states = _StatesRule(shortest, getattr(eng.model, "in_place", False)) if self.rollback == "states" else None
         eng.model.record = {"gdn_log": log} | ({"delta_rule": states} if states is not None else {})
         try:
             hidden = eng.model.forward(batch, eng.cache)

@@ -39,7 +39,8 @@ def test_recurrent_step_matches_the_reference_rule(hk, hv, dk, dv):
     gen = torch.Generator().manual_seed(hv + dv)
     B, slots = 3, torch.tensor([1, 4, 0], device=DEV)
     state = randn(5, hv, dk, dv, gen=gen)
-    q, k, v = randn(B, hk, dk, gen=gen), randn(B, hk, dk, gen=gen), randn(B, hv, dv, gen=gen)
+    q, k = randn(B, hk, dk, gen=gen), randn(B, hk, dk, gen=gen)
+    v = randn(B, dv, hv, gen=gen).transpose(1, 2)  # as the conv output hands it over in a prompt: dims strided
     g = -F.softplus(randn(B, hv, gen=gen))
     beta = randn(B, hv, gen=gen).sigmoid()
     group = hv // hk

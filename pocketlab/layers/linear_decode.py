@@ -76,9 +76,10 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
                    state: torch.Tensor, slot_ids: torch.Tensor, eps: float) -> torch.Tensor:
     """q, k [B, Hk, dk] raw; v [B, Hv, dv]; g (log-decay), beta [B, Hv] -> o [B, Hv, dv] in v's dtype, while
     state[slot_ids[b]] ([Hv, dk, dv] float32) advances by one token in place."""
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))  # the kernel reads rows whole
     B, Hk, dk = q.shape
     Hv, dv = v.shape[1], v.shape[2]
-    o = torch.empty_like(v)
+    o = torch.empty(B, Hv, dv, dtype=v.dtype, device=v.device)
     block_v = min(dv, 32)
     _recurrent_step[(B, Hv, triton.cdiv(dv, block_v))](
         q, k, v, g, beta, state, slot_ids, o, dk ** -0.5, eps,
