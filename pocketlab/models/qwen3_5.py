@@ -37,11 +37,17 @@ class GatedDeltaNet:
         qkv, z, b, a = F.linear(x, self.in_proj).split(self.splits, dim=-1)
         conv, rec = cache.conv[self.layer], cache.rec[self.layer]
         if T == 1 and self.in_place and not ctx.keys() & {"delta_rule", "gdn_log"}:
-            o = self._step_in_place(qkv[:, 0], b, a, conv, rec, batch.slot_ids)
-            o = gated_rms_norm(o[:, None], z.reshape(B, T, self.hv, self.dv), self.norm, self.cfg.rms_norm_eps)
-            return F.linear(o.reshape(B, T, self.hv * self.dv), self.out)
+            o = self._step_in_place(qkv[:, 0], b, a, conv, rec, batch.slot_ids)[:, None]
+        else:
+            o = self._run_gathered(qkv, b, a, conv, rec, batch, ctx)
+        o = gated_rms_norm(o, z.reshape(B, T, self.hv, self.dv), self.norm, self.cfg.rms_norm_eps)
+        return F.linear(o.reshape(B, T, self.hv * self.dv), self.out)
+
+    def _run_gathered(self, qkv_in, b, a, conv, rec, batch: ForwardBatch, ctx: dict) -> torch.Tensor:
+        """Any number of tokens: gather the slots' states, run conv and delta rule on the copies, scatter back.
+        Returns [B, T, Hv, dv]."""
+        B, T, _ = qkv_in.shape
         conv0, rec0 = conv[batch.slot_ids], rec[batch.slot_ids]  # gathered copies: the states before this forward
-        qkv_in = qkv
         lengths = batch.lengths if T > 1 else None  # one token per row is always real: skip the padding masks
         qkv, conv[batch.slot_ids] = causal_conv1d(qkv_in, conv0, self.conv_weight, lengths)
         q, k, v = qkv.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
@@ -59,8 +65,7 @@ class GatedDeltaNet:
             o, rec[batch.slot_ids] = rule(q, k, v, g, beta, rec0, lengths)
         if "gdn_log" in ctx:  # speculative verify: what rolling back to an accepted prefix needs
             ctx["gdn_log"][self.layer] = (qkv_in, conv0, (q, k, v, g, beta, rec0))
-        o = gated_rms_norm(o, z.reshape(B, T, self.hv, self.dv), self.norm, self.cfg.rms_norm_eps)
-        return F.linear(o.reshape(B, T, self.hv * self.dv), self.out)
+        return o
 
     def _step_in_place(self, qkv, b, a, conv, rec, slot_ids) -> torch.Tensor:
         """One token per row: [B, Hv, dv] outputs, each slot's conv window and state advanced where they live."""
