@@ -3,6 +3,7 @@
 Timings are never judged here: only that every figure exists, is finite and positive."""
 import json
 import math
+import re
 
 import pytest
 
@@ -90,7 +91,7 @@ def test_baseline_file_round_trip(result, tmp_path):
 
 
 def test_profile_tables_a_decode_step_and_a_prefill(make_engine):
-    """pocketlab.profile on the CPU: operator tables instead of kernel tables, same code path."""
+    """pocketlab.profile: operator tables on the CPU, kernel tables on a GPU; the matmuls must show either way."""
     from pocketlab import profile
     engine = make_engine("tiny-qwen3")
     cases = ((profile.decode_step(engine, 2), None), (profile.prefill_call(engine, 20), lambda: engine.reset(0)))
@@ -98,4 +99,4 @@ def test_profile_tables_a_decode_step_and_a_prefill(make_engine):
         summary, kernels = profile.profile(step, 2, 2, "check", setup)
         assert summary["wall_us"] > 0 and summary["kernels_per_step"] >= 10
         assert (kernels.us_per_step.diff().dropna() <= 0).all()  # costliest first
-        assert "aten::mm" in set(kernels.kernel) or "aten::addmm" in set(kernels.kernel)
+        assert any(re.search(r"aten::(add)?mm$|gemm", name, re.I) for name in kernels.kernel)
