@@ -10,7 +10,7 @@ import torch
 from .batch import ForwardBatch
 from .cache import SlotCache, Snapshot
 from .config import EngineOptions, ModelConfig
-from .graphs import DecodeGraphs
+from .graphs import StepGraphs
 from .loader import load_weights, validate_weights
 from .models import build_model
 from .prefix_cache import PrefixCache, plan_pieces
@@ -74,7 +74,7 @@ class QwenEngine:
         self.num_slots = self.options.max_slots
         self.forward_count = 0      # model forwards run; batch calls must add exactly one
         use_graphs = self.options.cuda_graphs and torch.device(self.options.device).type == "cuda"
-        self.graphs = DecodeGraphs(self.model, self.cache, self.options) if use_graphs else None
+        self.graphs = StepGraphs(self.model, self.cache, self.options) if use_graphs else None
         self.speculator = Speculator(self) if self.options.speculative_tokens else None  # drafts + one verify forward
 
     @classmethod

@@ -1,8 +1,8 @@
-"""CUDA-graph replay of one decode step (forward + logits) over static buffers.
+"""CUDA-graph replay of forward steps (a decode step, a speculative verify step) over static buffers.
 
 Python launches hundreds of small kernels per step; at batch 1 that, not memory, bounds decode speed.
-Each (batch bucket, key-length bucket) is captured once; a step copies its inputs into the static
-buffers and replays the smallest graph that fits. Filler rows run on the scratch slot.
+Each (step, batch bucket, tokens per row, key-length bucket) is captured once; a call copies its inputs
+into the static buffer and replays the smallest graph that fits. Filler rows run on the scratch slot.
 """
 from __future__ import annotations
 
@@ -23,46 +23,60 @@ def key_buckets(max_seq_len: int, smallest: int = 128) -> list[int]:
     return sizes + [max_seq_len]
 
 
-class DecodeGraphs:
+class StepGraphs:
     def __init__(self, model, cache, options):
         self.model, self.cache = model, cache
         sizes = sorted({b for b in options.graph_batch_sizes if b < options.max_slots} | {options.max_slots})
         self.batch_sizes, self.key_sizes = sizes, key_buckets(options.max_seq_len)
         self.device, self.compile = options.device, options.compile
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
-        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
+        self.pool = None  # one memory pool for all of this engine's graphs, made at the first capture
 
     def logits(self, seqs: list[tuple[int, int, list[int]]]) -> torch.Tensor:
         """[B, vocab] float32 logits of one decode step; seqs hold (slot, position, [token])."""
-        B = len(seqs)
-        b = self.batch_sizes[bisect.bisect_left(self.batch_sizes, B)]
-        kv = self.key_sizes[bisect.bisect_left(self.key_sizes, max(p for _, p, _ in seqs) + 1)]
-        graph, inputs, out = self.graphs.get((b, kv)) or self._capture(b, kv)
-        pad = b - B
-        inputs[:3].copy_(torch.tensor([[t[0] for _, _, t in seqs] + [0] * pad,
-                                       [s for s, _, _ in seqs] + [self.cache.scratch] * pad,
-                                       [p for _, p, _ in seqs] + [0] * pad]))  # one host-to-device copy
-        graph.replay()
-        return out[:B].clone()  # the static buffer is overwritten by the next replay
+        return self.replay("decode", self._decode, seqs)[:len(seqs)].clone()  # the next replay overwrites it
 
-    def _step(self, batch: ForwardBatch) -> torch.Tensor:
+    def _decode(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model.logits(self.model.forward(batch, self.cache)[:, 0])
 
-    def _capture(self, b: int, kv: int):
-        # Rows: tokens, slot ids, start positions, lengths (all 1). One static buffer that the graph reads and
-        # that outlives it (a tensor freed after capture would be reused under the graph); filler: scratch slot.
-        inputs = torch.zeros(4, b, dtype=torch.long, device=self.device)
-        inputs[1], inputs[3] = self.cache.scratch, 1
-        batch = ForwardBatch(tokens=inputs[0, :, None], slot_ids=inputs[1], start=inputs[2], lengths=inputs[3],
-                             kv_len=kv, scratch_slot=self.cache.scratch)
+    def replay(self, name: str, step, seqs: list[tuple[int, int, list[int]]]):
+        """step(batch)'s outputs (static tensors, rows past len(seqs) are filler) for seqs (slot, position,
+        tokens): every row runs T = the longest run's tokens, shorter runs padded with token 0 and treated as
+        real (the caller ignores what they produce), so every position written must fit in the slot."""
+        B, T = len(seqs), max(len(t) for _, _, t in seqs)
+        b = self.batch_sizes[bisect.bisect_left(self.batch_sizes, B)]
+        kv = self.key_sizes[bisect.bisect_left(self.key_sizes, max(p for _, p, _ in seqs) + T)]
+        graph, inputs, out = self.graphs.get((name, b, T, kv)) or self._capture(name, step, b, T, kv)
+        pad = b - B
+        rows = [t + [0] * (T - len(t)) for _, _, t in seqs] + [[0] * T] * pad
+        inputs[:T + 2].copy_(torch.tensor([list(col) for col in zip(*rows)] +
+                                          [[s for s, _, _ in seqs] + [self.cache.scratch] * pad,
+                                           [p for _, p, _ in seqs] + [0] * pad]))  # one host-to-device copy
+        graph.replay()
+        return out
+
+    def capture(self, fn):
+        """(graph, outputs) of fn() captured in this engine's pool, after one warm-up run outside the graph
+        (cuBLAS handles, compilation). Every tensor the graph reads must outlive it: keep them with it."""
+        self.pool = self.pool or torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with fused.compiled_kernels(self.compile):
-            with torch.cuda.stream(side):  # warm-up outside the graph (cuBLAS handles, compilation)
-                self._step(batch)
+            with torch.cuda.stream(side):
+                fn()
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                out = self._step(batch)
-        self.graphs[(b, kv)] = (graph, inputs, out)
-        return self.graphs[(b, kv)]
+                out = fn()
+        return graph, out
+
+    def _capture(self, name: str, step, b: int, T: int, kv: int):
+        # Rows: tokens (T of them, one row per position), slot ids, start positions, lengths (all T). One static
+        # buffer that the graph reads and that outlives it; filler rows run on the scratch slot.
+        inputs = torch.zeros(T + 3, b, dtype=torch.long, device=self.device)
+        inputs[T], inputs[T + 2] = self.cache.scratch, T
+        batch = ForwardBatch(tokens=inputs[:T].t(), slot_ids=inputs[T], start=inputs[T + 1], lengths=inputs[T + 2],
+                             kv_len=kv, scratch_slot=self.cache.scratch)
+        graph, out = self.capture(lambda: step(batch))
+        self.graphs[(name, b, T, kv)] = (graph, inputs, out)
+        return self.graphs[(name, b, T, kv)]

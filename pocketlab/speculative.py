@@ -45,7 +45,7 @@ import torch
 
 from .batch import ForwardBatch
 from .config import MAX_SPECULATIVE_TOKENS
-from .layers.gated_delta import L2_EPS, gated_delta_rule
+from .layers.gated_delta import L2_EPS, backend_name, gated_delta_rule
 from .layers.linear_decode import recurrent_step
 from .sampling import SamplingParams, filtered_probs, inverse_cdf
 
@@ -411,10 +411,17 @@ class Speculator:
             if bad:
                 raise ValueError(f"drafter {self.drafter.name!r} proposed token(s) outside the vocabulary: {bad[:5]}")
         seqs = [(r.slot, r.position, [r.token] + d) for r, d in zip(rows, drafts.tokens)]
-        batch, hidden, log, states = self._verify(seqs)
-        logits = eng.model.logits(hidden)
+        if self._graphed(seqs):
+            run = eng.graphs.replay("verify", self._verify_step, seqs)
+            run.graphed = [] if run.graphed is None else run.graphed
+            hidden, logits = run.hidden[:len(rows)], run.logits[:len(rows)]
+        else:
+            batch = ForwardBatch.build(seqs, eng.cache.scratch, eng.options.device)
+            run = self._verify_step(batch, min(len(fed) for _, _, fed in seqs))
+            hidden, logits = run.hidden, run.logits
+        eng.forward_count += 1
         emitted, kept = accept(logits, rows, drafts)
-        self._roll_back(batch, seqs, kept, log, states)
+        self._roll_back(run, seqs, kept)
         for r, (_, _, fed), c in zip(rows, seqs, kept):
             slots[r.slot].tokens.extend(fed[:c])
         self.drafter.commit(self, rows, kept, hidden)
@@ -426,36 +433,78 @@ class Speculator:
         last = logits[torch.arange(len(rows), device=logits.device), torch.tensor(kept, device=logits.device) - 1]
         return emitted, last, [r.position + c for r, c in zip(rows, kept)]
 
-    def _verify(self, seqs):
+    def _graphed(self, seqs) -> bool:
+        """The verify step replays a CUDA graph when the engine captures graphs, its per-token delta rule is
+        capturable (the in-place Triton step or our torch one; fla's is not captured) and every run, padded to
+        the longest (padding positions count as real; what they write is never kept), still fits in its slot."""
+        eng, T = self.engine, max(len(fed) for _, _, fed in seqs)
+        capturable = getattr(eng.model, "in_place", False) or backend_name(eng.options.device) == "torch"
+        return (eng.graphs is not None and self.rollback == "states" and capturable
+                and all(p + T <= eng.options.max_seq_len for _, p, _ in seqs))
+
+    def _verify_step(self, batch: ForwardBatch, shortest: int | None = None) -> "VerifyRun":
+        """The main-model forward over every fed run, keeping what a rollback needs (eager, or captured: then
+        every position is real). shortest: the fewest tokens any run feeds (None: all of them)."""
         eng = self.engine
-        batch = ForwardBatch.build(seqs, eng.cache.scratch, eng.options.device)
+        shortest = batch.tokens.shape[1] if shortest is None else shortest
         log: dict = {}
-        shortest = min(len(fed) for _, _, fed in seqs)
         states = _StatesRule(shortest, getattr(eng.model, "in_place", False)) if self.rollback == "states" else None
         eng.model.record = {"gdn_log": log} | ({"delta_rule": states} if states is not None else {})
         try:
             hidden = eng.model.forward(batch, eng.cache)
         finally:
             eng.model.record = None
-        eng.forward_count += 1
-        return batch, hidden, log, states
+        return VerifyRun(batch, hidden, eng.model.logits(hidden), log, states)
 
-    def _roll_back(self, batch: ForwardBatch, seqs, kept: list[int], log: dict, states) -> None:
-        """Gated DeltaNet conv and recurrent state of every slot that rejected something -> after its kept tokens."""
-        rejected = [b for b, ((_, _, fed), c) in enumerate(zip(seqs, kept)) if c < len(fed)]
-        if not rejected or not log:
+    def _roll_back(self, run: "VerifyRun", seqs, kept: list[int]) -> None:
+        """Gated DeltaNet conv and recurrent state of every slot that rejected something -> after its kept tokens.
+        A replayed verify graph ran every row over T tokens, so there every row short of T is restored, by a
+        second graph captured with it."""
+        if not run.log:
             return
-        cache, dev = self.engine.cache, batch.slot_ids.device
-        idx = torch.tensor(rejected, device=dev)
-        keep = torch.tensor([kept[b] for b in rejected], device=dev)
-        slots = batch.slot_ids[idx]
+        T, dev = run.batch.tokens.shape[1], run.batch.slot_ids.device
+        if run.graphed is None:   # eager: only the rows that rejected something
+            rejected = [b for b, ((_, _, fed), c) in enumerate(zip(seqs, kept)) if c < len(fed)]
+            if rejected:
+                idx = torch.tensor(rejected, device=dev)
+                self._restore(run.batch.slot_ids[idx], idx, torch.tensor([kept[b] for b in rejected], device=dev),
+                              run.log, run.states)
+            return
+        if all(c == T for c in kept):
+            return
+        if not run.graphed:
+            rows = torch.arange(run.batch.tokens.shape[0], device=dev)
+            keep = torch.full_like(rows, T)   # while capturing: every row keeps all, which changes nothing
+            graph, _ = self.engine.graphs.capture(lambda: self._restore(run.batch.slot_ids, rows, keep, run.log,
+                                                                        run.states))
+            run.graphed.extend([graph, rows, keep])
+        graph, rows, keep = run.graphed
+        keep.copy_(torch.tensor(kept + [T] * (len(rows) - len(kept))))
+        graph.replay()
+
+    def _restore(self, slots, rows, keep, log: dict, states) -> None:
+        """Conv window and recurrent state of slots[i] (verify batch row rows[i]) -> after its first keep[i]
+        fed tokens: the window is the last K-1 inputs of [start window | kept inputs]; the state is the kept
+        per-position one, or the rule re-run from the start state over the kept tokens (rollback "replay")."""
+        cache = self.engine.cache
         for n, (layer, (qkv_in, conv0, args)) in enumerate(log.items()):
             window = conv0.shape[-1]
-            full = torch.cat([conv0[idx], qkv_in[idx].transpose(1, 2).to(conv0.dtype)], dim=-1)
-            at = keep[:, None] + torch.arange(window, device=dev)[None, :]
+            full = torch.cat([conv0[rows], qkv_in[rows].transpose(1, 2).to(conv0.dtype)], dim=-1)
+            at = keep[:, None] + torch.arange(window, device=keep.device)[None, :]
             cache.conv[layer][slots] = full.gather(2, at[:, None, :].expand(-1, full.shape[1], -1))
             if states is not None:
-                cache.rec[layer][slots] = states.states[n][idx, keep - 1]
+                cache.rec[layer][slots] = states.states[n][rows, keep - 1]
             else:
-                q, k, v, g, beta, rec0 = (x[idx] for x in args)
+                q, k, v, g, beta, rec0 = (x[rows] for x in args)
                 cache.rec[layer][slots] = gated_delta_rule(q, k, v, g, beta, rec0, keep)[1]
+
+
+@dataclass
+class VerifyRun:
+    """What one verify forward leaves for accepting and rolling back; static buffers when it was a graph."""
+    batch: ForwardBatch
+    hidden: torch.Tensor        # [B, T, hidden] final-normed
+    logits: torch.Tensor        # [B, T, vocab] float32
+    log: dict                   # per GDN layer: (conv inputs, start window, delta-rule inputs and start state)
+    states: "_StatesRule | None"
+    graphed: list | None = None  # replayed graphs: [] until the rollback graph is captured, then [graph, rows, keep]
