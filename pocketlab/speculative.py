@@ -27,7 +27,13 @@ the state after token n+a:
   "replay": the verify forward runs the usual chunked rule; slots that rejected something re-run it from
            the saved start state over their a+1 kept tokens. Fewer state bytes (2 per rejecting slot instead
            of k+1 per slot), more launches: the better choice where state traffic dominates (large batches
-           on a GPU with fla). verify_cost reports both (`*_states_ms` columns) to settle it per device.
+           on a GPU with fla). verify_cost reports both (`*_replay_*` columns) to settle it per device.
+
+CUDA graphs. With rollback "states" on an engine that captures graphs, the verify forward replays a graph
+per (batch bucket, k+1, key bucket): every row runs the longest run's k+1 tokens (shorter runs padded; the
+padding's K/V rows lie past the slot's tokens and its states are never kept), and the rollback is a second
+graph that restores every row that kept fewer than k+1. An eager verify forward is launch-bound (~30x a
+graphed decode step at the 9B shape, measured on the H200 before graphs); drafting (the MTP head) stays eager.
 
 Uniform numbers come from SamplingParams.uniform(index, draw), index being the sequence index of the token
 being decided: draw 0 for a token drawn straight from the target (the bonus token; also what plain

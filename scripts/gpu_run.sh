@@ -139,7 +139,7 @@ df = pd.concat([ttft(model='$m', snapshot_stride=s).assign(snapshot_stride=s) fo
 print(df.to_string()); df.to_csv('reports/gpu/ttft-$m.csv', index=False)"
   done
   for m in $MTP_MODELS; do   # a failing verify graph is reported, then the same figures come eagerly
-    step "MTP verify cost $m" 200 "$reserve" python3 -c "
+    step "MTP verify cost $m" 300 "$reserve" python3 -c "
 import traceback
 from pocketlab.verify.mtp import verify_cost
 try:
