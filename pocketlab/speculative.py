@@ -417,8 +417,8 @@ class Speculator:
             if bad:
                 raise ValueError(f"drafter {self.drafter.name!r} proposed token(s) outside the vocabulary: {bad[:5]}")
         seqs = [(r.slot, r.position, [r.token] + d) for r, d in zip(rows, drafts.tokens)]
-        if self._graphed(seqs):
-            run = eng.graphs.replay("verify", self._verify_step, seqs)
+        run = eng.graphs.replay("verify", self._verify_step, seqs) if self._graphed(seqs) else None
+        if run is not None:
             run.graphed = [] if run.graphed is None else run.graphed
             hidden, logits = run.hidden[:len(rows)], run.logits[:len(rows)]
         else:
@@ -465,28 +465,33 @@ class Speculator:
     def _roll_back(self, run: "VerifyRun", seqs, kept: list[int]) -> None:
         """Gated DeltaNet conv and recurrent state of every slot that rejected something -> after its kept tokens.
         A replayed verify graph ran every row over T tokens, so there every row short of T is restored, by a
-        second graph captured with it."""
-        if not run.log:
+        second graph captured with it (eagerly should that capture fail)."""
+        T, graphed = run.batch.tokens.shape[1], run.graphed is not None
+        short = [b for b, ((_, _, fed), c) in enumerate(zip(seqs, kept)) if c < (T if graphed else len(fed))]
+        if not short or not run.log:
             return
-        T, dev = run.batch.tokens.shape[1], run.batch.slot_ids.device
-        if run.graphed is None:   # eager: only the rows that rejected something
-            rejected = [b for b, ((_, _, fed), c) in enumerate(zip(seqs, kept)) if c < len(fed)]
-            if rejected:
-                idx = torch.tensor(rejected, device=dev)
-                self._restore(run.batch.slot_ids[idx], idx, torch.tensor([kept[b] for b in rejected], device=dev),
-                              run.log, run.states)
+        if graphed and self._restore_graph(run):
+            graph, rows, keep = run.graphed
+            keep.copy_(torch.tensor(kept + [T] * (len(rows) - len(kept))))
+            graph.replay()
             return
-        if all(c == T for c in kept):
-            return
+        idx = torch.tensor(short, device=run.batch.slot_ids.device)
+        self._restore(run.batch.slot_ids[idx], idx, torch.tensor([kept[b] for b in short], device=idx.device),
+                      run.log, run.states)
+
+    def _restore_graph(self, run: "VerifyRun") -> bool:
+        """Capture (once per verify graph) the rollback of every row; False if that capture failed."""
         if not run.graphed:
-            rows = torch.arange(run.batch.tokens.shape[0], device=dev)
-            keep = torch.full_like(rows, T)   # while capturing: every row keeps all, which changes nothing
-            graph, _ = self.engine.graphs.capture(lambda: self._restore(run.batch.slot_ids, rows, keep, run.log,
-                                                                        run.states))
+            rows = torch.arange(run.batch.tokens.shape[0], device=run.batch.slot_ids.device)
+            keep = torch.full_like(rows, run.batch.tokens.shape[1])  # while capturing every row keeps all: a no-op
+            try:
+                graph, _ = self.engine.graphs.capture(
+                    lambda: self._restore(run.batch.slot_ids, rows, keep, run.log, run.states))
+            except RuntimeError:
+                run.graphed.append(None)
+                return False
             run.graphed.extend([graph, rows, keep])
-        graph, rows, keep = run.graphed
-        keep.copy_(torch.tensor(kept + [T] * (len(rows) - len(kept))))
-        graph.replay()
+        return run.graphed[0] is not None
 
     def _restore(self, slots, rows, keep, log: dict, states) -> None:
         """Conv window and recurrent state of slots[i] (verify batch row rows[i]) -> after its first keep[i]
@@ -513,4 +518,4 @@ class VerifyRun:
     logits: torch.Tensor        # [B, T, vocab] float32
     log: dict                   # per GDN layer: (conv inputs, start window, delta-rule inputs and start state)
     states: "_StatesRule | None"
-    graphed: list | None = None  # replayed graphs: [] until the rollback graph is captured, then [graph, rows, keep]
+    graphed: list | None = None  # replayed: [] until the rollback graph is captured: [graph, rows, keep] ([None]: failed)

@@ -258,3 +258,21 @@ def test_sampling_distribution_matches_plain_sampling():
     for name in ("mtp", "oracle"):
         row = table[table.drafter == name].iloc[0]
         assert 0 < row.accepted < row.drafted   # both acceptance and rejection were exercised
+
+
+class FailingGraphs(RerunGraphs):
+    """Every capture fails, as a CUDA capture might."""
+
+    def capture(self, fn):
+        raise RuntimeError("operation failed due to a previous error during capture")
+
+
+def test_a_failing_capture_falls_back_to_eager_steps(path, reference):
+    eng = engine(path, 2, cuda_graphs=False)
+    eng.graphs = FailingGraphs(eng.model, eng.cache, eng.options)
+    eng.speculator.use(drafter("half", reference))
+    with pytest.warns(RuntimeWarning, match="runs eagerly"):
+        reqs, _ = vmtp.interleaved(eng, PROMPTS, 12)
+    for r, ref in zip(reqs, reference):
+        assert r.generated_tokens[:13] == ref[len(r.prompt_tokens):][:13]
+    assert eng.graphs.failed and not eng.graphs.graphs
