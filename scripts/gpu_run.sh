@@ -5,18 +5,23 @@
 # Why one script: the GPU machine has no network and a short lease; one call does everything, each step
 # bounded by what is left of the time budget, and a failing step never stops the next one.
 #
-# One call is limited to 10 minutes. Seen on 2026-11-30: tests ~90 s (4 workers), bench ~2 min (0.6B) to
-# ~3 min (8B), extras ~1 min per model, `make reports` at the 8B shape > 150 s. On a two-GPU machine (kind
-# nvidia-h200-x2) run two lanes at once, one per GPU, each with its own OUT, e.g.
+# One call is limited to 10 minutes. Seen on 2026-11-30 (third session): tests ~95 s (4 workers), bench 150 s
+# (0.6B) to 230 s (0.8B) with the HF peers (their compiles dominate; HF's compiled batch-32 step at the 9B shape
+# did not finish inside 290 s), TTFT ~15 s per stride, MTP cost 80-110 s per model, `make reports` at the 8B
+# shape > 150 s. On a two-GPU machine (kind nvidia-h200-x2) run two lanes at once, one per GPU, each in its own
+# copy of the tree (both lanes tar reports/) and with its own OUT, e.g.
+#   mkdir -p /tmp/b && cp -r . /tmp/b
 #   (CUDA_VISIBLE_DEVICES=0 OUT=$OUT/a STEPS=... MODELS=... bash scripts/gpu_run.sh &
-#    CUDA_VISIBLE_DEVICES=1 OUT=$OUT/b STEPS=... MODELS=... bash scripts/gpu_run.sh; wait) >/dev/null
-# Plan (each line one x2 call, `.whl` carried):
-#   1. a: STEPS="tests bench baseline" MODELS="qwen3-0.6b qwen3.5-0.8b"  b: STEPS="bench baseline" MODELS="qwen3-8b qwen3.5-9b"
-#   2. a: STEPS=reports REPORT_MODELS=qwen3-0.6b REPORTS_CAP_S=400   b: the same for qwen3-8b
-#   3. a: STEPS="profile extras" MODELS="qwen3-8b" TTFT_MODELS="qwen3-8b qwen3.5-9b" MTP_MODELS=""
-#      b: STEPS="profile extras" MODELS="qwen3.5-0.8b" TTFT_MODELS="" MTP_MODELS=qwen3.5-9b
-# After each call unpack $OUT/reports.tgz here and commit reports/bench, reports/gpu and reports/baseline:
-# every call starts from your tree, so call 2's reports reuse the bench JSONs only once they are committed.
+#    cd /tmp/b && CUDA_VISIBLE_DEVICES=1 OUT=$OUT/b STEPS=... MODELS=... bash scripts/gpu_run.sh; wait) >/dev/null
+# Plan (each line one x2 call, `.whl` carried; about 9 minutes of device time each):
+#   1. a: STEPS="bench baseline" MODELS="qwen3.5-0.8b qwen3-0.6b" BENCH_CAP_S=290 BUDGET_S=575
+#      b: STEPS="bench baseline" MODELS="qwen3.5-9b qwen3-8b" BENCH_CAP_S=290 BUDGET_S=570
+#   2. a: STEPS="tests extras" TTFT_MODELS="qwen3.5-9b qwen3-8b" TTFT_STRIDES=512,2048 MTP_MODELS=""
+#      b: STEPS="extras reports" TTFT_MODELS="" MTP_MODELS="qwen3.5-9b qwen3.5-0.8b" REPORT_MODELS=qwen3.5-0.8b
+#   3. (if time is left) STEPS=reports REPORT_MODELS=qwen3-8b, and STEPS=profile for the model being worked on
+# After each call unpack each lane's reports.tgz and commit what it measured (reports/bench, reports/gpu,
+# reports/baseline, reports/<model>/): every call starts from your tree, so a later call's reports reuse the
+# bench JSONs only once they are committed.
 #
 # Knobs (env vars, defaults in brackets):
 #   STEPS            [profile tests bench baseline extras reports]  which steps run, in this order
