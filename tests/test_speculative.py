@@ -66,11 +66,16 @@ def test_greedy_batched_interleaved_equals_plain(path, reference, name, k):
 
 @pytest.mark.parametrize("rollback", ["replay", "states"])
 def test_rolled_back_state_equals_plain_decoding(path, reference, rollback):
-    """After speculative steps with partial acceptance, every slot's K/V, conv and recurrent state equal those of
-    plain decoding of the same tokens (to rounding: the verify forward batches k+1 tokens)."""
+    """Speculative steps with partial acceptance leave every slot as plain decoding of its tokens would."""
     eng = engine(path, 3, speculative_rollback=rollback)
     eng.speculator.use(drafter("half", reference))
     reqs, _ = vmtp.interleaved(eng, PROMPTS, 20)
+    assert_states_equal_plain(path, eng, reqs, reference)
+
+
+def assert_states_equal_plain(path, eng, reqs, reference):
+    """Every slot's tokens are plain greedy decoding's, and its K/V, conv, recurrent and MTP state equal those
+    of plain decoding of the same tokens (to rounding: the verify forward batches k+1 tokens)."""
     check = engine(path, 0)
     for r in reqs:
         tokens = eng.cache.slots[r.slot_id].tokens
@@ -141,15 +146,7 @@ def test_graphed_verify_step_equals_plain(path, reference, name, k):
         assert r.generated_tokens[:25] == ref[len(r.prompt_tokens):][:25], f"slot {r.slot_id}"
     verify = [key for key in eng.graphs.graphs if key[0] == "verify"]
     assert verify and max(key[2] for key in verify) == k + 1  # the steps were replays over the longest run
-    check = engine(path, 0)
-    for r in reqs:
-        tokens = eng.cache.slots[r.slot_id].tokens
-        check.prefill(r.prompt_tokens, slot_id=r.slot_id)
-        for t in tokens[len(r.prompt_tokens):]:
-            check.decode_step(t, slot_id=r.slot_id)
-        got, want = eng.snapshot(r.slot_id).tensors, check.snapshot(r.slot_id).tensors
-        for tensor_name, x in want.items():
-            torch.testing.assert_close(got[tensor_name], x, atol=2e-5, rtol=1e-4, msg=tensor_name)
+    assert_states_equal_plain(path, eng, reqs, reference)
 
 
 def test_single_slot_results_carry_every_token(path, reference):
