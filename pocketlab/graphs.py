@@ -87,7 +87,7 @@ class StepGraphs:
         tried once more; after a second failure the shape runs eagerly from then on (`failed` says why)."""
         for attempt in ("retrying", "that shape runs eagerly"):
             try:
-                self._capture(step, *key[1:], name=key[0])
+                self._capture(key, step)
                 return True
             except RuntimeError as e:   # torch.AcceleratorError is a RuntimeError
                 why = f"{type(e).__name__}: {str(e).splitlines()[0]}"
@@ -95,13 +95,13 @@ class StepGraphs:
         self.failed[key] = why
         return False
 
-    def _capture(self, step, b: int, T: int, kv: int, name: str):
+    def _capture(self, key: tuple, step) -> None:
         # Rows: tokens (T of them, one row per position), slot ids, start positions, lengths (all T). One static
         # buffer that the graph reads and that outlives it; filler rows run on the scratch slot.
+        _, b, T, kv = key
         inputs = torch.zeros(T + 3, b, dtype=torch.long, device=self.device)
         inputs[T], inputs[T + 2] = self.cache.scratch, T
         batch = ForwardBatch(tokens=inputs[:T].t(), slot_ids=inputs[T], start=inputs[T + 1], lengths=inputs[T + 2],
                              kv_len=kv, scratch_slot=self.cache.scratch)
         graph, out = self.capture(lambda: step(batch))
-        self.graphs[(name, b, T, kv)] = (graph, inputs, out)
-        return self.graphs[(name, b, T, kv)]
+        self.graphs[key] = (graph, inputs, out)

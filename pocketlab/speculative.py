@@ -519,4 +519,4 @@ class VerifyRun:
     logits: torch.Tensor        # [B, T, vocab] float32
     log: dict                   # per GDN layer: (conv inputs, start window, delta-rule inputs and start state)
     states: "_StatesRule | None"
-    graphed: list | None = None  # replayed: [] until the rollback graph is captured: [graph, rows, keep] ([None]: failed)
+    graphed: list | None = None  # replayed graph: [], then [rollback graph, rows, keep] once captured ([None]: failed)

@@ -1,16 +1,14 @@
 """Speculative decoding is exact: greedy output is token-identical to plain greedy decoding (MTP, oracle,
 adversarial and half-right drafters, k = 1, 2, 3, one slot and several batched and interleaved), rolled-back
 state equals plain decoding's, and sampled tokens follow plain sampling's law (chi-square, alpha = 1e-3)."""
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 from pocketlab import BatchedRequest, EngineOptions, QwenEngine, SamplingParams
-from pocketlab.graphs import StepGraphs
 from pocketlab.speculative import AdversarialDrafter, Drafter, Drafts, OracleDrafter
 from pocketlab.verify import mtp as vmtp
 from conftest import DEVICE, DTYPE, KERNELS, random_prompt
+from test_graphs import FailingGraphs, RerunGraphs
 
 PRESET = "tiny-qwen3_5-mtp"
 PROMPTS = [random_prompt(5, seed=31), random_prompt(9, seed=32), random_prompt(14, seed=33)]
@@ -86,33 +84,6 @@ def assert_states_equal_plain(path, eng, reqs, reference):
         got, want = eng.snapshot(r.slot_id).tensors, check.snapshot(r.slot_id).tensors
         for name, x in want.items():
             torch.testing.assert_close(got[name], x, atol=2e-5, rtol=1e-4, msg=name)
-
-
-def _copy_into(dst, src):
-    """Write what a re-run returned into the objects the capture returned (tensors in place, recursively)."""
-    if src is None or isinstance(dst, (int, float, str)):
-        return
-    if isinstance(dst, torch.Tensor):
-        dst.copy_(src)
-    elif isinstance(dst, (list, tuple)):
-        for a, b in zip(dst, src):
-            _copy_into(a, b)
-    elif isinstance(dst, dict):
-        for key in dst:
-            _copy_into(dst[key], src[key])
-    elif hasattr(dst, "__dict__"):
-        for key, value in vars(dst).items():
-            _copy_into(value, getattr(src, key, None))
-
-
-class RerunGraphs(StepGraphs):
-    """StepGraphs whose 'graph' re-runs the captured function and writes its results into the outputs of the
-    capture. Everything around the CUDA graph runs for real on the CPU: static input buffers, padding of
-    shorter runs, bucket choice, the rollback graph restoring every row (the GPU run checks the capture)."""
-
-    def capture(self, fn):
-        out = fn()   # the warm-up run; a real capture records without running
-        return SimpleNamespace(replay=lambda: _copy_into(out, fn())), out
 
 
 class Ragged(Drafter):
@@ -256,12 +227,6 @@ def test_sampling_distribution_matches_plain_sampling():
         row = table[table.drafter == name].iloc[0]
         assert 0 < row.accepted < row.drafted   # both acceptance and rejection were exercised
 
-
-class FailingGraphs(RerunGraphs):
-    """Every capture fails, as a CUDA capture might."""
-
-    def capture(self, fn):
-        raise RuntimeError("operation failed due to a previous error during capture")
 
 
 def test_a_failing_capture_falls_back_to_eager_steps(path, reference):
