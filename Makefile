@@ -24,8 +24,8 @@ test-kernels: .venv/.installed
 	$(PY) -c "import triton" 2>/dev/null || $(PY) -m pip install -q triton
 	POCKETLAB_KERNELS=triton TRITON_INTERPRET=1 $(PY) -m pytest -q tests/test_decode_attention.py \
 		tests/test_linear_decode.py tests/test_slots.py tests/test_snapshot.py tests/test_prefix_cache.py \
-		tests/test_parity.py tests/test_errors.py tests/test_generate.py
-	POCKETLAB_KERNELS=triton TRITON_INTERPRET=1 $(PY) -m pytest -q tests/test_speculative.py -k "rolled_back or half"
+		tests/test_parity.py tests/test_errors.py tests/test_generate.py tests/test_graphs.py
+	POCKETLAB_KERNELS=triton TRITON_INTERPRET=1 $(PY) -m pytest -q tests/test_speculative.py -k "rolled_back or half or graphed"
 
 reports: .venv/.installed
 	$(PY) -m pocketlab.verify.reports --device $(DEVICE) --dtype $(DTYPE) \

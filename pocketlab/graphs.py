@@ -45,14 +45,17 @@ class StepGraphs:
     def _decode(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model.logits(self.model.forward(batch, self.cache)[:, 0])
 
-    def replay(self, name: str, step, seqs: list[tuple[int, int, list[int]]]):
+    def replay(self, name: str, step, seqs: list[tuple[int, int, list[int]]], real_lengths: bool = False,
+               beyond: int = 0):
         """step(batch)'s outputs (static tensors, rows past len(seqs) are filler) for seqs (slot, position,
-        tokens): every row runs T = the longest run's tokens, shorter runs padded with token 0 and treated as
-        real (the caller ignores what they produce), so every position written must fit in the slot.
-        None where this shape's graph cannot be captured: the caller runs the step eagerly."""
+        tokens). Every row runs T = the longest run's tokens, shorter runs padded with token 0: treated as real
+        (lengths T: the caller ignores what they produce, and every position written must fit in the slot), or,
+        with real_lengths, masked by each run's own length. `beyond`: positions past the runs that the step
+        also writes (the key bucket must hold them). None where this shape's graph cannot be captured: the
+        caller runs the step eagerly."""
         B, T = len(seqs), max(len(t) for _, _, t in seqs)
         b = self.batch_sizes[bisect.bisect_left(self.batch_sizes, B)]
-        kv = self.key_sizes[bisect.bisect_left(self.key_sizes, max(p for _, p, _ in seqs) + T)]
+        kv = self.key_sizes[bisect.bisect_left(self.key_sizes, max(p for _, p, _ in seqs) + T + beyond)]
         key = (name, b, T, kv)
         if key in self.failed:
             return None
@@ -61,9 +64,10 @@ class StepGraphs:
         graph, inputs, out = self.graphs[key]
         pad = b - B
         rows = [t + [0] * (T - len(t)) for _, _, t in seqs] + [[0] * T] * pad
-        inputs[:T + 2].copy_(torch.tensor([list(col) for col in zip(*rows)] +
-                                          [[s for s, _, _ in seqs] + [self.cache.scratch] * pad,
-                                           [p for _, p, _ in seqs] + [0] * pad]))  # one host-to-device copy
+        lengths = [len(t) if real_lengths else T for _, _, t in seqs] + [T] * pad
+        inputs.copy_(torch.tensor([list(col) for col in zip(*rows)] +
+                                  [[s for s, _, _ in seqs] + [self.cache.scratch] * pad,
+                                   [p for _, p, _ in seqs] + [0] * pad, lengths]))  # one host-to-device copy
         graph.replay()
         return out
 

@@ -34,7 +34,9 @@ per (batch bucket, k+1, key bucket): every row runs the longest run's k+1 tokens
 padding's K/V rows lie past the slot's tokens and its states are never kept), and the rollback is a second
 graph that restores every row that kept fewer than k+1. H200, Qwen3.5-9B shape, batch 1: the graphed verify
 step costs 8.0-8.5 ms for k = 1..3 against 5.15 ms for a plain step; the eager one, launch-bound, 120 ms.
-Drafting (the MTP head) stays eager, ~2 ms per draft there.
+There the eager MTP drafter cost ~1.8 ms per draft, so greedy drafting now replays a graph too (the queued
+rows, the k-1 recursive rows and the argmaxes on the device, one host round trip; not yet run on a GPU);
+sampling rows, rows without a usable queue and rows drafting fewer than k tokens draft eagerly.
 
 Uniform numbers come from SamplingParams.uniform(index, draw), index being the sequence index of the token
 being decided: draw 0 for a token drawn straight from the target (the bonus token; also what plain
@@ -208,6 +210,10 @@ class MTPDrafter(Drafter):
     def draft(self, spec, rows):
         slots = [r.slot for r in rows]
         counts = self._queues(spec, slots, [r.position for r in rows])
+        if self._graphed(spec, rows, counts):
+            drafts = self._draft_graphed(spec, rows, counts)
+            if drafts is not None:
+                return drafts
         tokens: list[list[int]] = [[] for _ in rows]
         probs: list[list] = [[] for _ in rows]
         step = [b for b, m in enumerate(counts) if m]   # a slot without a usable queue verifies no drafts
@@ -239,6 +245,47 @@ class MTPDrafter(Drafter):
                 tokens[b].append(picked[j])
                 probs[b].append(q[j])
         return Drafts(tokens, [torch.stack(p) if p and p[0] is not None else None for p in probs])
+
+    def _graphed(self, spec, rows, counts) -> bool:
+        """Greedy rows that each draft spec.k tokens from a usable queue, on an engine that captures graphs, with
+        `pick` as here: the whole draft (queued rows, k-1 recursive rows, k logits and argmaxes) is one graph."""
+        return (spec.engine.graphs is not None and type(self).pick is MTPDrafter.pick and all(counts)
+                and all(r.sampling.greedy and r.k == spec.k for r in rows))
+
+    def _draft_graphed(self, spec, rows, counts) -> Drafts | None:
+        """The draft replayed from a CUDA graph (None: it could not be captured, draft eagerly)."""
+        k = spec.k
+        seqs = [(r.slot, *self._pending(spec, r.slot, r.position, c, r.token)) for r, c in zip(rows, counts)]
+        out = spec.engine.graphs.replay(f"draft{k}", lambda batch: self._draft_step(spec, k, batch), seqs,
+                                        real_lengths=True, beyond=k - 1)
+        if out is None:
+            return None
+        tokens = out[0][:len(rows)].tolist()
+        if self.trace is not None:
+            for i in range(k):
+                self.trace.append(dict(draft=i + 1, slots=[r.slot for r in rows], positions=[r.position for r in rows],
+                                       logits=out[1][:len(rows), i].to('cpu', torch.float32, copy=True),
+                                       tokens=[t[i] for t in tokens]))  # copied: the next replay overwrites out
+        return Drafts(tokens, [None] * len(rows))
+
+    def _draft_step(self, spec, k: int, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy drafts [B, k] and their logits [B, k, vocab] from the queued rows in `batch` (lengths: each
+        slot's queue), all on the device: the eager loop of `draft`, without its host round trips."""
+        cache = spec.engine.cache
+        B, T = batch.tokens.shape
+        last = self.head.forward(batch, self.hidden[batch.slot_ids, :T], cache)
+        last = last[torch.arange(B, device=last.device), batch.lengths - 1]     # o_{n-1} per row
+        position = batch.start + batch.lengths                                    # n per row
+        tokens, logits = [], []
+        for i in range(1, k + 1):
+            if i > 1:   # recursive row t = n + i - 2, as in `draft`
+                row = ForwardBatch(tokens=tokens[-1][:, None], slot_ids=batch.slot_ids, start=position + (i - 2),
+                                   lengths=torch.ones_like(position), kv_len=batch.kv_len,
+                                   scratch_slot=batch.scratch_slot)
+                last = self.head.forward(row, last[:, None], cache)[:, 0]
+            logits.append(self.head.logits(last))
+            tokens.append(logits[-1].argmax(-1))
+        return torch.stack(tokens, 1), torch.stack(logits, 1)
 
     def pick(self, logits: torch.Tensor, rows: list[Row], i: int):
         """Draft d_i per row from the head's logits [B, V] -> (tokens, q per row or None)."""

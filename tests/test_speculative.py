@@ -120,6 +120,25 @@ def test_graphed_verify_step_equals_plain(path, reference, name, k):
     assert_states_equal_plain(path, eng, reqs, reference)
 
 
+def test_graphed_mtp_drafts_equal_eager_drafts(path):
+    """The MTP draft replayed from a graph (queued rows, recursive rows and argmaxes on the device) proposes the
+    eager loop's tokens from the same logits, step by step, batched and interleaved."""
+    traces = []
+    for graphs in (None, RerunGraphs):
+        eng = engine(path, 3, cuda_graphs=False)
+        if graphs is not None:
+            eng.graphs = graphs(eng.model, eng.cache, eng.options)
+        eng.speculator.drafter.trace = []
+        vmtp.interleaved(eng, PROMPTS, 16)
+        traces.append(eng.speculator.drafter.trace)
+    assert any(key[0] == "draft3" for key in eng.graphs.graphs)
+    eager, graphed = traces
+    assert [(t["draft"], t["slots"], t["positions"], t["tokens"]) for t in graphed] == \
+        [(t["draft"], t["slots"], t["positions"], t["tokens"]) for t in eager]
+    for g, e in zip(graphed, eager):
+        torch.testing.assert_close(g["logits"], e["logits"], atol=1e-5, rtol=1e-5)
+
+
 def test_single_slot_results_carry_every_token(path, reference):
     eng = engine(path, 3)
     eng.speculator.use(drafter("oracle", reference))
