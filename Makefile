@@ -19,7 +19,7 @@ test: .venv/.installed
 	$(PY) -m pytest tests
 	$(PY) -m pytest -p no:cacheprovider --nbval-lax notebooks/
 
-# every engine test once more through our Triton kernels, run by Triton's CPU interpreter (about 6 minutes)
+# every engine test once more through our Triton kernels, run by Triton's CPU interpreter (about 10 minutes)
 test-kernels: .venv/.installed
 	$(PY) -c "import triton" 2>/dev/null || $(PY) -m pip install -q triton
 	POCKETLAB_KERNELS=triton TRITON_INTERPRET=1 $(PY) -m pytest -q tests/test_decode_attention.py \
