@@ -54,7 +54,7 @@ import torch
 
 from .batch import ForwardBatch
 from .config import MAX_SPECULATIVE_TOKENS
-from .layers.gated_delta import L2_EPS, backend_name, gated_delta_rule
+from .layers.gated_delta import L2_EPS, backend_name, conv_inputs, gated_delta_rule, window_at
 from .layers.linear_decode import recurrent_step
 from .sampling import SamplingParams, filtered_probs, inverse_cdf
 
@@ -547,10 +547,8 @@ class Speculator:
         per-position one, or the rule re-run from the start state over the kept tokens (rollback "replay")."""
         cache = self.engine.cache
         for n, (layer, (qkv_in, conv0, args)) in enumerate(log.items()):
-            window = conv0.shape[-1]
-            full = torch.cat([conv0[rows], qkv_in[rows].transpose(1, 2).to(conv0.dtype)], dim=-1)
-            at = keep[:, None] + torch.arange(window, device=keep.device)[None, :]
-            cache.conv[layer][slots] = full.gather(2, at[:, None, :].expand(-1, full.shape[1], -1))
+            window = window_at(conv_inputs(conv0[rows], qkv_in[rows]), keep, conv0.shape[-1])
+            cache.conv[layer][slots] = window.to(conv0.dtype)
             if states is not None:
                 cache.rec[layer][slots] = states.states[n][rows, keep - 1]
             else:

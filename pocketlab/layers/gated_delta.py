@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
+    "conv_inputs",
+    "window_at",
     "causal_conv1d",
     "chunk_gated_delta_rule",
     "recurrent_gated_delta_rule",
@@ -82,6 +84,18 @@ def _initial_state(initial_state, B, H, dk, dv, device):
 # --------------------------------------------------------------------------------------------------------------------
 
 
+def conv_inputs(conv_state: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """[carried window | new inputs] [B, C, K-1+T] in x's dtype, from conv_state [B, C, K-1] and x [B, T, C]: the
+    window after the first t new tokens is [..., t : t+K-1]."""
+    return torch.cat([conv_state.to(x.dtype), x.transpose(1, 2)], dim=-1)
+
+
+def window_at(full: torch.Tensor, ends: torch.Tensor, width: int) -> torch.Tensor:
+    """Each row's conv window after its first ends[b] new tokens: full[b, :, ends[b] : ends[b]+width]."""
+    idx = ends.to(device=full.device, dtype=torch.long)[:, None] + torch.arange(width, device=full.device)[None, :]
+    return full.gather(2, idx[:, None, :].expand(full.shape[0], full.shape[1], width))
+
+
 def causal_conv1d(
     x: torch.Tensor,
     conv_state: torch.Tensor,
@@ -100,19 +114,14 @@ def causal_conv1d(
     K = weight.shape[-1]
     if conv_state is None:
         conv_state = x.new_zeros(B, C, K - 1)
-    full = torch.cat([conv_state.to(x.dtype), x.transpose(1, 2)], dim=-1)  # [B, C, K-1+T]
+    full = conv_inputs(conv_state, x)  # [B, C, K-1+T]
     y = F.conv1d(full.to(weight.dtype), weight.unsqueeze(1), groups=C)  # [B, C, T]
     y = F.silu(y).to(x.dtype).transpose(1, 2)
 
     if K == 1:
         return y, conv_state
-    if lengths is None:
-        new_state = full[:, :, T:]
-    else:
-        # sequence b's last K-1 real inputs sit at full[b, :, lengths[b] : lengths[b] + K - 1]
-        lengths = lengths.to(device=x.device, dtype=torch.long)
-        idx = lengths[:, None] + torch.arange(K - 1, device=x.device)[None, :]  # [B, K-1]
-        new_state = full.gather(2, idx[:, None, :].expand(B, C, K - 1))
+    # sequence b's last K-1 real inputs sit at full[b, :, lengths[b] : lengths[b] + K - 1]
+    new_state = full[:, :, T:] if lengths is None else window_at(full, lengths, K - 1)
     return y, new_state.to(conv_state.dtype).contiguous()
 
 

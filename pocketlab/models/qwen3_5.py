@@ -9,7 +9,7 @@ from ..cache import SlotCache
 from ..config import ModelConfig
 from ..layers.fused import cuda_compiled
 from ..layers.decode_attention import available as triton_available
-from ..layers.gated_delta import L2_EPS, causal_conv1d, gated_delta_rule
+from ..layers.gated_delta import L2_EPS, causal_conv1d, conv_inputs, gated_delta_rule
 from ..layers.linear_decode import conv_step, recurrent_step
 from ..layers.norm import gated_rms_norm
 from .qwen3 import Attention, DecoderModel
@@ -58,9 +58,8 @@ class GatedDeltaNet:
         g, beta = decay_and_beta(a, b, self.neg_A, self.dt_bias)
         rule = ctx.get("delta_rule", gated_delta_rule)  # speculative verify may keep per-position states
         if batch.checkpoints:
-            conv_inputs = torch.cat([conv0.to(qkv_in.dtype), qkv_in.transpose(1, 2)], dim=-1)
             o, rec[batch.slot_ids] = self._with_checkpoints(rule, (q, k, v, g, beta), rec0, lengths, batch,
-                                                            conv_inputs, conv.dtype)
+                                                            conv_inputs(conv0, qkv_in), conv.dtype)
         else:
             o, rec[batch.slot_ids] = rule(q, k, v, g, beta, rec0, lengths)
         if "gdn_log" in ctx:  # speculative verify: what rolling back to an accepted prefix needs
@@ -76,11 +75,10 @@ class GatedDeltaNet:
         return recurrent_step(q.view(B, self.hk, self.dk), k.view(B, self.hk, self.dk), v.view(B, self.hv, self.dv),
                               g, beta, rec, slot_ids, L2_EPS)
 
-    def _with_checkpoints(self, rule, inputs, state, lengths, batch: ForwardBatch, conv_inputs: torch.Tensor,
+    def _with_checkpoints(self, rule, inputs, state, lengths, batch: ForwardBatch, full: torch.Tensor,
                           conv_dtype: torch.dtype):
         """The delta rule in segments ending at each requested offset, handing back the state there (prefix-cache
-        checkpoints without cutting the forward). conv_inputs [B, C, K-1+T]: the window after t tokens is
-        conv_inputs[:, :, t:t+K-1]."""
+        checkpoints without cutting the forward). full: gated_delta.conv_inputs of this forward."""
         offsets = sorted({t for _, t in batch.checkpoints})
         bounds, outs, states = [0, *offsets, inputs[0].shape[1]], [], {}
         for lo, hi in zip(bounds, bounds[1:]):
@@ -88,9 +86,9 @@ class GatedDeltaNet:
             o, state = rule(*(x[:, lo:hi] for x in inputs), state, seg)
             outs.append(o)
             states[hi] = state
-        window = conv_inputs.shape[-1] - inputs[0].shape[1]
+        window = full.shape[-1] - inputs[0].shape[1]
         for (row, t), dst in batch.checkpoints.items():
-            dst[("conv", self.layer)] = conv_inputs[row, :, t:t + window].to(conv_dtype, copy=True)
+            dst[("conv", self.layer)] = full[row, :, t:t + window].to(conv_dtype, copy=True)
             dst[("rec", self.layer)] = states[t][row].clone()
         return torch.cat(outs, dim=1), state
 
