@@ -1,8 +1,18 @@
 """PocketLab: a compact, verified inference engine for Qwen2, Qwen3 and Qwen3.5 with a slot API."""
+
 from .cache import Snapshot
 from .config import EngineOptions, ModelConfig
 from .engine import BatchDecodeResult, BatchedRequest, BatchPrefillResult, ForwardResult, QwenEngine
 from .sampling import SamplingParams
 
-__all__ = ["QwenEngine", "EngineOptions", "ModelConfig", "SamplingParams", "BatchedRequest", "ForwardResult",
-           "BatchPrefillResult", "BatchDecodeResult", "Snapshot"]
+__all__ = [
+    "QwenEngine",
+    "EngineOptions",
+    "ModelConfig",
+    "SamplingParams",
+    "BatchedRequest",
+    "ForwardResult",
+    "BatchPrefillResult",
+    "BatchDecodeResult",
+    "Snapshot",
+]

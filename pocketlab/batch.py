@@ -3,6 +3,7 @@
 Sequences are padded on the right to T tokens. Padding tokens are routed to the scratch slot so they
 never touch a live slot's KV or recurrent state; `lengths` says which tokens are real.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -12,27 +13,30 @@ import torch
 
 @dataclass
 class ForwardBatch:
-    tokens: torch.Tensor      # [B, T] long
-    slot_ids: torch.Tensor    # [B] long
-    start: torch.Tensor       # [B] long, position of each sequence's first new token
-    lengths: torch.Tensor     # [B] long, real new tokens per sequence (1..T)
-    kv_len: int               # keys to attend over: max(start + lengths), or the static cache length
+    tokens: torch.Tensor  # [B, T] long
+    slot_ids: torch.Tensor  # [B] long
+    start: torch.Tensor  # [B] long, position of each sequence's first new token
+    lengths: torch.Tensor  # [B] long, real new tokens per sequence (1..T)
+    kv_len: int  # keys to attend over: max(start + lengths), or the static cache length
     scratch_slot: int
     # (row, t) -> {} that stateful layers fill with their state after the row's first t new tokens
     checkpoints: dict[tuple[int, int], dict] = field(default_factory=dict)
 
     @classmethod
-    def build(cls, seqs: list[tuple[int, int, list[int]]], scratch_slot: int, device) -> "ForwardBatch":
+    def build(cls, seqs: list[tuple[int, int, list[int]]], scratch_slot: int, device) -> ForwardBatch:
         """seqs: (slot_id, start_position, new_tokens) per sequence."""
         T = max(len(toks) for _, _, toks in seqs)
         tokens = torch.zeros(len(seqs), T, dtype=torch.long)
         for b, (_, _, toks) in enumerate(seqs):
-            tokens[b, :len(toks)] = torch.tensor(toks, dtype=torch.long)
-        return cls(tokens=tokens.to(device, non_blocking=True),
-                   slot_ids=torch.tensor([s for s, _, _ in seqs], device=device),
-                   start=torch.tensor([p for _, p, _ in seqs], device=device),
-                   lengths=torch.tensor([len(t) for _, _, t in seqs], device=device),
-                   kv_len=max(p + len(t) for _, p, t in seqs), scratch_slot=scratch_slot)
+            tokens[b, : len(toks)] = torch.tensor(toks, dtype=torch.long)
+        return cls(
+            tokens=tokens.to(device, non_blocking=True),
+            slot_ids=torch.tensor([s for s, _, _ in seqs], device=device),
+            start=torch.tensor([p for _, p, _ in seqs], device=device),
+            lengths=torch.tensor([len(t) for _, _, t in seqs], device=device),
+            kv_len=max(p + len(t) for _, p, t in seqs),
+            scratch_slot=scratch_slot,
+        )
 
     @property
     def causal_only(self) -> bool:

@@ -8,6 +8,7 @@ bandwidth, matmul rate, HF transformers on the same weights), so drift between m
 
 Writes all raw figures and derived ratios as JSON and prints the tables.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,28 +37,28 @@ from .synthetic import build_hf_model
 class BenchConfig:
     model: str = "tiny-qwen3"
     device: str = "cpu"
-    dtype: str = ""                           # "" -> bfloat16 on cuda, float32 on cpu
+    dtype: str = ""  # "" -> bfloat16 on cuda, float32 on cpu
     seed: int = 0
     batch_sizes: tuple[int, ...] = (1, 4, 16, 32, 64)
     prompt_lens: tuple[int, ...] = (512, 4096)
-    new_tokens: int = 128                     # decode steps timed per repeat; HF peer's new tokens
-    decode_prompt: int = 128                  # prompt prefilled in every slot before decode is timed
-    ragged: int = 4                           # prompts in the ragged batch_prefill
+    new_tokens: int = 128  # decode steps timed per repeat; HF peer's new tokens
+    decode_prompt: int = 128  # prompt prefilled in every slot before decode is timed
+    ragged: int = 4  # prompts in the ragged batch_prefill
     repeats: int = 3
     warmup: int = 2
     peer: bool = True
     peer_modes: tuple[str, ...] = ("eager", "static")
     peer_batch_sizes: tuple[int, ...] = (1, 32)
-    peer_eager_new_tokens: int = 0            # 0 -> new_tokens; cap for the slow eager peer (8B: 32)
-    decode_repeats: int = 0                   # 0 -> repeats; each gives new_tokens step samples
-    peer_repeats: int = 0                     # 0 -> decode_repeats; HF eager runs are long
-    matmul_n: int = 0                         # 0 -> 8192 on cuda, 512 on cpu
-    copy_mib: int = 0                         # 0 -> 1024 MiB per buffer on cuda, 64 on cpu
-    prefill_chunk: int = 0                    # 0 -> the engine's default
+    peer_eager_new_tokens: int = 0  # 0 -> new_tokens; cap for the slow eager peer (8B: 32)
+    decode_repeats: int = 0  # 0 -> repeats; each gives new_tokens step samples
+    peer_repeats: int = 0  # 0 -> decode_repeats; HF eager runs are long
+    matmul_n: int = 0  # 0 -> 8192 on cuda, 512 on cpu
+    copy_mib: int = 0  # 0 -> 1024 MiB per buffer on cuda, 64 on cpu
+    prefill_chunk: int = 0  # 0 -> the engine's default
     cuda_graphs: bool = True
     engine_options: dict = field(default_factory=dict)  # any other EngineOptions field, e.g. decode_attention
-    threads: int = 0                          # CPU: torch intra-op threads for this run (0: leave as is)
-    quantile: float = 0.5                     # of the timing samples: median; 0.1 is steadier on a shared CPU
+    threads: int = 0  # CPU: torch intra-op threads for this run (0: leave as is)
+    quantile: float = 0.5  # of the timing samples: median; 0.1 is steadier on a shared CPU
     progress: bool = True
 
     def __post_init__(self):
@@ -152,16 +153,17 @@ def matmul_rate(clock: Clock, device: str, dtype: torch.dtype, n: int, repeats: 
 @dataclass
 class ModelCost:
     """Bytes and flops implied by the model shape (never by the implementation)."""
-    layer_matmul_params: int     # 2-D weights inside the decoder layers
-    head_params: int             # lm_head (vocab x hidden)
-    weight_bytes: int            # read once per decode step: all weights except the embedding table
-    kv_bytes_per_token: int      # K + V of one position over all full-attention layers
-    state_bytes_per_seq: int     # recurrent + conv state of one sequence over all linear layers
-    attn_flops_per_pair: int     # one (query, key) pair over all full-attention layers: QK^T + PV
+
+    layer_matmul_params: int  # 2-D weights inside the decoder layers
+    head_params: int  # lm_head (vocab x hidden)
+    weight_bytes: int  # read once per decode step: all weights except the embedding table
+    kv_bytes_per_token: int  # K + V of one position over all full-attention layers
+    state_bytes_per_seq: int  # recurrent + conv state of one sequence over all linear layers
+    attn_flops_per_pair: int  # one (query, key) pair over all full-attention layers: QK^T + PV
     linear_flops_per_token: int  # Gated DeltaNet state update + readout over all linear layers
 
     @classmethod
-    def of(cls, cfg: ModelConfig, elem_bytes: int) -> "ModelCost":
+    def of(cls, cfg: ModelConfig, elem_bytes: int) -> ModelCost:
         shapes = {n: s for n, s in expected_shapes(cfg).items() if not n.startswith("mtp.")}
         layer_matmul = sum(math.prod(s) for n, s in shapes.items() if n.startswith("model.layers.") and len(s) == 2)
         head = cfg.vocab_size * cfg.hidden_size
@@ -172,17 +174,24 @@ class ModelCost:
         hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
         conv_dim = 2 * cfg.linear_num_key_heads * dk + hv * dv
         return cls(
-            layer_matmul_params=layer_matmul, head_params=head, weight_bytes=weight_elems * elem_bytes,
+            layer_matmul_params=layer_matmul,
+            head_params=head,
+            weight_bytes=weight_elems * elem_bytes,
             kv_bytes_per_token=n_attn * 2 * cfg.num_key_value_heads * cfg.head_dim * elem_bytes,
             state_bytes_per_seq=n_lin * (hv * dk * dv * 4 + conv_dim * (cfg.linear_conv_kernel_dim - 1) * elem_bytes),
             attn_flops_per_pair=n_attn * 4 * cfg.num_attention_heads * cfg.head_dim,
             # per token and value head: decay, S^T k, k (x) delta, S^T q ~ three dk x dv products (6 flops/elem)
-            linear_flops_per_token=n_lin * 6 * hv * dk * dv)
+            linear_flops_per_token=n_lin * 6 * hv * dk * dv,
+        )
 
     def prefill_flops(self, length: int) -> int:
         """Useful flops of prefilling one sequence from empty: causal pairs only, logits for the last token."""
-        return (2 * self.layer_matmul_params * length + 2 * self.head_params
-                + self.attn_flops_per_pair * length * (length + 1) // 2 + self.linear_flops_per_token * length)
+        return (
+            2 * self.layer_matmul_params * length
+            + 2 * self.head_params
+            + self.attn_flops_per_pair * length * (length + 1) // 2
+            + self.linear_flops_per_token * length
+        )
 
     def decode_bytes(self, kv_lens: list[int]) -> dict:
         """Minimum bytes one decode step moves, for sequences attending over `kv_lens` positions.
@@ -191,8 +200,12 @@ class ModelCost:
         """
         kv = self.kv_bytes_per_token * sum(kv_lens)
         state = 2 * self.state_bytes_per_seq * len(kv_lens)
-        return {"weight_bytes": self.weight_bytes, "kv_bytes": kv, "state_bytes": state,
-                "total_bytes": self.weight_bytes + kv + state}
+        return {
+            "weight_bytes": self.weight_bytes,
+            "kv_bytes": kv,
+            "state_bytes": state,
+            "total_bytes": self.weight_bytes + kv + state,
+        }
 
 
 # -- building --------------------------------------------------------------------------------
@@ -204,8 +217,14 @@ def build(cfg: BenchConfig):
     if mcfg.tie_word_embeddings:
         weights.pop("lm_head.weight", None)  # HF's state_dict lists the tied table twice
     extra = dict(cfg.engine_options, **({"prefill_chunk": cfg.prefill_chunk} if cfg.prefill_chunk else {}))
-    opts = EngineOptions(max_slots=cfg.max_slots, max_seq_len=cfg.max_seq_len, device=cfg.device,
-                         dtype=cfg.dtype, cuda_graphs=cfg.cuda_graphs, **extra)
+    opts = EngineOptions(
+        max_slots=cfg.max_slots,
+        max_seq_len=cfg.max_seq_len,
+        device=cfg.device,
+        dtype=cfg.dtype,
+        cuda_graphs=cfg.cuda_graphs,
+        **extra,
+    )
     return hf, QwenEngine(mcfg, weights, opts)
 
 
@@ -214,8 +233,16 @@ def random_tokens(n: int, vocab: int, gen: torch.Generator) -> list[int]:
 
 
 # -- pocketlab ---------------------------------------------------------------------------------
-def bench_prefill(engine: QwenEngine, clock: Clock, cost: ModelCost, matmul: float, lengths: list[int],
-                  kind: str, cfg: BenchConfig, gen: torch.Generator) -> dict:
+def bench_prefill(
+    engine: QwenEngine,
+    clock: Clock,
+    cost: ModelCost,
+    matmul: float,
+    lengths: list[int],
+    kind: str,
+    cfg: BenchConfig,
+    gen: torch.Generator,
+) -> dict:
     """One prompt through engine.prefill, or several through ONE ragged batch_prefill."""
     prompts = [random_tokens(n, engine.cfg.vocab_size, gen) for n in lengths]
     if kind == "single":
@@ -225,20 +252,36 @@ def bench_prefill(engine: QwenEngine, clock: Clock, cost: ModelCost, matmul: flo
         run = lambda: engine.batch_prefill(reqs)  # noqa: E731
     seconds = clock.measure(run, cfg.repeats, cfg.warmup, setup=engine.reset)  # reset: no prefix reuse
     tokens, flops = sum(lengths), sum(cost.prefill_flops(n) for n in lengths)
-    return {"kind": kind, "prompt_len": max(lengths), "lengths": lengths, "tokens": tokens, "seconds": seconds,
-            "tokens_per_s": tokens / seconds, "flop_per_s": flops / seconds, "matmul_frac": flops / seconds / matmul}
+    return {
+        "kind": kind,
+        "prompt_len": max(lengths),
+        "lengths": lengths,
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "flop_per_s": flops / seconds,
+        "matmul_frac": flops / seconds / matmul,
+    }
 
 
-def bench_decode(engine: QwenEngine, clock: Clock, cost: ModelCost, bandwidth: float, batch: int,
-                 cfg: BenchConfig, gen: torch.Generator) -> dict:
+def bench_decode(
+    engine: QwenEngine,
+    clock: Clock,
+    cost: ModelCost,
+    bandwidth: float,
+    batch: int,
+    cfg: BenchConfig,
+    gen: torch.Generator,
+) -> dict:
     """`batch` slots prefilled with `decode_prompt` tokens, then `new_tokens` batch_decode_steps, each timed.
 
     Every repeat starts from a fresh prefill so all repeats decode over the same positions; warm-up steps
     (which may capture CUDA graphs) run before the clock starts. The step time is the chosen quantile of
     all repeats x new_tokens step samples (each step is synchronised: the engine returns host tokens).
     """
-    reqs = [BatchedRequest(i, random_tokens(cfg.decode_prompt, engine.cfg.vocab_size, gen), slot_id=i)
-            for i in range(batch)]
+    reqs = [
+        BatchedRequest(i, random_tokens(cfg.decode_prompt, engine.cfg.vocab_size, gen), slot_id=i) for i in range(batch)
+    ]
     step_fn = lambda: engine.batch_decode_step(reqs)  # noqa: E731
     samples = []
     for _ in range(cfg.decode_repeats):
@@ -254,8 +297,15 @@ def bench_decode(engine: QwenEngine, clock: Clock, cost: ModelCost, bandwidth: f
     # Roofline: every byte the step must move, at the copy rate measured in this run. The copy figure
     # counts read + write bytes, so it is already "bytes moved per second" whatever their direction.
     roofline = moved["total_bytes"] / bandwidth
-    return {"batch": batch, "step_s": step, "tokens_per_s": batch / step, "mean_kv_len": mean_kv, **moved,
-            "roofline_step_s": roofline, "roofline_frac": roofline / step}
+    return {
+        "batch": batch,
+        "step_s": step,
+        "tokens_per_s": batch / step,
+        "mean_kv_len": mean_kv,
+        **moved,
+        "roofline_step_s": roofline,
+        "roofline_frac": roofline / step,
+    }
 
 
 # -- HF peer -----------------------------------------------------------------------------------
@@ -277,8 +327,9 @@ class StepStamps(BaseStreamer):
         return np.diff(self.stamps)[1:].tolist()
 
 
-def bench_peer(hf, clock: Clock, mode: str, batch: int, new_tokens: int, cfg: BenchConfig,
-               gen: torch.Generator) -> dict:
+def bench_peer(
+    hf, clock: Clock, mode: str, batch: int, new_tokens: int, cfg: BenchConfig, gen: torch.Generator
+) -> dict:
     """HF `generate` on the same weights, greedy, fixed length (min_new_tokens = max_new_tokens).
 
     Decode speed comes from per-step stamps (the quantile of the step samples, as for pocketlab), so it
@@ -291,8 +342,9 @@ def bench_peer(hf, clock: Clock, mode: str, batch: int, new_tokens: int, cfg: Be
     cache = "static" if mode == "static" else None
 
     def generate(n: int, streamer=None):
-        gc = transformers.GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0,
-                                           cache_implementation=cache)
+        gc = transformers.GenerationConfig(
+            do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0, cache_implementation=cache
+        )
         out = hf.generate(ids, attention_mask=mask, generation_config=gc, streamer=streamer)
         if out.shape[1] != cfg.decode_prompt + n:
             raise RuntimeError(f"HF generate made {out.shape[1] - cfg.decode_prompt} tokens, asked for {n}")
@@ -305,9 +357,17 @@ def bench_peer(hf, clock: Clock, mode: str, batch: int, new_tokens: int, cfg: Be
         steps += stamps.decode_steps()
     one = clock.measure(lambda: generate(1), cfg.peer_repeats, warmup=1)
     step = clock.pick(steps)
-    return {"mode": mode, "batch": batch, "new_tokens": new_tokens, "compiled": mode == "static" and clock.cuda,
-            "seconds_full": clock.pick(full), "seconds_one": one, "step_s": step, "tokens_per_s": batch / step,
-            "tokens_per_s_subtract": batch * (new_tokens - 1) / max(clock.pick(full) - one, 1e-9)}
+    return {
+        "mode": mode,
+        "batch": batch,
+        "new_tokens": new_tokens,
+        "compiled": mode == "static" and clock.cuda,
+        "seconds_full": clock.pick(full),
+        "seconds_one": one,
+        "step_s": step,
+        "tokens_per_s": batch / step,
+        "tokens_per_s_subtract": batch * (new_tokens - 1) / max(clock.pick(full) - one, 1e-9),
+    }
 
 
 # -- one run -----------------------------------------------------------------------------------
@@ -328,12 +388,22 @@ def _run(cfg: BenchConfig, out: Path | None) -> dict:
     gen = torch.Generator().manual_seed(cfg.seed)
     hf, engine = build(cfg)
     cost = ModelCost.of(engine.cfg, torch.finfo(DTYPES[cfg.dtype]).bits // 8)
-    result = {"meta": meta(cfg, engine, hf), "complete": False, "ceilings": {}, "model": asdict(cost),
-              "prefill": [], "decode": [], "peer": [], "ratios": {}}
+    result = {
+        "meta": meta(cfg, engine, hf),
+        "complete": False,
+        "ceilings": {},
+        "model": asdict(cost),
+        "prefill": [],
+        "decode": [],
+        "peer": [],
+        "ratios": {},
+    }
 
     def ceilings():
-        result["ceilings"] = {"copy": copy_bandwidth(clock, cfg.device, cfg.copy_mib, cfg.repeats),
-                              "matmul": matmul_rate(clock, cfg.device, DTYPES[cfg.dtype], cfg.matmul_n, cfg.repeats)}
+        result["ceilings"] = {
+            "copy": copy_bandwidth(clock, cfg.device, cfg.copy_mib, cfg.repeats),
+            "matmul": matmul_rate(clock, cfg.device, DTYPES[cfg.dtype], cfg.matmul_n, cfg.repeats),
+        }
 
     def prefill(lengths, kind):
         matmul = result["ceilings"]["matmul"]["flop_per_s"]
@@ -348,13 +418,17 @@ def _run(cfg: BenchConfig, out: Path | None) -> dict:
         try:
             result["peer"].append(bench_peer(hf, clock, mode, b, n, cfg, gen))
         except Exception as e:  # a peer that cannot run (e.g. static cache on a hybrid model) is reported, not fatal
-            result["peer"].append({"mode": mode, "batch": b, "new_tokens": n, "error": f"{type(e).__name__}: {e}"[:500]})
+            result["peer"].append(
+                {"mode": mode, "batch": b, "new_tokens": n, "error": f"{type(e).__name__}: {e}"[:500]}
+            )
 
     tasks = [("ceilings", ceilings)]
     for n in cfg.prompt_lens:
         ragged = [max(1, n * (cfg.ragged - i) // cfg.ragged) for i in range(cfg.ragged)]
-        tasks += [(f"prefill {n}", lambda n=n: prefill([n], "single")),
-                  (f"ragged prefill {n}", lambda r=ragged: prefill(r, "ragged"))]
+        tasks += [
+            (f"prefill {n}", lambda n=n: prefill([n], "single")),
+            (f"ragged prefill {n}", lambda r=ragged: prefill(r, "ragged")),
+        ]
     tasks += [(f"decode b{b}", lambda b=b: decode(b)) for b in cfg.batch_sizes]
     if cfg.peer:
         tasks += [(f"HF {m} b{b}", lambda m=m, b=b: peer(m, b)) for m in cfg.peer_modes for b in cfg.peer_batch_sizes]
@@ -377,20 +451,30 @@ def save(result: dict, out: Path | None) -> None:
 
 def meta(cfg: BenchConfig, engine: QwenEngine, hf) -> dict:
     cuda = cfg.device.startswith("cuda")
-    notes = ["copy bytes_per_s counts read + write; the decode roofline divides bytes moved by it",
-             "prefill flops count causal attention pairs and last-token logits only (useful work)",
-             "decode step times are a quantile of per-step samples (pocketlab: timed steps; HF: streamer stamps)",
-             "HF tokens_per_s_subtract = batch * (N - 1) / (t(generate N new) - t(generate 1 new)), a cross-check"]
+    notes = [
+        "copy bytes_per_s counts read + write; the decode roofline divides bytes moved by it",
+        "prefill flops count causal attention pairs and last-token logits only (useful work)",
+        "decode step times are a quantile of per-step samples (pocketlab: timed steps; HF: streamer stamps)",
+        "HF tokens_per_s_subtract = batch * (N - 1) / (t(generate N new) - t(generate 1 new)), a cross-check",
+    ]
     if cfg.peer_eager_new_tokens != cfg.new_tokens:
-        notes.append(f"HF eager peer capped at {cfg.peer_eager_new_tokens} new tokens (slow); static peer uses "
-                     f"{cfg.new_tokens}")
+        notes.append(
+            f"HF eager peer capped at {cfg.peer_eager_new_tokens} new tokens (slow); static peer uses {cfg.new_tokens}"
+        )
     if "static" in cfg.peer_modes and not cuda:
         notes.append("HF static peer on CPU: static cache without compile (HF only auto-compiles on accelerators)")
-    return {"config": asdict(cfg), "engine_options": {k: v for k, v in asdict(engine.options).items()},
-            "device_name": torch.cuda.get_device_name(cfg.device) if cuda else platform.processor() or "cpu",
-            "torch": torch.__version__, "transformers": transformers.__version__, "cuda": torch.version.cuda,
-            "hf_attn_implementation": getattr(hf.config, "_attn_implementation", None),
-            "threads": torch.get_num_threads(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "notes": notes}
+    return {
+        "config": asdict(cfg),
+        "engine_options": {k: v for k, v in asdict(engine.options).items()},
+        "device_name": torch.cuda.get_device_name(cfg.device) if cuda else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cuda": torch.version.cuda,
+        "hf_attn_implementation": getattr(hf.config, "_attn_implementation", None),
+        "threads": torch.get_num_threads(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "notes": notes,
+    }
 
 
 def ratios(result: dict) -> dict:
@@ -411,18 +495,54 @@ def ratios(result: dict) -> dict:
 def tables(result: dict) -> dict[str, pd.DataFrame]:
     """The result as DataFrames: ceilings, prefill, decode (with the peers beside it), ratios."""
     c = result["ceilings"]
-    ceilings = pd.DataFrame([{"copy GB/s (r+w)": c["copy"]["bytes_per_s"] / 1e9,
-                              "matmul TFLOP/s": c["matmul"]["flop_per_s"] / 1e12, "matmul n": c["matmul"]["n"]}])
-    prefill = pd.DataFrame([{"kind": p["kind"], "prompt_len": p["prompt_len"], "tokens": p["tokens"],
-                             "ms": p["seconds"] * 1e3, "tokens/s": p["tokens_per_s"],
-                             "TFLOP/s": p["flop_per_s"] / 1e12, "of matmul": p["matmul_frac"]}
-                            for p in result["prefill"]])
-    decode = pd.DataFrame([{"batch": d["batch"], "step ms": d["step_s"] * 1e3, "tokens/s": d["tokens_per_s"],
-                            "roofline ms": d["roofline_step_s"] * 1e3, "roofline frac": d["roofline_frac"]}
-                           for d in result["decode"]])
-    peers = pd.DataFrame([{"mode": p["mode"], "batch": p["batch"], "new_tokens": p["new_tokens"],
-                           "tokens/s": p.get("tokens_per_s", float("nan")), "error": p.get("error", "")}
-                          for p in result["peer"]], columns=["mode", "batch", "new_tokens", "tokens/s", "error"])
+    ceilings = pd.DataFrame(
+        [
+            {
+                "copy GB/s (r+w)": c["copy"]["bytes_per_s"] / 1e9,
+                "matmul TFLOP/s": c["matmul"]["flop_per_s"] / 1e12,
+                "matmul n": c["matmul"]["n"],
+            }
+        ]
+    )
+    prefill = pd.DataFrame(
+        [
+            {
+                "kind": p["kind"],
+                "prompt_len": p["prompt_len"],
+                "tokens": p["tokens"],
+                "ms": p["seconds"] * 1e3,
+                "tokens/s": p["tokens_per_s"],
+                "TFLOP/s": p["flop_per_s"] / 1e12,
+                "of matmul": p["matmul_frac"],
+            }
+            for p in result["prefill"]
+        ]
+    )
+    decode = pd.DataFrame(
+        [
+            {
+                "batch": d["batch"],
+                "step ms": d["step_s"] * 1e3,
+                "tokens/s": d["tokens_per_s"],
+                "roofline ms": d["roofline_step_s"] * 1e3,
+                "roofline frac": d["roofline_frac"],
+            }
+            for d in result["decode"]
+        ]
+    )
+    peers = pd.DataFrame(
+        [
+            {
+                "mode": p["mode"],
+                "batch": p["batch"],
+                "new_tokens": p["new_tokens"],
+                "tokens/s": p.get("tokens_per_s", float("nan")),
+                "error": p.get("error", ""),
+            }
+            for p in result["peer"]
+        ],
+        columns=["mode", "batch", "new_tokens", "tokens/s", "error"],
+    )
     for mode in sorted(set(peers["mode"])):
         rates = peers[peers["mode"] == mode].set_index("batch")["tokens/s"]
         decode[f"HF {mode} tokens/s"] = decode["batch"].map(rates)
@@ -433,8 +553,10 @@ def tables(result: dict) -> dict[str, pd.DataFrame]:
 
 def print_tables(result: dict) -> None:
     m = result["meta"]
-    print(f"\n{m['config']['model']} on {m['device_name']} ({m['config']['dtype']}, torch {m['torch']}, "
-          f"transformers {m['transformers']})")
+    print(
+        f"\n{m['config']['model']} on {m['device_name']} ({m['config']['dtype']}, torch {m['torch']}, "
+        f"transformers {m['transformers']})"
+    )
     with pd.option_context("display.width", 160, "display.max_columns", 20, "display.float_format", "{:.4g}".format):
         for name, df in tables(result).items():
             if len(df):
@@ -478,8 +600,14 @@ def parse_args(argv=None) -> tuple[BenchConfig, Path]:
     p.add_argument("--copy-mib", type=int, default=0)
     p.add_argument("--prefill-chunk", type=int, default=0)
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE", dest="engine_options",
-                   help="any other EngineOptions field (Python literal or string), e.g. decode_attention=sdpa")
+    p.add_argument(
+        "--engine-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        dest="engine_options",
+        help="any other EngineOptions field (Python literal or string), e.g. decode_attention=sdpa",
+    )
     p.add_argument("--quantile", type=float, default=0.5, help="of the timing samples (0.1 on a shared CPU)")
     p.add_argument("--threads", type=int, default=0, help="CPU intra-op threads (0: torch default)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)

@@ -5,6 +5,7 @@ Device side, one row per slot (plus a scratch row that absorbs padding writes): 
 window [slots+1, conv_dim, K-1] and the fp32 recurrent state [slots+1, Hv, dk, dv].
 Host side, per slot: position (tokens whose K/V is cached), token history, owner request.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -55,7 +56,7 @@ class TokenHistory(list):
 @dataclass
 class SlotState:
     tokens: list[int] = field(default_factory=list)  # history whose K/V (or state) is in the cache
-    owner: int | None = None                          # request id holding the slot, if allocated
+    owner: int | None = None  # request id holding the slot, if allocated
 
     def __setattr__(self, name, value):
         if name == "tokens":  # a new history: changed from index 0
@@ -70,6 +71,7 @@ class SlotState:
 @dataclass
 class Snapshot:
     """A slot's complete state, restorable into any slot (same engine shape)."""
+
     tokens: list[int]
     tensors: dict[str, torch.Tensor]
 
@@ -78,12 +80,16 @@ class Snapshot:
         return len(self.tokens)
 
     def save(self, path: str | Path) -> None:
-        save_file({k: v.contiguous().cpu() for k, v in self.tensors.items()}, str(path),
-                  metadata={"tokens": ",".join(map(str, self.tokens))})
+        save_file(
+            {k: v.contiguous().cpu() for k, v in self.tensors.items()},
+            str(path),
+            metadata={"tokens": ",".join(map(str, self.tokens))},
+        )
 
     @classmethod
-    def load(cls, path: str | Path) -> "Snapshot":
+    def load(cls, path: str | Path) -> Snapshot:
         from safetensors import safe_open
+
         with safe_open(str(path), framework="pt") as f:
             text = (f.metadata() or {}).get("tokens")
         if text is None:
@@ -102,12 +108,20 @@ class SlotCache:
             shape = (rows, cfg.num_key_value_heads, opts.max_seq_len, cfg.head_dim)
             self.k[i] = torch.zeros(shape, device=dev, dtype=dt)
             self.v[i] = torch.zeros(shape, device=dev, dtype=dt)
-        conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + \
-            cfg.linear_num_value_heads * cfg.linear_value_head_dim
+        conv_dim = (
+            2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
+            + cfg.linear_num_value_heads * cfg.linear_value_head_dim
+        )
         for i in cfg.linear_layers:
             self.conv[i] = torch.zeros(rows, conv_dim, cfg.linear_conv_kernel_dim - 1, device=dev, dtype=dt)
-            self.rec[i] = torch.zeros(rows, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                                      cfg.linear_value_head_dim, device=dev, dtype=torch.float32)
+            self.rec[i] = torch.zeros(
+                rows,
+                cfg.linear_num_value_heads,
+                cfg.linear_key_head_dim,
+                cfg.linear_value_head_dim,
+                device=dev,
+                dtype=torch.float32,
+            )
         self.extra: dict[str, torch.Tensor] = {}  # [rows, ...] per-slot state other parts register (MTP queue)
         self.slots = [SlotState() for _ in range(opts.max_slots)]
         self.watcher = None  # the prefix cache: told before a slot is cleared or restored (it may keep the rows)
@@ -152,13 +166,16 @@ class SlotCache:
         if snap.position > self.max_seq:
             raise ValueError(f"snapshot holds {snap.position} tokens, more than max_seq_len={self.max_seq}")
         if set(snap.tensors) != set(expected):
-            raise ValueError("snapshot tensors do not match this engine's model "
-                             f"(missing {sorted(set(expected) - set(snap.tensors))[:3]}, "
-                             f"extra {sorted(set(snap.tensors) - set(expected))[:3]})")
+            raise ValueError(
+                "snapshot tensors do not match this engine's model "
+                f"(missing {sorted(set(expected) - set(snap.tensors))[:3]}, "
+                f"extra {sorted(set(snap.tensors) - set(expected))[:3]})"
+            )
         for name, shape in expected.items():
             if tuple(snap.tensors[name].shape) != shape:
-                raise ValueError(f"snapshot tensor {name} has shape {tuple(snap.tensors[name].shape)}, "
-                                 f"this engine needs {shape}")
+                raise ValueError(
+                    f"snapshot tensor {name} has shape {tuple(snap.tensors[name].shape)}, this engine needs {shape}"
+                )
 
     def snapshot_shapes(self, n: int) -> dict[str, tuple]:
         shapes = {}

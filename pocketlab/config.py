@@ -1,4 +1,5 @@
 """Model facts read from a Hugging Face config.json, and the engine's own options."""
+
 from __future__ import annotations
 
 import json
@@ -55,7 +56,7 @@ class ModelConfig:
         return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
 
     @classmethod
-    def from_dict(cls, raw: dict) -> "ModelConfig":
+    def from_dict(cls, raw: dict) -> ModelConfig:
         model_type = raw.get("model_type")
         if model_type not in DENSE_TYPES + HYBRID_TYPES:
             raise ValueError(f"unsupported model_type {model_type!r}; pocketlab serves {DENSE_TYPES + HYBRID_TYPES}")
@@ -67,16 +68,18 @@ class ModelConfig:
         layer_types = text.get("layer_types")
         if layer_types is None:
             interval = text.get("full_attention_interval", 4)
-            layer_types = ["linear_attention" if hybrid and (i + 1) % interval else "full_attention"
-                           for i in range(n_layers)]
+            layer_types = [
+                "linear_attention" if hybrid and (i + 1) % interval else "full_attention" for i in range(n_layers)
+            ]
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in text.items() if k in known}
         values.update(
             model_type=model_type,
             head_dim=text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"],
             rope_theta=rope.get("rope_theta", text.get("rope_theta", 1e6)),
-            partial_rotary_factor=rope.get("partial_rotary_factor",
-                                           text.get("partial_rotary_factor", 0.25 if hybrid else 1.0)),
+            partial_rotary_factor=rope.get(
+                "partial_rotary_factor", text.get("partial_rotary_factor", 0.25 if hybrid else 1.0)
+            ),
             attention_bias=text.get("attention_bias", model_type == "qwen2"),
             layer_types=tuple(layer_types),
         )
@@ -85,7 +88,7 @@ class ModelConfig:
         return cls(**values)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> "ModelConfig":
+    def from_pretrained(cls, path: str | Path) -> ModelConfig:
         file = Path(path) / "config.json"
         if not file.is_file():
             raise ValueError(f"{path}: no config.json; expected a Hugging Face checkpoint folder")
@@ -96,20 +99,20 @@ class ModelConfig:
 class EngineOptions:
     max_slots: int = 4
     max_seq_len: int = 1024
-    prefill_chunk: int = 2048         # longer prompts are prefilled in chunks of this many tokens
+    prefill_chunk: int = 2048  # longer prompts are prefilled in chunks of this many tokens
     device: str = "cpu"
     dtype: str = "float32"
-    cuda_graphs: bool = True          # replay batch decode from captured graphs on CUDA
-    compile: bool = True              # fuse elementwise chains with torch.compile in captured decode graphs
-    decode_attention: str = "auto"    # "triton" (live keys read in place), "sdpa", or "auto": triton on CUDA
-    linear_decode: str = "auto"       # Gated DeltaNet decode: "triton" (states updated in place), "torch", "auto"
+    cuda_graphs: bool = True  # replay batch decode from captured graphs on CUDA
+    compile: bool = True  # fuse elementwise chains with torch.compile in captured decode graphs
+    decode_attention: str = "auto"  # "triton" (live keys read in place), "sdpa", or "auto": triton on CUDA
+    linear_decode: str = "auto"  # Gated DeltaNet decode: "triton" (states updated in place), "torch", "auto"
     graph_batch_sizes: tuple[int, ...] = field(default=(1, 2, 4, 8, 16, 32, 64))
-    speculative_tokens: int = 0       # drafts per decode step (MTP head), verified in one forward; 0: off
+    speculative_tokens: int = 0  # drafts per decode step (MTP head), verified in one forward; 0: off
     speculative_rollback: str = "states"  # GDN state after a rejection: per-token "states" kept, or "replay"
-    prefix_cache: bool = True         # reuse K/V and states of shared prompt prefixes (per slot and across slots)
+    prefix_cache: bool = True  # reuse K/V and states of shared prompt prefixes (per slot and across slots)
     prefix_cache_bytes: int = 1 << 30  # budget for retained prefixes and state checkpoints (live slots never count)
-    prefix_block: int = 16            # tokens per hashed block in the cross-slot lookup
-    snapshot_stride: int = 512        # hybrid: also checkpoint the recurrent state at multiples of this (0: prompt ends)
+    prefix_block: int = 16  # tokens per hashed block in the cross-slot lookup
+    snapshot_stride: int = 512  # hybrid: also checkpoint the recurrent state at multiples of this (0: prompt ends)
 
     def __post_init__(self):
         if not 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS:

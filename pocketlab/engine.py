@@ -1,4 +1,5 @@
 """QwenEngine: the slot API. Every slot owns its sequence; batch calls run ONE forward for all slots."""
+
 from __future__ import annotations
 
 from collections import Counter
@@ -21,10 +22,10 @@ from .speculative import Speculator
 @dataclass
 class ForwardResult:
     next_token: int
-    logits: torch.Tensor        # [vocab] float32, at the last position
-    position: int               # tokens now cached in the slot
-    reused_tokens: int = 0      # prompt tokens taken from the prefix cache instead of computed
-    computed_tokens: int = 0    # prompt tokens run through the model (prefill: len(prompt) - reused_tokens)
+    logits: torch.Tensor  # [vocab] float32, at the last position
+    position: int  # tokens now cached in the slot
+    reused_tokens: int = 0  # prompt tokens taken from the prefix cache instead of computed
+    computed_tokens: int = 0  # prompt tokens run through the model (prefill: len(prompt) - reused_tokens)
     tokens: list[int] = field(default_factory=list)  # every token this call produced (speculative: 1 + accepted)
 
     def __post_init__(self):
@@ -35,7 +36,7 @@ class ForwardResult:
 class BatchedRequest:
     request_id: int
     prompt_tokens: list[int]
-    slot_id: int | None = None          # None: batch_prefill allocates one
+    slot_id: int | None = None  # None: batch_prefill allocates one
     sampling: SamplingParams = GREEDY
     generated_tokens: list[int] = field(default_factory=list)
 
@@ -55,8 +56,8 @@ class BatchPrefillResult:
 
 @dataclass
 class BatchDecodeResult:
-    next_tokens: list[int]      # the last token produced per request
-    logits: torch.Tensor        # [B, vocab] float32, at the position that produced it
+    next_tokens: list[int]  # the last token produced per request
+    logits: torch.Tensor  # [B, vocab] float32, at the position that produced it
     positions: list[int]
     tokens: list[list[int]] = field(default_factory=list)  # all tokens produced per request (speculative: 1 + accepted)
 
@@ -72,13 +73,13 @@ class QwenEngine:
         self.cache = SlotCache(cfg, self.options)
         self.prefix = PrefixCache(self.cache, self.options) if self.options.prefix_cache else None
         self.num_slots = self.options.max_slots
-        self.forward_count = 0      # model forwards run; batch calls must add exactly one
+        self.forward_count = 0  # model forwards run; batch calls must add exactly one
         use_graphs = self.options.cuda_graphs and torch.device(self.options.device).type == "cuda"
         self.graphs = StepGraphs(self.model, self.cache, self.options) if use_graphs else None
         self.speculator = Speculator(self) if self.options.speculative_tokens else None  # drafts + one verify forward
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, options: EngineOptions | None = None) -> "QwenEngine":
+    def from_pretrained(cls, path: str | Path, options: EngineOptions | None = None) -> QwenEngine:
         options = options or EngineOptions()
         cfg = ModelConfig.from_pretrained(path)
         return cls(cfg, load_weights(path, cfg, options.device, options.torch_dtype), options)
@@ -103,8 +104,10 @@ class QwenEngine:
         free = iter(s for s in self._free_slots() if s not in taken)
         chosen = [r.slot_id if r.slot_id is not None else next(free, None) for r in requests]
         if None in chosen:
-            raise ValueError(f"{chosen.count(None)} request(s) need a slot but only "
-                             f"{len(self._free_slots())} of {self.num_slots} are free")
+            raise ValueError(
+                f"{chosen.count(None)} request(s) need a slot but only "
+                f"{len(self._free_slots())} of {self.num_slots} are free"
+            )
         items = [(s, r.prompt_tokens, r.sampling) for s, r in zip(chosen, requests)]
         self._check_prefill(items, [f"request {r.request_id} prompt" for r in requests])
         for r in requests:
@@ -125,10 +128,12 @@ class QwenEngine:
             r.generated_tokens.extend(t)
         return BatchDecodeResult([t[-1] for t in tokens], logits, positions, tokens)
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams | list = GREEDY,
-                 progress: bool = False) -> list[list[int]]:
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingParams | list = GREEDY, progress: bool = False
+    ) -> list[list[int]]:
         """Continuous batching over the free slots; see scheduler.generate."""
         from .scheduler import generate
+
         return generate(self, prompts, sampling, progress)
 
     # -- slots ---------------------------------------------------------------------------------
@@ -218,8 +223,7 @@ class QwenEngine:
             rows = [b for b in range(len(items)) if c < len(pieces[b])]
             seqs = [(items[b][0], pieces[b][c][0], items[b][1][slice(*pieces[b][c])]) for b in rows]
             # hybrid models: the layers hand back their state at stride multiples inside each piece
-            marks = [self.prefix.marks(lo, lo + len(piece)) if self.prefix is not None else []
-                     for _, lo, piece in seqs]
+            marks = [self.prefix.marks(lo, lo + len(piece)) if self.prefix is not None else [] for _, lo, piece in seqs]
             checkpoints = {(i, t): {} for i, ts in enumerate(marks) for t in ts}
             hidden = self._forward(seqs, checkpoints)
             for i, (b, (s, lo, piece)) in enumerate(zip(rows, seqs)):
@@ -232,8 +236,9 @@ class QwenEngine:
         logits = self.model.logits(torch.stack(last_hidden))
         positions = [len(t) for _, t, _ in items]
         tokens = sample(logits, [sp for _, _, sp in items], positions).tolist()
-        return [ForwardResult(t, logits[i], positions[i], starts[i], positions[i] - starts[i])
-                for i, t in enumerate(tokens)]
+        return [
+            ForwardResult(t, logits[i], positions[i], starts[i], positions[i] - starts[i]) for i, t in enumerate(tokens)
+        ]
 
     def _reuse_prefix(self, slot: int, tokens: list[int]) -> int:
         """Bring the slot to the longest prefix of `tokens` the prefix cache can supply (from this slot, another

@@ -4,6 +4,7 @@ Python launches hundreds of small kernels per step; at batch 1 that, not memory,
 Each (step, batch bucket, tokens per row, key-length bucket) is captured once; a call copies its inputs
 into the static buffer and replays the smallest graph that fits. Filler rows run on the scratch slot.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -31,7 +32,7 @@ class StepGraphs:
         self.batch_sizes, self.key_sizes = sizes, key_buckets(options.max_seq_len)
         self.device, self.compile = options.device, options.compile
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
-        self.failed: dict[tuple, str] = {}   # key -> why its capture failed twice (those steps run eagerly)
+        self.failed: dict[tuple, str] = {}  # key -> why its capture failed twice (those steps run eagerly)
         self.pool = None  # one memory pool for all of this engine's graphs, made at the first capture
 
     def logits(self, seqs: list[tuple[int, int, list[int]]]) -> torch.Tensor:
@@ -40,13 +41,14 @@ class StepGraphs:
         if out is None:
             batch = ForwardBatch.build(seqs, self.cache.scratch, self.device)
             return self._decode(batch)
-        return out[:len(seqs)].clone()  # the next replay overwrites it
+        return out[: len(seqs)].clone()  # the next replay overwrites it
 
     def _decode(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model.logits(self.model.forward(batch, self.cache)[:, 0])
 
-    def replay(self, name: str, step, seqs: list[tuple[int, int, list[int]]], real_lengths: bool = False,
-               beyond: int = 0):
+    def replay(
+        self, name: str, step, seqs: list[tuple[int, int, list[int]]], real_lengths: bool = False, beyond: int = 0
+    ):
         """step(batch)'s outputs (static tensors, rows past len(seqs) are filler) for seqs (slot, position,
         tokens). Every row runs T = the longest run's tokens, shorter runs padded with token 0: treated as real
         (lengths T: the caller ignores what they produce, and every position written must fit in the slot), or,
@@ -65,9 +67,12 @@ class StepGraphs:
         pad = b - B
         rows = [t + [0] * (T - len(t)) for _, _, t in seqs] + [[0] * T] * pad
         lengths = [len(t) if real_lengths else T for _, _, t in seqs] + [T] * pad
-        inputs.copy_(torch.tensor([list(col) for col in zip(*rows)] +
-                                  [[s for s, _, _ in seqs] + [self.cache.scratch] * pad,
-                                   [p for _, p, _ in seqs] + [0] * pad, lengths]))  # one host-to-device copy
+        inputs.copy_(
+            torch.tensor(
+                [list(col) for col in zip(*rows)]
+                + [[s for s, _, _ in seqs] + [self.cache.scratch] * pad, [p for _, p, _ in seqs] + [0] * pad, lengths]
+            )
+        )  # one host-to-device copy
         graph.replay()
         return out
 
@@ -93,7 +98,7 @@ class StepGraphs:
             try:
                 self._capture(key, step)
                 return True
-            except RuntimeError as e:   # torch.AcceleratorError is a RuntimeError
+            except RuntimeError as e:  # torch.AcceleratorError is a RuntimeError
                 why = f"{type(e).__name__}: {str(e).splitlines()[0]}"
                 warnings.warn(f"CUDA graph capture of {key} failed ({why}); {attempt}", RuntimeWarning)
         self.failed[key] = why
@@ -105,7 +110,13 @@ class StepGraphs:
         _, b, T, kv = key
         inputs = torch.zeros(T + 3, b, dtype=torch.long, device=self.device)
         inputs[T], inputs[T + 2] = self.cache.scratch, T
-        batch = ForwardBatch(tokens=inputs[:T].t(), slot_ids=inputs[T], start=inputs[T + 1], lengths=inputs[T + 2],
-                             kv_len=kv, scratch_slot=self.cache.scratch)
+        batch = ForwardBatch(
+            tokens=inputs[:T].t(),
+            slot_ids=inputs[T],
+            start=inputs[T + 1],
+            lengths=inputs[T + 2],
+            kv_len=kv,
+            scratch_slot=self.cache.scratch,
+        )
         graph, out = self.capture(lambda: step(batch))
         self.graphs[key] = (graph, inputs, out)

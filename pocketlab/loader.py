@@ -1,4 +1,5 @@
 """Checkpoint folder -> validated tensors. safetensors only: weights are never unpickled."""
+
 from __future__ import annotations
 
 import json
@@ -22,10 +23,13 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (cfg.vocab_size, d)
     for i, kind in enumerate(cfg.layer_types):
         p = f"model.layers.{i}."
-        shapes |= {p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
-                   p + "mlp.gate_proj.weight": (cfg.intermediate_size, d),
-                   p + "mlp.up_proj.weight": (cfg.intermediate_size, d),
-                   p + "mlp.down_proj.weight": (d, cfg.intermediate_size)}
+        shapes |= {
+            p + "input_layernorm.weight": (d,),
+            p + "post_attention_layernorm.weight": (d,),
+            p + "mlp.gate_proj.weight": (cfg.intermediate_size, d),
+            p + "mlp.up_proj.weight": (cfg.intermediate_size, d),
+            p + "mlp.down_proj.weight": (d, cfg.intermediate_size),
+        }
         if kind == "full_attention":
             shapes |= _attention_shapes(cfg, p + "self_attn.")
         else:
@@ -38,8 +42,12 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def _attention_shapes(cfg: ModelConfig, p: str) -> dict:
     d, hd, nq, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     q_out = nq * hd * (2 if cfg.is_hybrid else 1)  # hybrid q_proj emits [q | gate] per head
-    shapes = {p + "q_proj.weight": (q_out, d), p + "k_proj.weight": (nkv * hd, d),
-              p + "v_proj.weight": (nkv * hd, d), p + "o_proj.weight": (d, nq * hd)}
+    shapes = {
+        p + "q_proj.weight": (q_out, d),
+        p + "k_proj.weight": (nkv * hd, d),
+        p + "v_proj.weight": (nkv * hd, d),
+        p + "o_proj.weight": (d, nq * hd),
+    }
     if cfg.attention_bias:
         shapes |= {p + "q_proj.bias": (q_out,), p + "k_proj.bias": (nkv * hd,), p + "v_proj.bias": (nkv * hd,)}
     if cfg.model_type != "qwen2":
@@ -51,23 +59,36 @@ def _linear_attention_shapes(cfg: ModelConfig, p: str) -> dict:
     d, hk, hv = cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     conv_dim = 2 * hk * dk + hv * dv
-    return {p + "in_proj_qkv.weight": (conv_dim, d), p + "in_proj_z.weight": (hv * dv, d),
-            p + "in_proj_b.weight": (hv, d), p + "in_proj_a.weight": (hv, d),
-            p + "conv1d.weight": (conv_dim, 1, cfg.linear_conv_kernel_dim),
-            p + "dt_bias": (hv,), p + "A_log": (hv,), p + "norm.weight": (dv,),
-            p + "out_proj.weight": (d, hv * dv)}
+    return {
+        p + "in_proj_qkv.weight": (conv_dim, d),
+        p + "in_proj_z.weight": (hv * dv, d),
+        p + "in_proj_b.weight": (hv, d),
+        p + "in_proj_a.weight": (hv, d),
+        p + "conv1d.weight": (conv_dim, 1, cfg.linear_conv_kernel_dim),
+        p + "dt_bias": (hv,),
+        p + "A_log": (hv,),
+        p + "norm.weight": (dv,),
+        p + "out_proj.weight": (d, hv * dv),
+    }
 
 
 def _mtp_shapes(cfg: ModelConfig) -> dict:
     d = cfg.hidden_size
-    shapes = {"mtp.fc.weight": (d, 2 * d), "mtp.pre_fc_norm_embedding.weight": (d,),
-              "mtp.pre_fc_norm_hidden.weight": (d,), "mtp.norm.weight": (d,)}
+    shapes = {
+        "mtp.fc.weight": (d, 2 * d),
+        "mtp.pre_fc_norm_embedding.weight": (d,),
+        "mtp.pre_fc_norm_hidden.weight": (d,),
+        "mtp.norm.weight": (d,),
+    }
     for i in range(cfg.mtp_num_hidden_layers):
         p = f"mtp.layers.{i}."
-        shapes |= {p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
-                   p + "mlp.gate_proj.weight": (cfg.intermediate_size, d),
-                   p + "mlp.up_proj.weight": (cfg.intermediate_size, d),
-                   p + "mlp.down_proj.weight": (d, cfg.intermediate_size)} | _attention_shapes(cfg, p + "self_attn.")
+        shapes |= {
+            p + "input_layernorm.weight": (d,),
+            p + "post_attention_layernorm.weight": (d,),
+            p + "mlp.gate_proj.weight": (cfg.intermediate_size, d),
+            p + "mlp.up_proj.weight": (cfg.intermediate_size, d),
+            p + "mlp.down_proj.weight": (d, cfg.intermediate_size),
+        } | _attention_shapes(cfg, p + "self_attn.")
     return shapes
 
 
@@ -76,9 +97,9 @@ def canonical_name(name: str) -> str | None:
     if name.startswith(_IGNORED_PREFIXES):
         return None
     if name.startswith("model.language_model."):
-        return "model." + name[len("model.language_model."):]
+        return "model." + name[len("model.language_model.") :]
     if name.startswith("model.mtp."):
-        return name[len("model."):]
+        return name[len("model.") :]
     return name
 
 
@@ -91,13 +112,17 @@ def checkpoint_files(path: Path) -> list[Path]:
         files = sorted(path.glob("*.safetensors"))
     missing = [f.name for f in files if not f.is_file()]
     if not files or missing:
-        raise ValueError(f"{path}: no safetensors weights found" if not files else
-                         f"{path}: shards listed in the index are missing: {missing}")
+        raise ValueError(
+            f"{path}: no safetensors weights found"
+            if not files
+            else f"{path}: shards listed in the index are missing: {missing}"
+        )
     return files
 
 
-def load_weights(path: str | Path, cfg: ModelConfig, device: str = "cpu",
-                 dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def load_weights(
+    path: str | Path, cfg: ModelConfig, device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
     """Read and validate every tensor; a missing, extra or misshapen tensor is an error naming it."""
     path = Path(path)
     tensors = {}
@@ -113,8 +138,9 @@ def load_weights(path: str | Path, cfg: ModelConfig, device: str = "cpu",
     return validate_weights(tensors, cfg, device, dtype)
 
 
-def validate_weights(tensors: dict[str, torch.Tensor], cfg: ModelConfig, device="cpu",
-                     dtype=torch.float32) -> dict[str, torch.Tensor]:
+def validate_weights(
+    tensors: dict[str, torch.Tensor], cfg: ModelConfig, device="cpu", dtype=torch.float32
+) -> dict[str, torch.Tensor]:
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # some writers (and state_dict()) carry the tied copy too
     expected = expected_shapes(cfg)
@@ -132,5 +158,4 @@ def validate_weights(tensors: dict[str, torch.Tensor], cfg: ModelConfig, device=
             raise ValueError(f"tensor {name!r} has dtype {t.dtype}, expected a floating-point tensor")
     # A_log and dt_bias drive an exp(); keep them (and the fp32 state they feed) in float32.
     keep_fp32 = ("A_log", "dt_bias")
-    return {n: t.to(device=device, dtype=torch.float32 if n.endswith(keep_fp32) else dtype)
-            for n, t in tensors.items()}
+    return {n: t.to(device=device, dtype=torch.float32 if n.endswith(keep_fp32) else dtype) for n, t in tensors.items()}

@@ -28,11 +28,11 @@ looked, so whatever edits it (prefill, decode, a speculative rollback) hashed bl
 change are dropped before any lookup. Clearing or restoring a slot tells this cache first (`SlotCache.watcher`);
 `reset` forgets everything, so a run after it is computed exactly as on a fresh engine.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-
 
 _SEED = 0x5EED
 
@@ -80,7 +80,7 @@ def chain_hashes(tokens, block: int, n_blocks: int, first: int = 0, prev: int = 
     """Hash of blocks first..n_blocks-1, each chained to all blocks before it (prev: the hash of block first-1)."""
     out = []
     for k in range(first, n_blocks):
-        prev = block_hash(prev, tokens[k * block:(k + 1) * block])
+        prev = block_hash(prev, tokens[k * block : (k + 1) * block])
         out.append(prev)
     return out
 
@@ -88,12 +88,13 @@ def chain_hashes(tokens, block: int, n_blocks: int, first: int = 0, prev: int = 
 @dataclass(eq=False)
 class Record:
     """A reusable prefix: `tokens` and where the K/V for them lives, plus hybrid state checkpoints."""
+
     tokens: list[int]
-    slot: int | None = None          # K/V in this slot's rows; None: a retained entry holding copies in `kv`
-    live: bool = False               # the slot's live conv/recurrent state is the state at len(tokens)
-    kv: dict | None = None           # retained entry: {("k"|"v", layer key): [kv_heads, len(tokens), head_dim]}
-    states: dict[int, dict] = field(default_factory=dict)   # position -> {("conv"|"rec", layer): copy}
-    hashes: list[int] = field(default_factory=list)         # chain hash of each full block of `tokens`
+    slot: int | None = None  # K/V in this slot's rows; None: a retained entry holding copies in `kv`
+    live: bool = False  # the slot's live conv/recurrent state is the state at len(tokens)
+    kv: dict | None = None  # retained entry: {("k"|"v", layer key): [kv_heads, len(tokens), head_dim]}
+    states: dict[int, dict] = field(default_factory=dict)  # position -> {("conv"|"rec", layer): copy}
+    hashes: list[int] = field(default_factory=list)  # chain hash of each full block of `tokens`
 
     def resume_point(self, shared: int, stateful: bool) -> int:
         """The longest prefix (<= shared tokens) this record can hand over: any length for K/V alone; for
@@ -111,12 +112,11 @@ class PrefixCache:
         self.cache = cache
         self.block, self.stride, self.budget = options.prefix_block, options.snapshot_stride, options.prefix_cache_bytes
         self.slots = [Record(cache.slots[s].tokens, slot=s, live=True) for s in range(cache.num_slots)]
-        self.entries: list[Record] = []                   # retained entries
-        self.index: dict[int, set[Record]] = {}           # chain hash -> records holding that block chain
+        self.entries: list[Record] = []  # retained entries
+        self.index: dict[int, set[Record]] = {}  # chain hash -> records holding that block chain
         self.lru: OrderedDict[tuple[Record, int | None], int] = OrderedDict()  # (record, position|None) -> bytes
         self.used = 0
-        self.stats = dict(prefills=0, hits=0, reused_tokens=0, computed_tokens=0, checkpoints=0, retained=0,
-                          evicted=0)
+        self.stats = dict(prefills=0, hits=0, reused_tokens=0, computed_tokens=0, checkpoints=0, retained=0, evicted=0)
         cache.watcher = self
 
     # -- the engine's entry points -------------------------------------------------------------
@@ -131,11 +131,12 @@ class PrefixCache:
         other, r_other = self._search(prompt, limit, skip=own)
         if r_other > r:
             src, r = other, r_other
-        keep = min(m_own, r)   # rows [0, keep) of the slot already hold what the prompt needs
+        keep = min(m_own, r)  # rows [0, keep) of the slot already hold what the prompt needs
         self._touch(src, r)
         self._retire(own, keep, pin=src)
-        state = self._state_at(src, r) if self.stateful and not (src is own and own.live and r == len(own.tokens)) \
-            else None
+        state = (
+            self._state_at(src, r) if self.stateful and not (src is own and own.live and r == len(own.tokens)) else None
+        )
         if src is not own:
             self._copy_kv(src, slot, keep, r)
         if state is not None or (self.stateful and r == 0):
@@ -182,7 +183,7 @@ class PrefixCache:
         if not self.stateful or not (final or (self.stride and position % self.stride == 0)):
             return
         rec = self.slots[slot]
-        self._sync(rec)   # the tokens up to `position` are now seen: what is added next is valid for them
+        self._sync(rec)  # the tokens up to `position` are now seen: what is added next is valid for them
         if position in rec.states:
             self._touch(rec, position)
             return
@@ -227,13 +228,25 @@ class PrefixCache:
 
     def contents(self) -> list[dict]:
         """What the budget holds, least recently used first."""
-        return [dict(kind="entry" if pos is None else "checkpoint", slot=rec.slot, tokens=len(rec.tokens),
-                     position=len(rec.tokens) if pos is None else pos, bytes=nbytes)
-                for (rec, pos), nbytes in self.lru.items()]
+        return [
+            dict(
+                kind="entry" if pos is None else "checkpoint",
+                slot=rec.slot,
+                tokens=len(rec.tokens),
+                position=len(rec.tokens) if pos is None else pos,
+                bytes=nbytes,
+            )
+            for (rec, pos), nbytes in self.lru.items()
+        ]
 
     def describe(self) -> dict:
-        return dict(self.stats, entries=len(self.entries), used_bytes=self.used, budget_bytes=self.budget,
-                    checkpoints_held=sum(len(r.states) for r in self.slots + self.entries))
+        return dict(
+            self.stats,
+            entries=len(self.entries),
+            used_bytes=self.used,
+            budget_bytes=self.budget,
+            checkpoints_held=sum(len(r.states) for r in self.slots + self.entries),
+        )
 
     # -- lookup ------------------------------------------------------------------------------------
     def _search(self, prompt: list[int], limit: int, skip: Record | None = None) -> tuple[Record | None, int]:
@@ -243,7 +256,7 @@ class PrefixCache:
             return None, 0
         prev = _SEED
         for k in range(limit // self.block):
-            prev = block_hash(prev, prompt[k * self.block:(k + 1) * self.block])
+            prev = block_hash(prev, prompt[k * self.block : (k + 1) * self.block])
             holders = self.index.get(prev)
             if not holders:
                 break
@@ -263,13 +276,13 @@ class PrefixCache:
         cur = self.cache.slots[rec.slot].tokens
         if rec.live and cur is rec.tokens:
             valid = cur.changed_from
-            if valid == len(cur) and len(rec.hashes) == valid // self.block:   # nothing new since the last look
+            if valid == len(cur) and len(rec.hashes) == valid // self.block:  # nothing new since the last look
                 return
-        elif rec.live:          # the list was replaced without telling us
+        elif rec.live:  # the list was replaced without telling us
             valid = min(getattr(rec.tokens, "changed_from", 0), common_len(rec.tokens, cur))
-        elif not cur:           # ghost: the rows still hold rec.tokens
+        elif not cur:  # ghost: the rows still hold rec.tokens
             return
-        else:                   # something filled a ghost slot without telling us
+        else:  # something filled a ghost slot without telling us
             valid = common_len(rec.tokens, cur)
         self._truncate(rec, valid)
         rec.tokens, rec.live = cur, True
@@ -320,9 +333,12 @@ class PrefixCache:
             self.used -= self.lru.pop((rec, p))
         if copy_live:
             states[end] = self._live_state(slot, clone=True)
-        entry = Record(list(rec.tokens[:end]), kv={(kind, name): t[slot, :, :end].clone() for kind, name, t in banks},
-                       states=states)
-        self._index(entry, rec.hashes[:end // self.block])
+        entry = Record(
+            list(rec.tokens[:end]),
+            kv={(kind, name): t[slot, :, :end].clone() for kind, name, t in banks},
+            states=states,
+        )
+        self._index(entry, rec.hashes[: end // self.block])
         self.entries.append(entry)
         self._add((entry, None), kv_bytes + len(states) * self.state_bytes())
         self.stats["retained"] += 1
@@ -361,7 +377,9 @@ class PrefixCache:
 
     # -- device copies (generic over whatever layers the cache holds) ---------------------------------
     def _kv_banks(self):
-        return [(kind, name, t) for kind, bank in (("k", self.cache.k), ("v", self.cache.v)) for name, t in bank.items()]
+        return [
+            (kind, name, t) for kind, bank in (("k", self.cache.k), ("v", self.cache.v)) for name, t in bank.items()
+        ]
 
     def _state_banks(self):
         banks = (("conv", self.cache.conv), ("rec", self.cache.rec), ("extra", getattr(self.cache, "extra", {})))
@@ -375,7 +393,7 @@ class PrefixCache:
             return None
         if position in rec.states:
             return rec.states[position]
-        return self._live_state(rec.slot, clone=False)   # resume_point guarantees: live and at its end
+        return self._live_state(rec.slot, clone=False)  # resume_point guarantees: live and at its end
 
     def _load_state(self, slot: int, state: dict | None) -> None:
         for kind, name, t in self._state_banks():

@@ -7,6 +7,7 @@ the gaps between many tiny kernels.
 
     python -m pocketlab.profile --model qwen3-0.6b [--batch-sizes 1,32] [--prefill-lens 512,4096] [--steps 20]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,11 @@ def _self_us(event, cuda: bool) -> float:
 def kernel_table(prof, cuda: bool = True) -> pd.DataFrame:
     """GPU kernels (on the CPU: operators) of one profiled call: count and self time."""
     kind = DeviceType.CUDA if cuda else DeviceType.CPU
-    rows = [{"kernel": e.key[:90], "count": e.count, "us": _self_us(e, cuda)}
-            for e in prof.key_averages() if e.device_type == kind and _self_us(e, cuda) > 0]
+    rows = [
+        {"kernel": e.key[:90], "count": e.count, "us": _self_us(e, cuda)}
+        for e in prof.key_averages()
+        if e.device_type == kind and _self_us(e, cuda) > 0
+    ]
     return pd.DataFrame(rows, columns=["kernel", "count", "us"])
 
 
@@ -58,15 +62,23 @@ def profile(step, steps: int, batch: int, what: str, setup=None):
                 sync()
                 total += time.perf_counter() - t
         return total / steps, tables
+
     loop(False)  # warm-up: captures graphs, autotunes kernels
     wall, _ = loop(False)
     kernels = pd.concat(loop(True)[1]).groupby("kernel", as_index=False)[["count", "us"]].sum()
     kernels["per_step"], kernels["us_per_step"] = kernels["count"] / steps, kernels["us"] / steps
     kernels["us_each"] = kernels["us"] / kernels["count"].clip(lower=1)
     kernels = kernels[["kernel", "per_step", "us_per_step", "us_each"]].sort_values(
-        "us_per_step", ascending=False, ignore_index=True)
-    summary = {"what": what, "batch": batch, "wall_us": wall * 1e6, "gpu_busy_us": kernels.us_per_step.sum(),
-               "kernels_per_step": kernels.per_step.sum(), "tokens_per_s": batch / wall}
+        "us_per_step", ascending=False, ignore_index=True
+    )
+    summary = {
+        "what": what,
+        "batch": batch,
+        "wall_us": wall * 1e6,
+        "gpu_busy_us": kernels.us_per_step.sum(),
+        "kernels_per_step": kernels.per_step.sum(),
+        "tokens_per_s": batch / wall,
+    }
     return summary, kernels
 
 
@@ -94,8 +106,7 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--top", type=int, default=12)
     a = p.parse_args(argv)
-    cfg = BenchConfig(model=a.model, device=a.device, batch_sizes=a.batch_sizes, prompt_lens=a.prefill_lens,
-                      peer=False)
+    cfg = BenchConfig(model=a.model, device=a.device, batch_sizes=a.batch_sizes, prompt_lens=a.prefill_lens, peer=False)
     hf, engine = build(cfg)
     del hf
     graphs, summaries = engine.graphs, []
@@ -106,11 +117,14 @@ def main(argv=None) -> None:
             engine.graphs = graphs if use_graphs else None
             summary, kernels = profile(decode_step(engine, n), a.steps, n, what)
         else:
-            summary, kernels = profile(prefill_call(engine, n), max(a.steps // 4, 2), n, what,
-                                       setup=lambda: engine.reset(0))
+            summary, kernels = profile(
+                prefill_call(engine, n), max(a.steps // 4, 2), n, what, setup=lambda: engine.reset(0)
+            )
         summaries.append(summary)
-        print(f"\n[{a.model} {what} x{n}] " + ", ".join(
-            f"{k}={v:.1f}" for k, v in summary.items() if isinstance(v, float)))
+        print(
+            f"\n[{a.model} {what} x{n}] "
+            + ", ".join(f"{k}={v:.1f}" for k, v in summary.items() if isinstance(v, float))
+        )
         print(kernels.head(a.top).to_string(index=False, float_format=lambda x: f"{x:.2f}"))
     print("\n" + pd.DataFrame(summaries).to_string(index=False, float_format=lambda x: f"{x:.1f}"))
 

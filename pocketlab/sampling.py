@@ -3,6 +3,7 @@
 Each draw takes its uniform number from (seed, position) alone, so a request samples the same tokens
 whatever batch it runs in, and a restored snapshot continues exactly as the original would.
 """
+
 from __future__ import annotations
 
 import random
@@ -13,8 +14,8 @@ import torch
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0      # 0 means greedy
-    top_k: int = 0                # 0 means no top-k cut
+    temperature: float = 0.0  # 0 means greedy
+    top_k: int = 0  # 0 means no top-k cut
     top_p: float = 1.0
     seed: int = 0
     max_new_tokens: int = 64
@@ -22,8 +23,10 @@ class SamplingParams:
 
     def __post_init__(self):
         if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1 or self.max_new_tokens < 0:
-            raise ValueError(f"invalid sampling parameters {self}: need temperature >= 0, top_k >= 0, "
-                             "0 < top_p <= 1, max_new_tokens >= 0")
+            raise ValueError(
+                f"invalid sampling parameters {self}: need temperature >= 0, top_k >= 0, "
+                "0 < top_p <= 1, max_new_tokens >= 0"
+            )
 
     @property
     def greedy(self) -> bool:

@@ -2,6 +2,7 @@
 
 Waiting prompts take slots as they free up; every running request advances in one batch_decode_step.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -12,8 +13,9 @@ from .engine import BatchedRequest, QwenEngine
 from .sampling import GREEDY, SamplingParams
 
 
-def generate(engine: QwenEngine, prompts: list[list[int]], sampling: SamplingParams | list = GREEDY,
-             progress: bool = False) -> list[list[int]]:
+def generate(
+    engine: QwenEngine, prompts: list[list[int]], sampling: SamplingParams | list = GREEDY, progress: bool = False
+) -> list[list[int]]:
     """Generated tokens per prompt (prompt excluded), in prompt order."""
     params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
     if len(params) != len(prompts):
@@ -21,8 +23,9 @@ def generate(engine: QwenEngine, prompts: list[list[int]], sampling: SamplingPar
     for i, p in enumerate(prompts):
         engine._check_tokens(p, f"prompt {i}")
         if len(p) >= engine.options.max_seq_len:
-            raise ValueError(f"prompt {i} has {len(p)} tokens; max_seq_len={engine.options.max_seq_len} "
-                             "leaves no room to generate")
+            raise ValueError(
+                f"prompt {i} has {len(p)} tokens; max_seq_len={engine.options.max_seq_len} leaves no room to generate"
+            )
     waiting = deque(BatchedRequest(i, list(p), sampling=sp) for i, (p, sp) in enumerate(zip(prompts, params)))
     running: list[BatchedRequest] = []
     outputs: dict[int, list[int]] = {}
@@ -56,13 +59,15 @@ def generate(engine: QwenEngine, prompts: list[list[int]], sampling: SamplingPar
 
 def _finished(engine: QwenEngine, r: BatchedRequest) -> bool:
     # a speculative step may add several tokens: a stop token can sit anywhere among them
-    return (len(r.generated_tokens) >= r.sampling.max_new_tokens
-            or any(t in r.sampling.stop_token_ids for t in r.generated_tokens)
-            or engine.position(r.slot_id) + 1 >= engine.options.max_seq_len)
+    return (
+        len(r.generated_tokens) >= r.sampling.max_new_tokens
+        or any(t in r.sampling.stop_token_ids for t in r.generated_tokens)
+        or engine.position(r.slot_id) + 1 >= engine.options.max_seq_len
+    )
 
 
 def _truncate(tokens: list[int], sampling: SamplingParams) -> list[int]:
     """At most max_new_tokens, ending at the first stop token (kept)."""
-    tokens = tokens[:sampling.max_new_tokens]
+    tokens = tokens[: sampling.max_new_tokens]
     stops = [i for i, t in enumerate(tokens) if t in sampling.stop_token_ids]
-    return tokens[:stops[0] + 1] if stops else tokens
+    return tokens[: stops[0] + 1] if stops else tokens

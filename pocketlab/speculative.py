@@ -46,6 +46,7 @@ So results do not depend on the batch a slot runs in.
 `engine.forward_count` counts main-model forwards: one per speculative step. Draft forwards (MTP) are not
 counted; `Speculator.stats` has acceptance figures.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -64,26 +65,27 @@ DRAW_TARGET, DRAW_DRAFT, DRAW_ACCEPT, DRAW_RESIDUAL = 0, 1, 2, 3
 @dataclass
 class Row:
     """One slot's part of a speculative step."""
+
     slot: int
-    position: int               # n: tokens cached in the slot before the step
-    token: int                  # x_n: the token this step feeds
+    position: int  # n: tokens cached in the slot before the step
+    token: int  # x_n: the token this step feeds
     sampling: SamplingParams
-    k: int                      # most drafts this row may verify
+    k: int  # most drafts this row may verify
 
 
 @dataclass
 class Drafts:
-    tokens: list[list[int]]                     # per row, at most row.k
-    probs: list[torch.Tensor | None]            # per row: q [len, vocab] the drafts were drawn from; None: fixed drafts
+    tokens: list[list[int]]  # per row, at most row.k
+    probs: list[torch.Tensor | None]  # per row: q [len, vocab] the drafts were drawn from; None: fixed drafts
 
 
 @dataclass
 class SpecStats:
-    steps: int = 0              # speculative decode calls
-    rows: int = 0               # slot-steps
-    drafted: int = 0            # drafts verified
-    accepted: int = 0           # drafts accepted
-    emitted: int = 0            # tokens produced (accepted drafts + one target token per slot-step)
+    steps: int = 0  # speculative decode calls
+    rows: int = 0  # slot-steps
+    drafted: int = 0  # drafts verified
+    accepted: int = 0  # drafts accepted
+    emitted: int = 0  # tokens produced (accepted drafts + one target token per slot-step)
 
     @property
     def acceptance_rate(self) -> float:
@@ -99,18 +101,19 @@ class SpecStats:
 class Drafter:
     """Where drafts come from. `observe` sees every main forward outside verification (prefill chunks);
     `commit` sees each verification's outcome (kept[b] tokens of the fed run are now in slot b)."""
+
     name = "drafter"
 
-    def bind(self, spec: "Speculator") -> None:
+    def bind(self, spec: Speculator) -> None:
         pass
 
-    def draft(self, spec: "Speculator", rows: list[Row]) -> Drafts:
+    def draft(self, spec: Speculator, rows: list[Row]) -> Drafts:
         raise NotImplementedError
 
-    def observe(self, spec: "Speculator", seqs, hidden: torch.Tensor) -> None:
+    def observe(self, spec: Speculator, seqs, hidden: torch.Tensor) -> None:
         pass
 
-    def commit(self, spec: "Speculator", rows: list[Row], kept: list[int], hidden: torch.Tensor) -> None:
+    def commit(self, spec: Speculator, rows: list[Row], kept: list[int], hidden: torch.Tensor) -> None:
         pass
 
 
@@ -139,22 +142,29 @@ class MTPDrafter(Drafter):
     MTP KV rows are provisional and get overwritten. After verification the queue holds h_n .. h_{n+a}.
     Prefill (observe) writes the prompt's rows the same way and leaves h_{len-1} queued.
     """
+
     name = "mtp"
 
     def __init__(self):
-        self.trace: list | None = None   # set to [] to record each step's draft logits (tests, notebooks)
+        self.trace: list | None = None  # set to [] to record each step's draft logits (tests, notebooks)
 
     def bind(self, spec):
         eng = spec.engine
         self.head = getattr(eng.model, "mtp", None)
         if self.head is None:
-            raise ValueError("MTPDrafter needs the model's MTP head (a Qwen3.5 checkpoint with mtp.* tensors, "
-                             "loaded with EngineOptions(speculative_tokens > 0))")
+            raise ValueError(
+                "MTPDrafter needs the model's MTP head (a Qwen3.5 checkpoint with mtp.* tensors, "
+                "loaded with EngineOptions(speculative_tokens > 0))"
+            )
         cache = eng.cache
         self.head.register(cache)
         if "mtp_hidden" not in cache.extra:
-            cache.add_extra("mtp_hidden", (MAX_SPECULATIVE_TOKENS + 1, eng.cfg.hidden_size),
-                            eng.options.torch_dtype, eng.options.device)
+            cache.add_extra(
+                "mtp_hidden",
+                (MAX_SPECULATIVE_TOKENS + 1, eng.cfg.hidden_size),
+                eng.options.torch_dtype,
+                eng.options.device,
+            )
             cache.add_extra("mtp_queue", (2,), torch.long, eng.options.device)  # (count, end position)
         self.hidden, self.queue = cache.extra["mtp_hidden"], cache.extra["mtp_queue"]
 
@@ -174,14 +184,15 @@ class MTPDrafter(Drafter):
         cols = [j for c in counts for j in range(c)]
         slot_idx = [slots[b] for b in b_idx]
         if b_idx:
-            self.hidden[torch.tensor(slot_idx, device=dev), torch.tensor(cols, device=dev)] = \
-                src[torch.tensor(b_idx, device=src.device), torch.tensor(cols, device=src.device)].to(self.hidden.dtype)
+            self.hidden[torch.tensor(slot_idx, device=dev), torch.tensor(cols, device=dev)] = src[
+                torch.tensor(b_idx, device=src.device), torch.tensor(cols, device=src.device)
+            ].to(self.hidden.dtype)
         self.queue[torch.tensor(slots, device=dev)] = torch.tensor([[c, e] for c, e in zip(counts, ends)], device=dev)
 
     def _pending(self, spec, slot: int, start: int, count: int, next_token: int):
         """(first row position, tokens x_{t+1}) of the queued rows of `slot`, whose sequence holds `start` tokens."""
         hist = spec.engine.cache.slots[slot].tokens
-        return start - count, hist[start - count + 1:start] + [next_token]
+        return start - count, hist[start - count + 1 : start] + [next_token]
 
     def observe(self, spec, seqs, hidden):
         slots = [s for s, _, _ in seqs]
@@ -201,7 +212,7 @@ class MTPDrafter(Drafter):
                 b, m, new = parts[i]
                 if m:
                     hid[j, :m] = self.hidden[rows[i][0], :m].to(hid.dtype)
-                hid[j, m:m + new] = hidden[b, :new]
+                hid[j, m : m + new] = hidden[b, :new]
             self._write_rows(spec, [rows[i] for i in live], hid)
         lengths = [len(t) for _, _, t in seqs]
         last = torch.stack([hidden[b, n - 1] for b, n in enumerate(lengths)])[:, None]
@@ -216,16 +227,18 @@ class MTPDrafter(Drafter):
                 return drafts
         tokens: list[list[int]] = [[] for _ in rows]
         probs: list[list] = [[] for _ in rows]
-        step = [b for b, m in enumerate(counts) if m]   # a slot without a usable queue verifies no drafts
+        step = [b for b, m in enumerate(counts) if m]  # a slot without a usable queue verifies no drafts
         if step:
-            seqs = [(rows[b].slot, *self._pending(spec, rows[b].slot, rows[b].position, counts[b], rows[b].token))
-                    for b in step]
+            seqs = [
+                (rows[b].slot, *self._pending(spec, rows[b].slot, rows[b].position, counts[b], rows[b].token))
+                for b in step
+            ]
             T = max(counts[b] for b in step)
             hid = self.hidden[torch.tensor([slots[b] for b in step], device=self.hidden.device), :T]
             out = self._write_rows(spec, seqs, hid)
             at = torch.tensor([counts[b] - 1 for b in step], device=out.device)
-            last = out[torch.arange(len(step), device=out.device), at]      # o_{n-1} per row
-        for i in range(1, spec.k + 1):   # d_i comes from MTP row t = n + i - 2
+            last = out[torch.arange(len(step), device=out.device), at]  # o_{n-1} per row
+        for i in range(1, spec.k + 1):  # d_i comes from MTP row t = n + i - 2
             want = [j for j, b in enumerate(step) if rows[b].k >= i]
             if not want:
                 break
@@ -236,8 +249,14 @@ class MTPDrafter(Drafter):
             sub = [rows[b] for b in step]
             logits = self.head.logits(last)
             if self.trace is not None:
-                self.trace.append(dict(draft=i, slots=[r.slot for r in sub], positions=[r.position for r in sub],
-                                       logits=logits.detach().float().cpu()))
+                self.trace.append(
+                    dict(
+                        draft=i,
+                        slots=[r.slot for r in sub],
+                        positions=[r.position for r in sub],
+                        logits=logits.detach().float().cpu(),
+                    )
+                )
             picked, q = self.pick(logits, sub, i)
             if self.trace is not None:
                 self.trace[-1]["tokens"] = list(picked)
@@ -249,23 +268,34 @@ class MTPDrafter(Drafter):
     def _graphed(self, spec, rows, counts) -> bool:
         """Greedy rows that each draft spec.k tokens from a usable queue, on an engine that captures graphs, with
         `pick` as here: the whole draft (queued rows, k-1 recursive rows, k logits and argmaxes) is one graph."""
-        return (spec.engine.graphs is not None and type(self).pick is MTPDrafter.pick and all(counts)
-                and all(r.sampling.greedy and r.k == spec.k for r in rows))
+        return (
+            spec.engine.graphs is not None
+            and type(self).pick is MTPDrafter.pick
+            and all(counts)
+            and all(r.sampling.greedy and r.k == spec.k for r in rows)
+        )
 
     def _draft_graphed(self, spec, rows, counts) -> Drafts | None:
         """The draft replayed from a CUDA graph (None: it could not be captured, draft eagerly)."""
         k = spec.k
         seqs = [(r.slot, *self._pending(spec, r.slot, r.position, c, r.token)) for r, c in zip(rows, counts)]
-        out = spec.engine.graphs.replay(f"draft{k}", lambda batch: self._draft_step(spec, k, batch), seqs,
-                                        real_lengths=True, beyond=k - 1)
+        out = spec.engine.graphs.replay(
+            f"draft{k}", lambda batch: self._draft_step(spec, k, batch), seqs, real_lengths=True, beyond=k - 1
+        )
         if out is None:
             return None
-        tokens = out[0][:len(rows)].tolist()
+        tokens = out[0][: len(rows)].tolist()
         if self.trace is not None:
             for i in range(k):
-                self.trace.append(dict(draft=i + 1, slots=[r.slot for r in rows], positions=[r.position for r in rows],
-                                       logits=out[1][:len(rows), i].to('cpu', torch.float32, copy=True),
-                                       tokens=[t[i] for t in tokens]))  # copied: the next replay overwrites out
+                self.trace.append(
+                    dict(
+                        draft=i + 1,
+                        slots=[r.slot for r in rows],
+                        positions=[r.position for r in rows],
+                        logits=out[1][: len(rows), i].to("cpu", torch.float32, copy=True),
+                        tokens=[t[i] for t in tokens],
+                    )
+                )  # copied: the next replay overwrites out
         return Drafts(tokens, [None] * len(rows))
 
     def _draft_step(self, spec, k: int, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -274,14 +304,19 @@ class MTPDrafter(Drafter):
         cache = spec.engine.cache
         B, T = batch.tokens.shape
         last = self.head.forward(batch, self.hidden[batch.slot_ids, :T], cache)
-        last = last[torch.arange(B, device=last.device), batch.lengths - 1]     # o_{n-1} per row
-        position = batch.start + batch.lengths                                    # n per row
+        last = last[torch.arange(B, device=last.device), batch.lengths - 1]  # o_{n-1} per row
+        position = batch.start + batch.lengths  # n per row
         tokens, logits = [], []
         for i in range(1, k + 1):
-            if i > 1:   # recursive row t = n + i - 2, as in `draft`
-                row = ForwardBatch(tokens=tokens[-1][:, None], slot_ids=batch.slot_ids, start=position + (i - 2),
-                                   lengths=torch.ones_like(position), kv_len=batch.kv_len,
-                                   scratch_slot=batch.scratch_slot)
+            if i > 1:  # recursive row t = n + i - 2, as in `draft`
+                row = ForwardBatch(
+                    tokens=tokens[-1][:, None],
+                    slot_ids=batch.slot_ids,
+                    start=position + (i - 2),
+                    lengths=torch.ones_like(position),
+                    kv_len=batch.kv_len,
+                    scratch_slot=batch.scratch_slot,
+                )
                 last = self.head.forward(row, last[:, None], cache)[:, 0]
             logits.append(self.head.logits(last))
             tokens.append(logits[-1].argmax(-1))
@@ -298,8 +333,9 @@ class MTPDrafter(Drafter):
 def _continuation(references, slot: int):
     if references is None:
         return None
-    return references.get(slot) if isinstance(references, dict) else (
-        references[slot] if slot < len(references) else None)
+    return (
+        references.get(slot) if isinstance(references, dict) else (references[slot] if slot < len(references) else None)
+    )
 
 
 class OracleDrafter(Drafter):
@@ -308,21 +344,23 @@ class OracleDrafter(Drafter):
     references: {slot: tokens} or a list indexed by slot. accuracy < 1 makes each draft wrong (reference
     token + 1) unless a uniform drawn from (seed, sequence index) falls below it: a drafter with a chosen
     per-token acceptance rate, for sweeps and for exercising partial acceptance."""
+
     name = "oracle"
 
     def __init__(self, references, accuracy: float = 1.0, seed: int = 0):
         self.references, self.accuracy, self.seed = references, accuracy, seed
 
     def _right(self, index: int) -> bool:
-        return self.accuracy >= 1 or (self.accuracy > 0 and
-                                      SamplingParams(seed=self.seed).uniform(index, 7) < self.accuracy)
+        return self.accuracy >= 1 or (
+            self.accuracy > 0 and SamplingParams(seed=self.seed).uniform(index, 7) < self.accuracy
+        )
 
     def draft(self, spec, rows):
         V = spec.engine.cfg.vocab_size
         out = []
         for r in rows:
             seq = _continuation(self.references, r.slot) or []
-            ref = seq[r.position + 1:r.position + 1 + r.k]
+            ref = seq[r.position + 1 : r.position + 1 + r.k]
             out.append([t if self._right(r.position + 1 + i) else (t + 1) % V for i, t in enumerate(ref)])
         return Drafts(out, [None] * len(rows))
 
@@ -330,6 +368,7 @@ class OracleDrafter(Drafter):
 class AdversarialDrafter(Drafter):
     """Drafts that are always wrong for greedy decoding: each reference token + 1 (mod vocab), or, with
     no reference, x_n + 1 + i. Every step then rejects at the first draft and rolls everything back."""
+
     name = "adversarial"
 
     def __init__(self, references=None):
@@ -341,7 +380,7 @@ class AdversarialDrafter(Drafter):
         for r in rows:
             seq = _continuation(self.references, r.slot)
             if seq is not None and len(seq) >= r.position + 1 + r.k:
-                out.append([(t + 1) % V for t in seq[r.position + 1:r.position + 1 + r.k]])
+                out.append([(t + 1) % V for t in seq[r.position + 1 : r.position + 1 + r.k]])
             else:
                 out.append([(r.token + 1 + i) % V for i in range(r.k)])
         return Drafts(out, [None] * len(rows))
@@ -357,7 +396,7 @@ class _StatesRule:
 
     def __init__(self, shortest: int = 0, in_place: bool = False):
         self.shortest, self.in_place = shortest, in_place
-        self.states: list[torch.Tensor] = []   # per GDN layer, in layer order: [B, T, H, dk, dv]
+        self.states: list[torch.Tensor] = []  # per GDN layer, in layer order: [B, T, H, dk, dv]
 
     def __call__(self, q, k, v, g, beta, S, lengths):
         outs, per = [], []
@@ -368,8 +407,9 @@ class _StatesRule:
                 o = recurrent_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], S, rows, L2_EPS)[:, None]
             else:
                 live = None if lengths is None or t < self.shortest else (lengths > t).to(lengths.dtype)
-                o, S = gated_delta_rule(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1],
-                                        beta[:, t:t + 1], S, live)
+                o, S = gated_delta_rule(
+                    q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], g[:, t : t + 1], beta[:, t : t + 1], S, live
+                )
             outs.append(o)
             per.append(S.clone())  # S may be advanced in place at the next position
         self.states.append(torch.stack(per, 1))
@@ -391,7 +431,7 @@ def accept(logits: torch.Tensor, rows: list[Row], drafts: Drafts) -> tuple[list[
             a = 0
             while a < len(d) and d[a] == greedy[b][a]:
                 a += 1
-            emitted.append(greedy[b][:a + 1])
+            emitted.append(greedy[b][: a + 1])
         else:
             a, tok = _reject_sample(p_all[samp.index(b)], d, drafts.probs[b], r)
             emitted.append(d[:a] + [tok])
@@ -417,7 +457,7 @@ def _reject_sample(p: torch.Tensor, d: list[int], q: torch.Tensor | None, r: Row
             else:
                 resid = p[i].clone()
                 resid[d[i]] = 0
-            if float(resid.sum()) <= 0:    # p == q up to rounding: any draw from p is right
+            if float(resid.sum()) <= 0:  # p == q up to rounding: any draw from p is right
                 resid = p[i]
             u = torch.tensor([sp.uniform(index, DRAW_RESIDUAL)], device=p.device)
             return i, int(inverse_cdf(resid[None], u)[0])
@@ -438,7 +478,8 @@ class Speculator:
             raise ValueError(
                 f"speculative_tokens={self.k} needs an MTP head, and this {cfg.model_type} model has none: "
                 "only Qwen3.5 checkpoints that declare mtp_num_hidden_layers (text_config) and ship mtp.* "
-                "tensors can draft. Use speculative_tokens=0.")
+                "tensors can draft. Use speculative_tokens=0."
+            )
         self.drafter: Drafter = self.use(MTPDrafter())
 
     def use(self, drafter: Drafter) -> Drafter:
@@ -456,11 +497,13 @@ class Speculator:
         """items: (slot, token, sampling), already validated -> (tokens per item, logits [B, V], positions)."""
         eng = self.engine
         slots = eng.cache.slots
-        rows = [Row(s, slots[s].position, tok, sp, max(0, min(self.k, eng.options.max_seq_len - slots[s].position - 1)))
-                for s, tok, sp in items]
+        rows = [
+            Row(s, slots[s].position, tok, sp, max(0, min(self.k, eng.options.max_seq_len - slots[s].position - 1)))
+            for s, tok, sp in items
+        ]
         drafts = self.drafter.draft(self, rows)
         for r, d in zip(rows, drafts.tokens):
-            del d[r.k:]
+            del d[r.k :]
             bad = [t for t in d if not isinstance(t, int) or not 0 <= t < eng.cfg.vocab_size]
             if bad:
                 raise ValueError(f"drafter {self.drafter.name!r} proposed token(s) outside the vocabulary: {bad[:5]}")
@@ -468,7 +511,7 @@ class Speculator:
         run = eng.graphs.replay("verify", self._verify_step, seqs) if self._graphed(seqs) else None
         if run is not None:
             run.graphed = [] if run.graphed is None else run.graphed
-            hidden, logits = run.hidden[:len(rows)], run.logits[:len(rows)]
+            hidden, logits = run.hidden[: len(rows)], run.logits[: len(rows)]
         else:
             batch = ForwardBatch.build(seqs, eng.cache.scratch, eng.options.device)
             run = self._verify_step(batch, min(len(fed) for _, _, fed in seqs))
@@ -493,10 +536,14 @@ class Speculator:
         the longest (padding positions count as real; what they write is never kept), still fits in its slot."""
         eng, T = self.engine, max(len(fed) for _, _, fed in seqs)
         capturable = getattr(eng.model, "in_place", False) or backend_name(eng.options.device) == "torch"
-        return (eng.graphs is not None and self.rollback == "states" and capturable
-                and all(p + T <= eng.options.max_seq_len for _, p, _ in seqs))
+        return (
+            eng.graphs is not None
+            and self.rollback == "states"
+            and capturable
+            and all(p + T <= eng.options.max_seq_len for _, p, _ in seqs)
+        )
 
-    def _verify_step(self, batch: ForwardBatch, shortest: int | None = None) -> "VerifyRun":
+    def _verify_step(self, batch: ForwardBatch, shortest: int | None = None) -> VerifyRun:
         """The main-model forward over every fed run, keeping what a rollback needs (eager, or captured: then
         every position is real). shortest: the fewest tokens any run feeds (None: all of them)."""
         eng = self.engine
@@ -510,7 +557,7 @@ class Speculator:
             eng.model.record = None
         return VerifyRun(batch, hidden, eng.model.logits(hidden), log, states)
 
-    def _roll_back(self, run: "VerifyRun", seqs, kept: list[int]) -> None:
+    def _roll_back(self, run: VerifyRun, seqs, kept: list[int]) -> None:
         """Gated DeltaNet conv and recurrent state of every slot that rejected something -> after its kept tokens.
         A replayed verify graph ran every row over T tokens, so there every row short of T is restored, by a
         second graph captured with it (eagerly should that capture fail)."""
@@ -524,17 +571,19 @@ class Speculator:
             graph.replay()
             return
         idx = torch.tensor(short, device=run.batch.slot_ids.device)
-        self._restore(run.batch.slot_ids[idx], idx, torch.tensor([kept[b] for b in short], device=idx.device),
-                      run.log, run.states)
+        self._restore(
+            run.batch.slot_ids[idx], idx, torch.tensor([kept[b] for b in short], device=idx.device), run.log, run.states
+        )
 
-    def _restore_graph(self, run: "VerifyRun") -> bool:
+    def _restore_graph(self, run: VerifyRun) -> bool:
         """Capture (once per verify graph) the rollback of every row; False if that capture failed."""
         if not run.graphed:
             rows = torch.arange(run.batch.tokens.shape[0], device=run.batch.slot_ids.device)
             keep = torch.full_like(rows, run.batch.tokens.shape[1])  # while capturing every row keeps all: a no-op
             try:
                 graph, _ = self.engine.graphs.capture(
-                    lambda: self._restore(run.batch.slot_ids, rows, keep, run.log, run.states))
+                    lambda: self._restore(run.batch.slot_ids, rows, keep, run.log, run.states)
+                )
             except RuntimeError:
                 run.graphed.append(None)
                 return False
@@ -559,9 +608,10 @@ class Speculator:
 @dataclass
 class VerifyRun:
     """What one verify forward leaves for accepting and rolling back; static buffers when it was a graph."""
+
     batch: ForwardBatch
-    hidden: torch.Tensor        # [B, T, hidden] final-normed
-    logits: torch.Tensor        # [B, T, vocab] float32
-    log: dict                   # per GDN layer: (conv inputs, start window, delta-rule inputs and start state)
-    states: "_StatesRule | None"
+    hidden: torch.Tensor  # [B, T, hidden] final-normed
+    logits: torch.Tensor  # [B, T, vocab] float32
+    log: dict  # per GDN layer: (conv inputs, start window, delta-rule inputs and start state)
+    states: _StatesRule | None
     graphed: list | None = None  # replayed graph: [], then [rollback graph, rows, keep] once captured ([None]: failed)

@@ -3,6 +3,7 @@
 Models are built by transformers itself, so the tensor names, shapes and files are exactly what HF
 writes. Tiny presets use a large init (0.2) so logits are peaked and greedy tokens are meaningful.
 """
+
 from __future__ import annotations
 
 import json
@@ -11,12 +12,28 @@ from pathlib import Path
 import torch
 import transformers
 
-_TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, initializer_range=0.2, max_position_embeddings=4096,
-             tie_word_embeddings=False)
-_TINY_HYBRID = dict(_TINY, initializer_range=0.1, num_hidden_layers=4, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
-                    linear_key_head_dim=16, linear_value_head_dim=16, rope_parameters=dict(
-                        rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25))
+_TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    initializer_range=0.2,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
+_TINY_HYBRID = dict(
+    _TINY,
+    initializer_range=0.1,
+    num_hidden_layers=4,
+    head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25),
+)
 
 PRESETS: dict[str, tuple[str, dict]] = {
     "tiny-qwen2": ("qwen2", dict(_TINY, num_hidden_layers=2)),
@@ -24,24 +41,72 @@ PRESETS: dict[str, tuple[str, dict]] = {
     "tiny-qwen3_5": ("qwen3_5_text", _TINY_HYBRID),
     # with a multi-token-prediction head: HF ignores the config key and the mtp.* tensors; see add_mtp()
     "tiny-qwen3_5-mtp": ("qwen3_5_text", dict(_TINY_HYBRID, mtp_num_hidden_layers=1)),
-    "qwen3-0.6b": ("qwen3", dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, rope_theta=1e6,
-                                 tie_word_embeddings=True, max_position_embeddings=40960)),
-    "qwen3-8b": ("qwen3", dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                               num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1e6,
-                               tie_word_embeddings=False, max_position_embeddings=40960)),
-    "qwen3.5-0.8b": ("qwen3_5_text", dict(vocab_size=248320, hidden_size=1024, intermediate_size=3584,
-                                          num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2,
-                                          head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
-                                          linear_key_head_dim=128, linear_value_head_dim=128, tie_word_embeddings=True,
-                                          rope_parameters=dict(rope_type="default", rope_theta=1e7,
-                                                               partial_rotary_factor=0.25))),
-    "qwen3.5-9b": ("qwen3_5_text", dict(vocab_size=248320, hidden_size=4096, intermediate_size=12288,
-                                        num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4,
-                                        head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
-                                        linear_key_head_dim=128, linear_value_head_dim=128, tie_word_embeddings=False,
-                                        rope_parameters=dict(rope_type="default", rope_theta=1e7,
-                                                             partial_rotary_factor=0.25))),
+    "qwen3-0.6b": (
+        "qwen3",
+        dict(
+            vocab_size=151936,
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            rope_theta=1e6,
+            tie_word_embeddings=True,
+            max_position_embeddings=40960,
+        ),
+    ),
+    "qwen3-8b": (
+        "qwen3",
+        dict(
+            vocab_size=151936,
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            rope_theta=1e6,
+            tie_word_embeddings=False,
+            max_position_embeddings=40960,
+        ),
+    ),
+    "qwen3.5-0.8b": (
+        "qwen3_5_text",
+        dict(
+            vocab_size=248320,
+            hidden_size=1024,
+            intermediate_size=3584,
+            num_hidden_layers=24,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=256,
+            linear_num_key_heads=16,
+            linear_num_value_heads=16,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            tie_word_embeddings=True,
+            rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25),
+        ),
+    ),
+    "qwen3.5-9b": (
+        "qwen3_5_text",
+        dict(
+            vocab_size=248320,
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_hidden_layers=32,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            head_dim=256,
+            linear_num_key_heads=16,
+            linear_num_value_heads=32,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            tie_word_embeddings=False,
+            rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25),
+        ),
+    ),
 }
 DEFAULT_PRESET = "tiny-qwen3"
 
@@ -56,8 +121,7 @@ def hf_config(preset: str, **overrides) -> transformers.PretrainedConfig:
     return getattr(transformers, _CONFIGS[model_type])(**(kwargs | overrides))
 
 
-def build_hf_model(preset: str, seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                   **overrides):
+def build_hf_model(preset: str, seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32, **overrides):
     """The HF model with random weights from `seed`, built directly on `device` (real shapes fit on a GPU)."""
     config = hf_config(preset, **overrides)
     torch.manual_seed(seed)
@@ -66,8 +130,9 @@ def build_hf_model(preset: str, seed: int = 0, device: str = "cpu", dtype: torch
     return model.eval()
 
 
-def write_checkpoint(preset: str, path: str | Path, seed: int = 0, max_shard_size: str | None = None,
-                     **overrides) -> Path:
+def write_checkpoint(
+    preset: str, path: str | Path, seed: int = 0, max_shard_size: str | None = None, **overrides
+) -> Path:
     """Write config.json + safetensors (sharded with an index when `max_shard_size` is given)."""
     path = Path(path)
     model = build_hf_model(preset, seed, **overrides)
@@ -88,11 +153,13 @@ def ensure_checkpoint(preset: str = DEFAULT_PRESET, root: str | Path = "checkpoi
 
 
 # -- multi-token prediction head ---------------------------------------------------------------------
-def mtp_weights(cfg, seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                std: float | None = None) -> dict[str, torch.Tensor]:
+def mtp_weights(
+    cfg, seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32, std: float | None = None
+) -> dict[str, torch.Tensor]:
     """Random `mtp.*` tensors for a pocketlab ModelConfig (HF builds none): every name and shape the loader
     expects, matrices ~ N(0, std) and the (1 + w) norm weights ~ N(0, 0.1), so a w-vs-(1+w) slip shows."""
     from .loader import _mtp_shapes
+
     std = std if std is not None else (0.1 if cfg.hidden_size <= 256 else 0.02)
     gen = torch.Generator().manual_seed(10_000 + seed)
     out = {}
@@ -109,6 +176,7 @@ def add_mtp(path: str | Path, seed: int = 0) -> None:
     from safetensors.torch import load_file, save_file
 
     from .config import ModelConfig
+
     path = Path(path)
     cfg = ModelConfig.from_pretrained(path)
     if not cfg.mtp_num_hidden_layers:

@@ -1,5 +1,6 @@
 """Shared fixtures. POCKETLAB_DEVICE=cuda runs the engine tests on a GPU: float32 by default, where every
 contract holds as on the CPU; POCKETLAB_DTYPE=bfloat16 runs them in bf16 with looser logit tolerances."""
+
 import os
 import sys
 
@@ -36,6 +37,7 @@ def checkpoint(tmp_path_factory):
         if key not in made:
             made[key] = write_checkpoint(preset, tmp_path_factory.mktemp(preset), seed=0, **overrides)
         return made[key]
+
     return get
 
 
@@ -44,6 +46,7 @@ def make_engine(checkpoint):
     def make(preset: str = "tiny-qwen3", **options) -> QwenEngine:
         opts = dict(max_slots=4, max_seq_len=256, prefill_chunk=16, device=DEVICE, dtype=DTYPE) | KERNELS | options
         return QwenEngine.from_pretrained(checkpoint(preset), EngineOptions(**opts))
+
     return make
 
 

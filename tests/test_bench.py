@@ -1,6 +1,7 @@
 """bench.py end to end on a tiny model (CPU, seconds), and the perf baseline verdict on made-up figures.
 
 Timings are never judged here: only that every figure exists, is finite and positive."""
+
 import json
 import math
 import re
@@ -10,9 +11,35 @@ import pytest
 from pocketlab import bench
 from pocketlab.verify import perf
 
-ARGS = ["--model", "tiny-qwen3", "--device", "cpu", "--batch-sizes", "1,2", "--prompt-lens", "16,32",
-        "--new-tokens", "4", "--decode-prompt", "8", "--ragged", "2", "--repeats", "2", "--peer-modes", "eager",
-        "--peer-batch-sizes", "1,2", "--matmul-n", "64", "--copy-mib", "4", "--threads", "1", "--no-progress"]
+ARGS = [
+    "--model",
+    "tiny-qwen3",
+    "--device",
+    "cpu",
+    "--batch-sizes",
+    "1,2",
+    "--prompt-lens",
+    "16,32",
+    "--new-tokens",
+    "4",
+    "--decode-prompt",
+    "8",
+    "--ragged",
+    "2",
+    "--repeats",
+    "2",
+    "--peer-modes",
+    "eager",
+    "--peer-batch-sizes",
+    "1,2",
+    "--matmul-n",
+    "64",
+    "--copy-mib",
+    "4",
+    "--threads",
+    "1",
+    "--no-progress",
+]
 
 
 @pytest.fixture(scope="module")
@@ -36,13 +63,18 @@ def test_bench_json_has_every_section(result):
 
 def test_bench_figures_are_positive_and_finite(result):
     assert [(p["kind"], p["prompt_len"]) for p in result["prefill"]] == [
-        ("single", 16), ("ragged", 16), ("single", 32), ("ragged", 32)]
+        ("single", 16),
+        ("ragged", 16),
+        ("single", 32),
+        ("ragged", 32),
+    ]
     for p in result["prefill"]:
         assert all(positive(p[k]) for k in ("seconds", "tokens_per_s", "flop_per_s", "matmul_frac"))
     assert [d["batch"] for d in result["decode"]] == [1, 2]
     for d in result["decode"]:
-        assert all(positive(d[k]) for k in ("step_s", "tokens_per_s", "total_bytes", "roofline_step_s",
-                                            "roofline_frac"))
+        assert all(
+            positive(d[k]) for k in ("step_s", "tokens_per_s", "total_bytes", "roofline_step_s", "roofline_frac")
+        )
     assert [(p["mode"], p["batch"]) for p in result["peer"]] == [("eager", 1), ("eager", 2)]
     for p in result["peer"]:
         assert "error" not in p, p
@@ -93,6 +125,7 @@ def test_baseline_file_round_trip(result, tmp_path):
 def test_profile_tables_a_decode_step_and_a_prefill(make_engine):
     """pocketlab.profile: operator tables on the CPU, kernel tables on a GPU; the matmuls must show either way."""
     from pocketlab import profile
+
     engine = make_engine("tiny-qwen3")
     cases = ((profile.decode_step(engine, 2), None), (profile.prefill_call(engine, 20), lambda: engine.reset(0)))
     for step, setup in cases:

@@ -1,4 +1,5 @@
 """The Triton decode-attention kernel against plain softmax attention (GPU, or Triton's CPU interpreter)."""
+
 import os
 
 import pytest
@@ -10,12 +11,15 @@ from pocketlab.layers.rotary import _apply_rotary
 
 on_gpu = torch.cuda.is_available()
 interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-pytestmark = pytest.mark.skipif(da.triton is None or not (on_gpu or interpreted),
-                                reason="needs Triton on a GPU (or TRITON_INTERPRET=1)")
+pytestmark = pytest.mark.skipif(
+    da.triton is None or not (on_gpu or interpreted), reason="needs Triton on a GPU (or TRITON_INTERPRET=1)"
+)
 
 
-@pytest.mark.parametrize("heads,kv_heads,dim,max_len,rot,norm", [
-    (16, 8, 128, 600, 128, "w"), (8, 2, 256, 300, 64, "1+w"), (4, 2, 16, 64, 16, None), (4, 1, 16, 2000, 8, "w")])
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim,max_len,rot,norm",
+    [(16, 8, 128, 600, 128, "w"), (8, 2, 256, 300, 64, "1+w"), (4, 2, 16, 64, 16, None), (4, 1, 16, 2000, 8, "w")],
+)
 def test_matches_reference_and_stores_the_new_token(heads, kv_heads, dim, max_len, rot, norm):
     """Raw q/k in: per-head RMSNorm (Qwen3 w*x, Qwen3.5 (1+w)*x, Qwen2 none) and (partial) RoPE applied in the
     kernel exactly as layers.norm / layers.rotary do; the new K/V stored; attention over each slot's live keys."""
@@ -36,13 +40,12 @@ def test_matches_reference_and_stores_the_new_token(heads, kv_heads, dim, max_le
     k_ref_new = _apply_rotary(k_ref_new, cos[:, None], sin[:, None])
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     k_ref[slots, :, lengths - 1], v_ref[slots, :, lengths - 1] = k_ref_new, v_new
-    out = da.decode_attention(q, k_new, v_new, k_cache, v_cache, slots, lengths, max_len, dim ** -0.5, (cos, sin),
-                              norms)
+    out = da.decode_attention(q, k_new, v_new, k_cache, v_cache, slots, lengths, max_len, dim**-0.5, (cos, sin), norms)
     assert (k_cache - k_ref).abs().max() < 1e-5 and torch.equal(v_cache, v_ref)  # the new token, nothing else
     for b in range(3):
-        k = k_ref[slots[b], :, :lengths[b]].repeat_interleave(heads // kv_heads, 0)
-        v = v_ref[slots[b], :, :lengths[b]].repeat_interleave(heads // kv_heads, 0)
-        probs = torch.softmax(torch.einsum("hd,hnd->hn", q_ref[b], k) * dim ** -0.5, -1)
+        k = k_ref[slots[b], :, : lengths[b]].repeat_interleave(heads // kv_heads, 0)
+        v = v_ref[slots[b], :, : lengths[b]].repeat_interleave(heads // kv_heads, 0)
+        probs = torch.softmax(torch.einsum("hd,hnd->hn", q_ref[b], k) * dim**-0.5, -1)
         assert (out[b] - torch.einsum("hn,hnd->hd", probs, v)).abs().max() < 1e-4
 
 
@@ -55,6 +58,7 @@ def test_splits_are_whole_blocks_and_few(programs, max_len):
 
 def test_engine_decodes_the_same_with_either_attention(make_engine):
     from conftest import LOGIT_TOL, greedy_run, random_prompt
+
     runs = {}
     for kind in ("triton", "sdpa"):
         engine = make_engine("tiny-qwen3", decode_attention=kind)

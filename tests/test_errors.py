@@ -1,8 +1,9 @@
 """Bad input gets a clear error and leaves every slot exactly as it was."""
+
 import pytest
+from conftest import assert_same_state, engine_state, random_prompt
 
 from pocketlab import BatchedRequest
-from conftest import assert_same_state, engine_state, random_prompt
 
 
 @pytest.fixture(params=["tiny-qwen3", "tiny-qwen3_5"])
@@ -26,20 +27,38 @@ CASES = {
     "negative slot": (IndexError, "does not exist", lambda e: e.decode_step(1, slot_id=-1)),
     "decode before prefill": (ValueError, "prefill it before", lambda e: e.decode_step(1, slot_id=2)),
     "prompt past max_seq_len": (ValueError, "max_seq_len", lambda e: e.prefill(list(range(65)), slot_id=2)),
-    "decode past max_seq_len": (ValueError, "max_seq_len", lambda e: [e.decode_step(1, slot_id=1)
-                                                                     for _ in range(64)]),
-    "duplicate slot in batch": (ValueError, "more than once", lambda e: e.batch_prefill(
-        [BatchedRequest(1, [1, 2], slot_id=2), BatchedRequest(2, [3], slot_id=2)])),
-    "bad token in second request": (ValueError, "request 2 prompt", lambda e: e.batch_prefill(
-        [BatchedRequest(1, [1, 2], slot_id=2), BatchedRequest(2, [3, 9999])])),
-    "batch decode with an empty slot": (ValueError, "prefill it before", lambda e: e.batch_decode_step(
-        [BatchedRequest(1, [1], slot_id=0, generated_tokens=[4]),
-         BatchedRequest(2, [1], slot_id=2, generated_tokens=[4])])),
-    "batch decode before batch prefill": (ValueError, "no token to decode", lambda e: e.batch_decode_step(
-        [BatchedRequest(1, [1], slot_id=0)])),
+    "decode past max_seq_len": (ValueError, "max_seq_len", lambda e: [e.decode_step(1, slot_id=1) for _ in range(64)]),
+    "duplicate slot in batch": (
+        ValueError,
+        "more than once",
+        lambda e: e.batch_prefill([BatchedRequest(1, [1, 2], slot_id=2), BatchedRequest(2, [3], slot_id=2)]),
+    ),
+    "bad token in second request": (
+        ValueError,
+        "request 2 prompt",
+        lambda e: e.batch_prefill([BatchedRequest(1, [1, 2], slot_id=2), BatchedRequest(2, [3, 9999])]),
+    ),
+    "batch decode with an empty slot": (
+        ValueError,
+        "prefill it before",
+        lambda e: e.batch_decode_step(
+            [
+                BatchedRequest(1, [1], slot_id=0, generated_tokens=[4]),
+                BatchedRequest(2, [1], slot_id=2, generated_tokens=[4]),
+            ]
+        ),
+    ),
+    "batch decode before batch prefill": (
+        ValueError,
+        "no token to decode",
+        lambda e: e.batch_decode_step([BatchedRequest(1, [1], slot_id=0)]),
+    ),
     "all slots taken": (ValueError, "slots are taken", lambda e: [e.allocate_slot(i) for i in range(3)]),
-    "batch needs more slots than free": (ValueError, "free", lambda e: e.batch_prefill(
-        [BatchedRequest(i, [1]) for i in range(3)])),
+    "batch needs more slots than free": (
+        ValueError,
+        "free",
+        lambda e: e.batch_prefill([BatchedRequest(i, [1]) for i in range(3)]),
+    ),
     "too many batch slots": (ValueError, "max_slots", lambda e: e.allocate_batch_slots(4)),
     "restore into a missing slot": (IndexError, "does not exist", lambda e: e.restore(e.snapshot(0), slot_id=5)),
 }

@@ -1,4 +1,5 @@
 """torch.compile'd chains run only inside CUDA-graph capture on CUDA tensors; everywhere else, eagerly."""
+
 import torch
 from torch._dynamo.utils import counters
 

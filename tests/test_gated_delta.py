@@ -143,8 +143,9 @@ def test_ragged_batch_equals_each_sequence_alone(fn, short):
     args = [with_garbage(x, lengths) for x in (q, k, v, g, beta)]
     o, s = fn(*args, s0, lengths)
     for b, n in enumerate(lengths.tolist()):
-        o_b, s_b = fn(q[b : b + 1, :n], k[b : b + 1, :n], v[b : b + 1, :n], g[b : b + 1, :n],
-                      beta[b : b + 1, :n], s0[b : b + 1])
+        o_b, s_b = fn(
+            q[b : b + 1, :n], k[b : b + 1, :n], v[b : b + 1, :n], g[b : b + 1, :n], beta[b : b + 1, :n], s0[b : b + 1]
+        )
         assert maxdiff(o[b, :n], o_b[0]) <= TOL, (b, maxdiff(o[b, :n], o_b[0]))
         assert maxdiff(s[b], s_b[0]) <= TOL, (b, maxdiff(s[b], s_b[0]))
 
@@ -178,8 +179,9 @@ def test_prefill_then_token_by_token_decode():
     o, s = gated_delta_rule(q[:, :P], k[:, :P], v[:, :P], g[:, :P], beta[:, :P], s0)
     outs = [o]
     for t in range(P, T):
-        o, s = gated_delta_rule(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], g[:, t : t + 1],
-                                beta[:, t : t + 1], s)
+        o, s = gated_delta_rule(
+            q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], g[:, t : t + 1], beta[:, t : t + 1], s
+        )
         outs.append(o)
     assert maxdiff(torch.cat(outs, 1), o_all) <= TOL and maxdiff(s, s_all) <= TOL
 
@@ -215,8 +217,9 @@ def test_fla_call_contract(monkeypatch):
 
         return fn
 
-    monkeypatch.setattr(gd, "_fla_ops", lambda device: (stand_in("chunk", hf_chunk),
-                                                        stand_in("recurrent", hf_recurrent)))
+    monkeypatch.setattr(
+        gd, "_fla_ops", lambda device: (stand_in("chunk", hf_chunk), stand_in("recurrent", hf_recurrent))
+    )
     assert backend_name("cpu") == "fla"
 
     T = 70
@@ -225,8 +228,9 @@ def test_fla_call_contract(monkeypatch):
     o, s = gated_delta_rule(*[with_garbage(x, lengths) for x in (q, k, v, g, beta)], s0, lengths)
     o1, s1 = gated_delta_rule(q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], s0)
     assert calls == ["recurrent"]  # float32 prompts take our chunk code (fla's would multiply in TF32)
-    o16, s16 = gated_delta_rule(*[with_garbage(x, lengths) for x in (q.bfloat16(), k.bfloat16(), v.bfloat16(), g,
-                                                                    beta.bfloat16())], s0, lengths)
+    o16, s16 = gated_delta_rule(
+        *[with_garbage(x, lengths) for x in (q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta.bfloat16())], s0, lengths
+    )
     assert calls == ["recurrent", "chunk"] and o16.dtype == torch.bfloat16 and s16.dtype == torch.float32
     monkeypatch.undo()
 

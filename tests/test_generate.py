@@ -1,6 +1,8 @@
 """generate(): more prompts than slots, continuous batching, each output equal to its solo run."""
-from pocketlab import SamplingParams
+
 from conftest import greedy_run, random_prompt
+
+from pocketlab import SamplingParams
 
 
 def test_generate_equals_solo_runs(make_engine):
@@ -25,4 +27,4 @@ def test_stop_tokens_end_a_request(make_engine):
     full = engine.generate([prompt], SamplingParams(max_new_tokens=8))[0]
     stop = full[3]
     out = engine.generate([prompt], SamplingParams(max_new_tokens=8, stop_token_ids=(stop,)))[0]
-    assert out == full[:full.index(stop) + 1]
+    assert out == full[: full.index(stop) + 1]

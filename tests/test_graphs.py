@@ -1,13 +1,14 @@
 """CUDA-graph bookkeeping checked on the CPU: test doubles whose "graphs" re-run the captured function (or
 fail to capture), so static buffers, padding, buckets and the eager fallback run for real without a GPU."""
+
 from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import LOGIT_TOL, random_prompt
 
 from pocketlab import BatchedRequest
 from pocketlab.graphs import StepGraphs, key_buckets
-from conftest import LOGIT_TOL, random_prompt
 
 
 def _copy_into(dst, src):
@@ -33,7 +34,7 @@ class RerunGraphs(StepGraphs):
     shorter runs, bucket choice, the rollback graph restoring every row (the GPU run checks the capture)."""
 
     def capture(self, fn):
-        out = fn()   # the warm-up run; a real capture records without running
+        out = fn()  # the warm-up run; a real capture records without running
         return SimpleNamespace(replay=lambda: _copy_into(out, fn())), out
 
 

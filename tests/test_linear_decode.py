@@ -1,4 +1,5 @@
 """In-place Gated DeltaNet decode kernels against our torch reference (GPU, or Triton's CPU interpreter)."""
+
 import os
 
 import pytest
@@ -9,8 +10,10 @@ from pocketlab.layers import gated_delta as gd
 from pocketlab.layers import linear_decode as ld
 
 on_gpu = torch.cuda.is_available()
-pytestmark = pytest.mark.skipif(ld.triton is None or not (on_gpu or os.environ.get("TRITON_INTERPRET") == "1"),
-                                reason="needs Triton on a GPU (or TRITON_INTERPRET=1)")
+pytestmark = pytest.mark.skipif(
+    ld.triton is None or not (on_gpu or os.environ.get("TRITON_INTERPRET") == "1"),
+    reason="needs Triton on a GPU (or TRITON_INTERPRET=1)",
+)
 DEV = "cuda" if on_gpu else "cpu"
 
 
@@ -44,9 +47,14 @@ def test_recurrent_step_matches_the_reference_rule(hk, hv, dk, dv):
     g = -F.softplus(randn(B, hv, gen=gen))
     beta = randn(B, hv, gen=gen).sigmoid()
     group = hv // hk
-    o_ref, s_ref = gd.recurrent_gated_delta_rule(q[:, None].repeat_interleave(group, 2),
-                                                 k[:, None].repeat_interleave(group, 2), v[:, None], g[:, None],
-                                                 beta[:, None], state[slots])
+    o_ref, s_ref = gd.recurrent_gated_delta_rule(
+        q[:, None].repeat_interleave(group, 2),
+        k[:, None].repeat_interleave(group, 2),
+        v[:, None],
+        g[:, None],
+        beta[:, None],
+        state[slots],
+    )
     before = state.clone()
     o = ld.recurrent_step(q, k, v, g, beta, state, slots, gd.L2_EPS)
     assert (o - o_ref[:, 0]).abs().max() < 1e-5 and (state[slots] - s_ref).abs().max() < 1e-5
@@ -56,13 +64,18 @@ def test_recurrent_step_matches_the_reference_rule(hk, hv, dk, dv):
 
 def test_engine_decodes_the_same_either_way(make_engine):
     """Interleaved slots through batch_decode_step: in-place kernels vs the gather / rule / scatter path."""
-    from pocketlab import BatchedRequest
     from conftest import DTYPE, LOGIT_TOL, random_prompt
+
+    from pocketlab import BatchedRequest
+
     runs = {}
     for kind in ("triton", "torch"):
         engine = make_engine("tiny-qwen3_5", linear_decode=kind, max_slots=3)
-        assert all(getattr(m, "in_place", False) == (kind == "triton") for _, m, _, _ in engine.model.layers
-                   if hasattr(m, "conv_weight"))
+        assert all(
+            getattr(m, "in_place", False) == (kind == "triton")
+            for _, m, _, _ in engine.model.layers
+            if hasattr(m, "conv_weight")
+        )
         reqs = [BatchedRequest(i, random_prompt(n, seed=n), slot_id=i) for i, n in enumerate((5, 23, 40))]
         engine.batch_prefill(reqs)
         logits = []

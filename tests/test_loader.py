@@ -1,4 +1,5 @@
 """Checkpoints: single file and sharded load alike; broken ones fail naming the tensor."""
+
 import json
 import shutil
 
@@ -28,12 +29,15 @@ def test_sharded_equals_single_file(checkpoint, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("damage,message", [
-    ("drop", "missing 1 tensor"),
-    ("extra", "unexpected tensor"),
-    ("reshape", "has shape"),
-    ("int", "floating-point"),
-])
+@pytest.mark.parametrize(
+    "damage,message",
+    [
+        ("drop", "missing 1 tensor"),
+        ("extra", "unexpected tensor"),
+        ("reshape", "has shape"),
+        ("int", "floating-point"),
+    ],
+)
 def test_broken_checkpoint_names_the_tensor(broken, damage, message):
     path, tensors = broken
     name = "model.layers.1.self_attn.k_proj.weight"

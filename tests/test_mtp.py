@@ -4,19 +4,20 @@
 
 written here from the raw safetensors tensors, with h_t from HF transformers' own forward (float32, 1e-4).
 """
+
 import json
 
 import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from conftest import DEVICE, DTYPE, LOGIT_TOL, greedy_run, random_prompt
 from safetensors.torch import load_file
 
 from pocketlab import BatchedRequest, EngineOptions, QwenEngine
 from pocketlab.config import ModelConfig
 from pocketlab.layers.gated_delta import backend_name
 from pocketlab.speculative import MTPDrafter, choose
-from conftest import DEVICE, DTYPE, LOGIT_TOL, greedy_run, random_prompt
 
 PRESET = "tiny-qwen3_5-mtp"
 
@@ -25,7 +26,9 @@ PRESET = "tiny-qwen3_5-mtp"
 def raw_weights(path):
     w = {}
     for f in sorted(path.glob("*.safetensors")):
-        w |= {k.removeprefix("model.language_model.").removeprefix("model."): v.float() for k, v in load_file(f).items()}
+        w |= {
+            k.removeprefix("model.language_model.").removeprefix("model."): v.float() for k, v in load_file(f).items()
+        }
     return w
 
 
@@ -38,7 +41,7 @@ def rotate(x, pos, rot, theta):
     inv = 1.0 / theta ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot)
     ang = pos[:, None].double() * inv[None, :]
     cos, sin = ang.cos().float()[:, None, :], ang.sin().float()[:, None, :]
-    a, b, rest = x[..., :rot // 2], x[..., rot // 2:rot], x[..., rot:]
+    a, b, rest = x[..., : rot // 2], x[..., rot // 2 : rot], x[..., rot:]
     return torch.cat([a * cos - b * sin, b * cos + a * sin, rest], dim=-1)
 
 
@@ -49,8 +52,16 @@ def reference_mtp(w, c, hidden, tokens, positions):
     theta = c["rope_parameters"]["rope_theta"]
     T = len(tokens)
     e = w["embed_tokens.weight"][torch.tensor(tokens)]
-    x = torch.cat([norm1p(e, w["mtp.pre_fc_norm_embedding.weight"], eps),
-                   norm1p(hidden, w["mtp.pre_fc_norm_hidden.weight"], eps)], dim=-1) @ w["mtp.fc.weight"].T
+    x = (
+        torch.cat(
+            [
+                norm1p(e, w["mtp.pre_fc_norm_embedding.weight"], eps),
+                norm1p(hidden, w["mtp.pre_fc_norm_hidden.weight"], eps),
+            ],
+            dim=-1,
+        )
+        @ w["mtp.fc.weight"].T
+    )
     p = "mtp.layers.0."
     h = norm1p(x, w[p + "input_layernorm.weight"], eps)
     qg = (h @ w[p + "self_attn.q_proj.weight"].T).view(T, nq, 2 * hd)
@@ -60,12 +71,16 @@ def reference_mtp(w, c, hidden, tokens, positions):
     q = rotate(norm1p(q, w[p + "self_attn.q_norm.weight"], eps), positions, rot, theta)
     k = rotate(norm1p(k, w[p + "self_attn.k_norm.weight"], eps), positions, rot, theta)
     k, v = k.repeat_interleave(nq // nkv, dim=1), v.repeat_interleave(nq // nkv, dim=1)
-    scores = torch.einsum("thd,shd->hts", q, k) * hd ** -0.5
+    scores = torch.einsum("thd,shd->hts", q, k) * hd**-0.5
     scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
     att = torch.einsum("hts,shd->thd", scores.softmax(-1), v).reshape(T, nq * hd)
     x = x + (att * torch.sigmoid(gate)) @ w[p + "self_attn.o_proj.weight"].T
     h = norm1p(x, w[p + "post_attention_layernorm.weight"], eps)
-    x = x + (F.silu(h @ w[p + "mlp.gate_proj.weight"].T) * (h @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
+    x = (
+        x
+        + (F.silu(h @ w[p + "mlp.gate_proj.weight"].T) * (h @ w[p + "mlp.up_proj.weight"].T))
+        @ w[p + "mlp.down_proj.weight"].T
+    )
     out = norm1p(x, w["mtp.norm.weight"], eps)
     head = w.get("lm_head.weight", w["embed_tokens.weight"])
     return out @ head.T, out
@@ -74,8 +89,10 @@ def reference_mtp(w, c, hidden, tokens, positions):
 @pytest.fixture(scope="module")
 def ref(checkpoint):
     if backend_name("cuda") == "fla":  # seen on the H200 machine, transformers 5.17 + fla 0.6
-        pytest.skip("HF's Qwen3.5 hands CPU tensors to fla's Triton kernels when fla is installed; this float32 "
-                    "reference runs where fla is absent (CI)")
+        pytest.skip(
+            "HF's Qwen3.5 hands CPU tensors to fla's Triton kernels when fla is installed; this float32 "
+            "reference runs where fla is absent (CI)"
+        )
     path = checkpoint(PRESET)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     cfg = json.loads((path / "config.json").read_text())
@@ -87,6 +104,7 @@ def ref(checkpoint):
         h = hf.model(input_ids=ids).last_hidden_state[0]
         torch.testing.assert_close(hf.lm_head(h), hf(input_ids=ids).logits[0], atol=1e-5, rtol=0)
         return h
+
     return dict(path=path, w=raw_weights(path), cfg=cfg, hidden=hidden)
 
 
@@ -97,10 +115,15 @@ def test_checkpoint_declares_the_head_where_qwen3_5_does(ref):
     assert ref["cfg"]["mtp_num_hidden_layers"] == 1
     assert transformers.AutoConfig.from_pretrained(path).mtp_num_hidden_layers == 1
     assert ModelConfig.from_pretrained(path).mtp_num_hidden_layers == 1
-    nested = ModelConfig.from_dict({"model_type": "qwen3_5", "text_config": dict(ref["cfg"], model_type="qwen3_5_text")})
+    nested = ModelConfig.from_dict(
+        {"model_type": "qwen3_5", "text_config": dict(ref["cfg"], model_type="qwen3_5_text")}
+    )
     assert nested.mtp_num_hidden_layers == 1
-    assert {k for k in ref["w"] if k.startswith("mtp.")} >= {"mtp.fc.weight", "mtp.norm.weight",
-                                                             "mtp.layers.0.self_attn.q_proj.weight"}
+    assert {k for k in ref["w"] if k.startswith("mtp.")} >= {
+        "mtp.fc.weight",
+        "mtp.norm.weight",
+        "mtp.layers.0.self_attn.q_proj.weight",
+    }
 
 
 def test_head_built_only_when_speculating(make_engine, ref):
@@ -148,8 +171,9 @@ class HalfRight(MTPDrafter):
 
 
 def greedy_reference(path, prompts, steps):
-    eng = QwenEngine.from_pretrained(path, EngineOptions(max_slots=len(prompts), max_seq_len=128, prefill_chunk=8,
-                                                         device=DEVICE, dtype=DTYPE))
+    eng = QwenEngine.from_pretrained(
+        path, EngineOptions(max_slots=len(prompts), max_seq_len=128, prefill_chunk=8, device=DEVICE, dtype=DTYPE)
+    )
     return [list(p) + greedy_run(eng, p, steps, slot_id=s)[0] for s, p in enumerate(prompts)]
 
 
@@ -160,8 +184,10 @@ def test_draft_logits_match_reference(ref, k):
         pytest.skip("a float32 check")
     prompts = [random_prompt(11, seed=21), random_prompt(6, seed=22)]
     seqs = greedy_reference(ref["path"], prompts, 40)
-    eng = QwenEngine.from_pretrained(ref["path"], EngineOptions(max_slots=2, max_seq_len=128, prefill_chunk=8,
-                                                                speculative_tokens=k, device=DEVICE, dtype=DTYPE))
+    eng = QwenEngine.from_pretrained(
+        ref["path"],
+        EngineOptions(max_slots=2, max_seq_len=128, prefill_chunk=8, speculative_tokens=k, device=DEVICE, dtype=DTYPE),
+    )
     drafter = eng.speculator.use(HalfRight({0: seqs[0], 1: seqs[1]}))
     drafter.trace = []
     reqs = [BatchedRequest(i, p, slot_id=i) for i, p in enumerate(prompts)]
@@ -169,7 +195,7 @@ def test_draft_logits_match_reference(ref, k):
     while min(len(r.generated_tokens) for r in reqs) < 30:
         eng.batch_decode_step(reqs)
     for r, seq in zip(reqs, seqs):
-        assert r.generated_tokens == seq[len(r.prompt_tokens):][:len(r.generated_tokens)]
+        assert r.generated_tokens == seq[len(r.prompt_tokens) :][: len(r.generated_tokens)]
     assert 0 < eng.speculator.stats.accepted < eng.speculator.stats.drafted
 
     hiddens = {s: ref["hidden"](seq) for s, seq in enumerate(seqs)}
@@ -179,8 +205,8 @@ def test_draft_logits_match_reference(ref, k):
         for j, (slot, n) in enumerate(zip(entry["slots"], entry["positions"])):
             seq, H = seqs[slot], hiddens[slot]
             if entry["draft"] == 1:  # rows t = 0 .. n-1: (h_t, x_{t+1}), all real
-                rows_h, rows_x = list(H[:n]), seq[1:n + 1]
-            else:                    # one more recursive row: the head's previous output and the previous draft
+                rows_h, rows_x = list(H[:n]), seq[1 : n + 1]
+            else:  # one more recursive row: the head's previous output and the previous draft
                 rows_h, rows_x, prev_out, prev_tok = chains[(slot, n)]
                 rows_h, rows_x = rows_h + [prev_out], rows_x + [prev_tok]
             logits, out = reference_mtp(ref["w"], ref["cfg"], torch.stack(rows_h), rows_x, torch.arange(len(rows_x)))
@@ -188,8 +214,9 @@ def test_draft_logits_match_reference(ref, k):
             worst = max(worst, float((entry["logits"][j] - logits[-1]).abs().max()))
             checked += 1
             if checked <= 3:  # the other convention: rotate row t at t + 1 (RoPE is relative: same logits)
-                shifted, _ = reference_mtp(ref["w"], ref["cfg"], torch.stack(rows_h), rows_x,
-                                           torch.arange(len(rows_x)) + 1)
+                shifted, _ = reference_mtp(
+                    ref["w"], ref["cfg"], torch.stack(rows_h), rows_x, torch.arange(len(rows_x)) + 1
+                )
                 assert float((shifted[-1] - logits[-1]).abs().max()) <= 1e-4
     print(f"k={k}: {checked} draft logits, max |diff| vs reference = {worst:.2e}")
     assert checked >= 30

@@ -4,12 +4,13 @@ The reference is HF's own serving path: prefill the prompt, then decode token by
 (For Qwen3.5, HF's chunked and recurrent delta-rule paths differ from each other by ~1e-4 in float32;
 its incremental path is the one that decodes, and we match it to ~3e-5.)
 """
+
 import pytest
 import torch
 import transformers
+from conftest import DEVICE, DTYPE, LOGIT_TOL, greedy_run, random_prompt
 
 from pocketlab.layers.gated_delta import backend_name
-from conftest import DEVICE, DTYPE, LOGIT_TOL, greedy_run, random_prompt
 
 
 def hf_reference(path):
@@ -76,6 +77,7 @@ def test_dense_prefill_matches_hf_full_forward(make_engine, checkpoint):
 
 def test_tied_embeddings_parity(checkpoint):
     from pocketlab import EngineOptions, QwenEngine
+
     path = checkpoint("tiny-qwen3", tie_word_embeddings=True)
     engine = QwenEngine.from_pretrained(path, EngineOptions(device=DEVICE, dtype=DTYPE, max_seq_len=64))
     assert engine.model.lm_head is engine.model.embed

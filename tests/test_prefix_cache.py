@@ -1,14 +1,15 @@
 """Prefix cache: hits equal cold runs, counts are exact, stale prefixes never leak, memory stays in budget."""
+
 import random
 
 import pytest
 import torch
+from conftest import DTYPE, LOGIT_TOL, greedy_continue, greedy_run, random_prompt
 
 from pocketlab import BatchedRequest, verify
 from pocketlab import prefix_cache as pc
-from pocketlab.verify import prefix as vprefix
 from pocketlab.cache import TokenHistory
-from conftest import DTYPE, LOGIT_TOL, greedy_continue, greedy_run, random_prompt
+from pocketlab.verify import prefix as vprefix
 
 PRESETS = ["tiny-qwen3", "tiny-qwen3_5"]
 STRIDE, BLOCK, CHUNK = 8, 4, 16
@@ -33,6 +34,7 @@ def engines(make_engine):
         eng, cold = made[key]
         eng.reset()
         return eng, cold
+
     return get
 
 
@@ -71,14 +73,14 @@ def other(tok):
 # -- hits equal cold runs, counts exact ------------------------------------------------------------
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("where", ["same slot", "other slot"])
-@pytest.mark.parametrize("shared", [32, 37])    # on / off the snapshot stride
+@pytest.mark.parametrize("shared", [32, 37])  # on / off the snapshot stride
 def test_hit_equals_cold_run(preset, where, shared, engines):
     eng, cold = engines(preset)
     A = random_prompt(40, seed=1)
     background = random_prompt(12, seed=2)
     bg = [eng.prefill(background, slot_id=3).next_token]
     check(eng, cold, A, 0, 0, steps=2)
-    bg.append(eng.decode_step(bg[-1], slot_id=3).next_token)       # another slot runs in between
+    bg.append(eng.decode_step(bg[-1], slot_id=3).next_token)  # another slot runs in between
     prompt = A[:shared] + [other(A[shared])] + random_prompt(6, seed=3)
     slot = 0 if where == "same slot" else 1
     check(eng, cold, prompt, slot, nearest(eng, shared, range(STRIDE, 41, STRIDE)))
@@ -90,7 +92,7 @@ def test_hit_equals_cold_run(preset, where, shared, engines):
 def test_next_turn_reuses_the_whole_history(preset, engines):
     eng, cold = engines(preset)
     prompt = random_prompt(21, seed=4)
-    for turn in range(3):                             # history = prompt + decoded; the live end is exact
+    for turn in range(3):  # history = prompt + decoded; the live end is exact
         tokens = check(eng, cold, prompt, 2, eng.position(2) if turn else 0, steps=4)
         prompt = prompt + tokens + random_prompt(3, seed=5 + turn)
 
@@ -100,8 +102,8 @@ def test_at_least_one_token_is_computed(preset, engines):
     eng, cold = engines(preset)
     A = random_prompt(24, seed=6)
     check(eng, cold, A, 0, 0)
-    check(eng, cold, A, 1, nearest(eng, 23, [8, 16, 24]))      # the same prompt again, another slot
-    check(eng, cold, A[:1], 0, 0)                               # one token: nothing to reuse
+    check(eng, cold, A, 1, nearest(eng, 23, [8, 16, 24]))  # the same prompt again, another slot
+    check(eng, cold, A[:1], 0, 0)  # one token: nothing to reuse
 
 
 def test_cache_off_is_plain_prefill(make_engine):
@@ -143,8 +145,8 @@ def test_divergence_at_every_position_of_a_block(preset, engines):
     eng, cold = engines(preset)
     A = random_prompt(32, seed=11)
     eng.prefill(A, slot_id=0)
-    for d in range(STRIDE, 2 * STRIDE + 1):           # every position of one stride block (two hash blocks)
-        prompt = A[:d] + [other(A[d])] + A[d + 1:]
+    for d in range(STRIDE, 2 * STRIDE + 1):  # every position of one stride block (two hash blocks)
+        prompt = A[:d] + [other(A[d])] + A[d + 1 :]
         check(eng, cold, prompt, d % 2, nearest(eng, d, [8, 16, 24, 32]), steps=1)
 
 
@@ -153,9 +155,9 @@ def test_reset_forgets_everything(preset, engines):
     eng, cold = engines(preset)
     A = random_prompt(30, seed=12)
     check(eng, cold, A, 0, 0)
-    check(eng, cold, A + [3], 1, 30)                # slot 0 held A + decoded tokens: a real hit
+    check(eng, cold, A + [3], 1, 30)  # slot 0 held A + decoded tokens: a real hit
     eng.reset(slot_id=1)
-    check(eng, cold, A + [3], 1, 30)                # slot 0 still holds A
+    check(eng, cold, A + [3], 1, 30)  # slot 0 still holds A
     eng.reset()
     assert eng.prefix.describe()["used_bytes"] == 0 and not eng.prefix.contents()
     check(eng, cold, A + [3], 1, 0)
@@ -167,9 +169,9 @@ def test_released_and_overwritten_slots_reuse_only_what_they_hold(preset, engine
     A, B = random_prompt(30, seed=13), random_prompt(20, seed=14)
     tokens = check(eng, cold, A, 0, 0)
     history = A + tokens[:-1]
-    eng.release_slot(0)                                  # rows kept, end state checkpointed
+    eng.release_slot(0)  # rows kept, end state checkpointed
     check(eng, cold, history + [7], 1, len(history))
-    check(eng, cold, B, 0, 0)                            # the released slot is reused for another prompt
+    check(eng, cold, B, 0, 0)  # the released slot is reused for another prompt
     check(eng, cold, history[:25] + [other(history[25])], 2, nearest(eng, 25, [8, 16, 24, 30]))
     check(eng, cold, B + [9], 3, 20)
 
@@ -181,7 +183,7 @@ def test_restore_replaces_what_the_slot_offers(preset, engines):
     eng.prefill(B, slot_id=1)
     snap_b = eng.snapshot(1)
     eng.prefill(A, slot_id=0)
-    eng.restore(snap_b, slot_id=0)                       # slot 0 now holds B; A survives as a retained entry
+    eng.restore(snap_b, slot_id=0)  # slot 0 now holds B; A survives as a retained entry
     check(eng, cold, B + [4], 0, 26)
     check(eng, cold, A + [4], 2, 30)
 
@@ -194,7 +196,7 @@ def test_rollback_below_a_checkpoint_invalidates_it(preset, engines):
     A = random_prompt(40, seed=17)
     eng.prefill(A[:30], slot_id=0)
     snap = eng.snapshot(0)
-    eng.prefill(A, slot_id=0)                            # checkpoints at 32 and 40 (hybrid)
+    eng.prefill(A, slot_id=0)  # checkpoints at 32 and 40 (hybrid)
     cache = eng.cache
     for prefix, bank in (("conv", cache.conv), ("rec", cache.rec), ("x", getattr(cache, "extra", {}))):
         for i, t in bank.items():
@@ -203,13 +205,13 @@ def test_rollback_below_a_checkpoint_invalidates_it(preset, engines):
     tok = other(A[30])
     for _ in range(5):
         tok = eng.decode_step(tok, slot_id=0).next_token
-    history = cache.slots[0].tokens[:]                    # A[:30] + 5 new tokens: differs from A at 30
+    history = cache.slots[0].tokens[:]  # A[:30] + 5 new tokens: differs from A at 30
     assert history[:30] == A[:30] and history[30] != A[30]
     check(eng, cold, history[:33] + [other(history[33])], 1, nearest(eng, 33, [8, 16, 24, 30]))
 
 
 def test_hash_collisions_are_caught_by_token_comparison(engines, monkeypatch):
-    monkeypatch.setattr(pc, "block_hash", lambda prev, block: 42)   # every block chain collides
+    monkeypatch.setattr(pc, "block_hash", lambda prev, block: 42)  # every block chain collides
     eng, cold = engines("tiny-qwen3_5")
     A, B = random_prompt(33, seed=18), random_prompt(33, seed=19)
     check(eng, cold, A, 0, 0)
@@ -231,16 +233,16 @@ def test_lru_eviction_under_a_tiny_budget(preset, make_engine, engines):
     eng = make_engine(preset, **OPTS, prefix_cache_bytes=budget)
     live = random_prompt(17, seed=30)
     live_tokens = [eng.prefill(live, slot_id=3).next_token]
-    for p in prompts[:5]:                                # each overwrites slot 0, retaining the one before
+    for p in prompts[:5]:  # each overwrites slot 0, retaining the one before
         eng.prefill(p, slot_id=0)
         live_tokens.append(eng.decode_step(live_tokens[-1], slot_id=3).next_token)
         assert eng.prefix.used <= budget and sum(c["bytes"] for c in eng.prefix.contents()) == eng.prefix.used
     assert eng.prefix.stats["evicted"] > 0
-    assert eng.prefill(prompts[3] + [1], slot_id=1).reused_tokens == 24        # newest retained: kept
-    assert eng.prefill(prompts[0] + [1], slot_id=2).reused_tokens == 0         # oldest: evicted
-    assert live_tokens == cold_run(cold, live, 5)[0]                            # the live slot is untouched
+    assert eng.prefill(prompts[3] + [1], slot_id=1).reused_tokens == 24  # newest retained: kept
+    assert eng.prefill(prompts[0] + [1], slot_id=2).reused_tokens == 0  # oldest: evicted
+    assert live_tokens == cold_run(cold, live, 5)[0]  # the live slot is untouched
     history = eng.cache.slots[3].tokens[:]
-    check(eng, cold, history + [live_tokens[-1]], 3, len(history))             # and offers its whole history
+    check(eng, cold, history + [live_tokens[-1]], 3, len(history))  # and offers its whole history
 
 
 def test_zero_budget_still_reuses_live_slots(make_engine, engines):
@@ -248,7 +250,7 @@ def test_zero_budget_still_reuses_live_slots(make_engine, engines):
     eng = make_engine("tiny-qwen3_5", **OPTS, prefix_cache_bytes=0)
     A = random_prompt(20, seed=31)
     tokens = check(eng, cold, A, 0, 0)
-    check(eng, cold, A + tokens[:-1] + [5], 1, 20 + len(tokens) - 1)   # copied from slot 0's live state
+    check(eng, cold, A + tokens[:-1] + [5], 1, 20 + len(tokens) - 1)  # copied from slot 0's live state
     assert eng.prefix.used == 0 and not eng.prefix.contents()
 
 
@@ -280,8 +282,13 @@ def test_token_history_marks_the_lowest_change():
     t.extend([11, 12])
     t += [13]
     assert t.changed_from == 10 and len(t) == 14
-    for edit, low in [(lambda: t.__delitem__(slice(8, None)), 8), (lambda: t.__setitem__(6, 0), 6),
-                      (lambda: t.pop(), 7), (lambda: t.__setitem__(-4, 9), 3), (lambda: t.clear(), 0)]:
+    for edit, low in [
+        (lambda: t.__delitem__(slice(8, None)), 8),
+        (lambda: t.__setitem__(6, 0), 6),
+        (lambda: t.pop(), 7),
+        (lambda: t.__setitem__(-4, 9), 3),
+        (lambda: t.clear(), 0),
+    ]:
         t.changed_from = len(t)
         edit()
         assert t.changed_from == low, low
@@ -301,17 +308,23 @@ def test_verify_check_passes_and_fails_on_a_broken_cache(pairs, monkeypatch):
     assert report.passed, report.summary
     assert set(report.tables) == {"cases", "stale", "eviction", "workloads"}
     assert report.tables["cases"].reused.sum() > 0 and report.figures["evicted"] > 0
-    monkeypatch.setattr(pc.PrefixCache, "_copy_kv", lambda *args: None)   # hits across slots read garbage K/V
+    monkeypatch.setattr(pc.PrefixCache, "_copy_kv", lambda *args: None)  # hits across slots read garbage K/V
     broken = vprefix.prefix_cache(pairs["tiny-qwen3"], **small)
     assert not broken.passed
     assert not broken.tables["cases"].set_index("case").loc["other slot: shared prefix off the stride", "pass"]
 
 
 def test_ttft_table(pairs):
-    df = vprefix.ttft(pairs["tiny-qwen3"], device="cpu", dtype="float32", prompt_len=48, cached_len=40,
-                      repeats=1, warmup=0)
-    assert list(df["mode"]) == ["cold, cache off", "cold, cache on (miss)", "hit: same slot",
-                                "hit: other slot (copy)", "hit: released slot"]
+    df = vprefix.ttft(
+        pairs["tiny-qwen3"], device="cpu", dtype="float32", prompt_len=48, cached_len=40, repeats=1, warmup=0
+    )
+    assert list(df["mode"]) == [
+        "cold, cache off",
+        "cold, cache on (miss)",
+        "hit: same slot",
+        "hit: other slot (copy)",
+        "hit: released slot",
+    ]
     assert list(df.reused) == [0, 0, 40, 40, 40] and list(df.computed) == [48, 48, 8, 8, 8]
     assert (df.ttft_ms > 0).all() and df.speedup_vs_cold.iloc[0] == 1.0
 

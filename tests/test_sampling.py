@@ -1,4 +1,5 @@
 """The sampler: greedy limits, top-k/top-p sets, and draws that follow the filtered distribution."""
+
 import pytest
 import torch
 from scipy.stats import chisquare

@@ -1,9 +1,10 @@
 """Slot isolation and the batch API: any schedule gives each request exactly its solo result."""
+
 import pytest
 import torch
+from conftest import DTYPE, LOGIT_TOL, greedy_run, random_prompt
 
 from pocketlab import BatchedRequest, SamplingParams
-from conftest import DTYPE, LOGIT_TOL, greedy_run, random_prompt
 
 PRESETS = ["tiny-qwen3", "tiny-qwen2", "tiny-qwen3_5"]
 EXACT = DTYPE == "float32"

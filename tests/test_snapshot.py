@@ -1,9 +1,10 @@
 """Snapshots: continuing from a restored snapshot equals continuing the original, in any slot, via a file."""
+
 import pytest
 import torch
+from conftest import assert_same_state, engine_state, random_prompt
 
 from pocketlab import Snapshot
-from conftest import assert_same_state, engine_state, random_prompt
 
 
 def continue_greedy(engine, slot, token, steps):
@@ -47,6 +48,7 @@ def test_snapshot_from_another_model_is_refused(make_engine):
 
 def test_file_without_metadata_is_refused(tmp_path):
     from safetensors.torch import save_file
+
     save_file({"x": torch.zeros(1)}, str(tmp_path / "x.safetensors"))
     with pytest.raises(ValueError, match="not a pocketlab snapshot"):
         Snapshot.load(tmp_path / "x.safetensors")

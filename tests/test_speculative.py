@@ -1,14 +1,15 @@
 """Speculative decoding is exact: greedy output is token-identical to plain greedy decoding (MTP, oracle,
 adversarial and half-right drafters, k = 1, 2, 3, one slot and several batched and interleaved), rolled-back
 state equals plain decoding's, and sampled tokens follow plain sampling's law (chi-square, alpha = 1e-3)."""
+
 import pytest
 import torch
+from conftest import DEVICE, DTYPE, KERNELS, random_prompt
+from test_graphs import FailingGraphs, RerunGraphs
 
 from pocketlab import BatchedRequest, EngineOptions, QwenEngine, SamplingParams
 from pocketlab.speculative import AdversarialDrafter, Drafter, Drafts, OracleDrafter
 from pocketlab.verify import mtp as vmtp
-from conftest import DEVICE, DTYPE, KERNELS, random_prompt
-from test_graphs import FailingGraphs, RerunGraphs
 
 PRESET = "tiny-qwen3_5-mtp"
 PROMPTS = [random_prompt(5, seed=31), random_prompt(9, seed=32), random_prompt(14, seed=33)]
@@ -34,13 +35,16 @@ def reference(path):
 
 def drafter(name, refs):
     refs = dict(enumerate(refs))
-    return {"oracle": lambda: OracleDrafter(refs), "adversarial": lambda: AdversarialDrafter(refs),
-            "half": lambda: OracleDrafter(refs, accuracy=0.5, seed=3)}[name]()
+    return {
+        "oracle": lambda: OracleDrafter(refs),
+        "adversarial": lambda: AdversarialDrafter(refs),
+        "half": lambda: OracleDrafter(refs, accuracy=0.5, seed=3),
+    }[name]()
 
 
 def check_equal(reqs, reference):
     for r, ref in zip(reqs, reference):
-        assert r.generated_tokens[:NEW + 1] == ref[len(r.prompt_tokens):][:NEW + 1], f"slot {r.slot_id}"
+        assert r.generated_tokens[: NEW + 1] == ref[len(r.prompt_tokens) :][: NEW + 1], f"slot {r.slot_id}"
         assert len(r.generated_tokens) >= NEW + 1
 
 
@@ -77,9 +81,9 @@ def assert_states_equal_plain(path, eng, reqs, reference):
     check = engine(path, 0)
     for r in reqs:
         tokens = eng.cache.slots[r.slot_id].tokens
-        assert tokens == reference[r.slot_id][:len(tokens)]
+        assert tokens == reference[r.slot_id][: len(tokens)]
         check.prefill(r.prompt_tokens, slot_id=r.slot_id)
-        for t in tokens[len(r.prompt_tokens):]:
+        for t in tokens[len(r.prompt_tokens) :]:
             check.decode_step(t, slot_id=r.slot_id)
         got, want = eng.snapshot(r.slot_id).tensors, check.snapshot(r.slot_id).tensors
         for name, x in want.items():
@@ -88,6 +92,7 @@ def assert_states_equal_plain(path, eng, reqs, reference):
 
 class Ragged(Drafter):
     """Oracle drafts, one fewer for slot 1 at every other position: runs of different lengths in one step."""
+
     name = "ragged"
 
     def __init__(self, refs):
@@ -114,7 +119,7 @@ def test_graphed_verify_step_equals_plain(path, reference, name, k):
         eng.speculator.use(drafter(name, reference))
     reqs, _ = vmtp.interleaved(eng, PROMPTS, 24)
     for r, ref in zip(reqs, reference):
-        assert r.generated_tokens[:25] == ref[len(r.prompt_tokens):][:25], f"slot {r.slot_id}"
+        assert r.generated_tokens[:25] == ref[len(r.prompt_tokens) :][:25], f"slot {r.slot_id}"
     verify = [key for key in eng.graphs.graphs if key[0] == "verify"]
     assert verify and max(key[2] for key in verify) == k + 1  # the steps were replays over the longest run
     assert_states_equal_plain(path, eng, reqs, reference)
@@ -133,8 +138,9 @@ def test_graphed_mtp_drafts_equal_eager_drafts(path):
         traces.append(eng.speculator.drafter.trace)
     assert any(key[0] == "draft3" for key in eng.graphs.graphs)
     eager, graphed = traces
-    assert [(t["draft"], t["slots"], t["positions"], t["tokens"]) for t in graphed] == \
-        [(t["draft"], t["slots"], t["positions"], t["tokens"]) for t in eager]
+    assert [(t["draft"], t["slots"], t["positions"], t["tokens"]) for t in graphed] == [
+        (t["draft"], t["slots"], t["positions"], t["tokens"]) for t in eager
+    ]
     for g, e in zip(graphed, eager):
         torch.testing.assert_close(g["logits"], e["logits"], atol=1e-5, rtol=1e-5)
 
@@ -151,7 +157,7 @@ def test_single_slot_results_carry_every_token(path, reference):
         assert r.position == len(PROMPTS[1]) + len(out) + len(r.tokens) - 1
         assert r.logits.argmax().item() == r.next_token
         out.extend(r.tokens)
-    assert out[:NEW + 1] == reference[1][len(PROMPTS[1]):][:NEW + 1]
+    assert out[: NEW + 1] == reference[1][len(PROMPTS[1]) :][: NEW + 1]
 
 
 def test_batch_result_lists_and_requests(path, reference):
@@ -195,7 +201,7 @@ def test_drafts_shrink_at_max_seq_len(path, reference):
     while eng.position() < eng.options.max_seq_len:
         out.extend(eng.decode_step(out[-1]).tokens)
     assert eng.position() == eng.options.max_seq_len
-    assert out == reference[0][len(PROMPTS[0]):][:len(out)]
+    assert out == reference[0][len(PROMPTS[0]) :][: len(out)]
     with pytest.raises(ValueError, match="max_seq_len"):
         eng.decode_step(out[-1])
 
@@ -203,7 +209,8 @@ def test_drafts_shrink_at_max_seq_len(path, reference):
 def test_bad_drafts_are_refused(path):
     class Bad(Drafter):
         def draft(self, spec, rows):
-            return Drafts([[10 ** 6] * r.k for r in rows], [None] * len(rows))
+            return Drafts([[10**6] * r.k for r in rows], [None] * len(rows))
+
     eng = engine(path, 2)
     eng.prefill(PROMPTS[0])
     eng.speculator.use(Bad())
@@ -244,8 +251,7 @@ def test_sampling_distribution_matches_plain_sampling():
     assert table["pass"].all()
     for name in ("mtp", "oracle"):
         row = table[table.drafter == name].iloc[0]
-        assert 0 < row.accepted < row.drafted   # both acceptance and rejection were exercised
-
+        assert 0 < row.accepted < row.drafted  # both acceptance and rejection were exercised
 
 
 def test_a_failing_capture_falls_back_to_eager_steps(path, reference):
@@ -255,5 +261,5 @@ def test_a_failing_capture_falls_back_to_eager_steps(path, reference):
     with pytest.warns(RuntimeWarning, match="runs eagerly"):
         reqs, _ = vmtp.interleaved(eng, PROMPTS, 12)
     for r, ref in zip(reqs, reference):
-        assert r.generated_tokens[:13] == ref[len(r.prompt_tokens):][:13]
+        assert r.generated_tokens[:13] == ref[len(r.prompt_tokens) :][:13]
     assert eng.graphs.failed and not eng.graphs.graphs

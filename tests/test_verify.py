@@ -1,5 +1,6 @@
 """The verify checks: they return the promised tables, pass on the engine, and FAIL on broken engines
 (a check that cannot fail proves nothing)."""
+
 import dataclasses
 import json
 
@@ -8,8 +9,8 @@ import pytest
 import torch
 
 from pocketlab import BatchDecodeResult, ModelConfig, QwenEngine, verify
-from pocketlab.verify import reports
 from pocketlab.sampling import GREEDY
+from pocketlab.verify import reports
 from pocketlab.verify.common import RECORD_ENV, Run, compare_runs, step_metrics, tolerance
 from pocketlab.verify.isolation import SCHEDULES
 
@@ -42,7 +43,7 @@ def test_step_metrics_token_rules():
     exact = step_metrics(ref, ref, ref_token=3, token=5, tol=tolerance("float32"))
     assert exact["within_tol"] and not exact["token_equal"] and exact["decisive_mismatch"]
     near_tie = step_metrics(ref, ref, ref_token=3, token=5, tol=tolerance("bfloat16"))
-    assert not near_tie["decisive_mismatch"]          # a 0.01 margin is within bf16's allowed error
+    assert not near_tie["decisive_mismatch"]  # a 0.01 margin is within bf16's allowed error
     ref[5] = 1.0
     assert step_metrics(ref, ref, 3, 5, tolerance("bfloat16"))["decisive_mismatch"]
     assert not step_metrics(ref, ref + 1e-3, 3, 3, tolerance("float32"))["within_tol"]
@@ -63,8 +64,9 @@ def test_compare_runs_flags_a_wrong_token():
 def test_parity_table_and_pass(pair):
     r = verify.parity(pair, prompt_lens=[1, 4, 5], **SMALL)
     assert {"prompt_len", "step", "max_abs_diff", "token_equal", "explicit_slot_equal"} <= set(r.tables["steps"])
-    assert {"prompt_len", "max_abs_diff", "token_agreement", "first_divergence", "default_eq_explicit",
-            "pass"} <= set(r.summary)
+    assert {"prompt_len", "max_abs_diff", "token_agreement", "first_divergence", "default_eq_explicit", "pass"} <= set(
+        r.summary
+    )
     assert len(r.tables["steps"]) == 3 * 4 and r.passed, r.summary
     assert r.figures["max_abs_diff"] <= 1e-4
 
@@ -72,6 +74,7 @@ def test_parity_table_and_pass(pair):
 def test_parity_fails_on_a_perturbed_weight(pair):
     def nudge(w):
         w["model.layers.1.mlp.down_proj.weight"] += 1e-2
+
     r = verify.parity(with_engine(pair, perturb=nudge), prompt_lens=[1, 5], **SMALL)
     assert not r.passed and not r.summary["pass"].any()
     assert (r.summary.max_abs_diff > 1e-4).all()
@@ -84,6 +87,7 @@ def test_parity_low_precision_is_calibrated_by_hf_own_error(root):
 
     def nudge(w):
         w["model.layers.1.mlp.down_proj.weight"] += 0.1
+
     assert not verify.parity(with_engine(bf16, perturb=nudge), prompt_lens=[1, 5], **SMALL).passed
 
 
@@ -107,8 +111,9 @@ class ResetAllEngine(QwenEngine):
 
 def test_isolation_table_and_pass(pair):
     r = verify.isolation(pair, num_slots=[2, 3], **SMALL)
-    assert {"num_slots", "schedule", "sequence", "slot", "tokens_equal", "max_abs_diff", "bitwise",
-            "pass"} <= set(r.tables["sequences"])
+    assert {"num_slots", "schedule", "sequence", "slot", "tokens_equal", "max_abs_diff", "bitwise", "pass"} <= set(
+        r.tables["sequences"]
+    )
     assert len(r.summary) == 2 * len(SCHEDULES)
     assert r.passed, r.summary
 
@@ -132,8 +137,9 @@ class LoopEngine(QwenEngine):
         outs = [self.decode_step(r.last_token, slot_id=r.slot_id) for r in requests]
         for r, o in zip(requests, outs):
             r.generated_tokens.append(o.next_token)
-        return BatchDecodeResult([o.next_token for o in outs], torch.stack([o.logits for o in outs]),
-                                 [o.position for o in outs])
+        return BatchDecodeResult(
+            [o.next_token for o in outs], torch.stack([o.logits for o in outs]), [o.position for o in outs]
+        )
 
 
 class SloppyEngine(QwenEngine):
@@ -175,8 +181,9 @@ def test_record_writes_the_verdict_and_figures(pair, tmp_path, monkeypatch):
 
 
 def _notebook(path, body):
-    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
-                                                           "language": "python"}})
+    nb = nbformat.v4.new_notebook(
+        metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}}
+    )
     params = nbformat.v4.new_code_cell('model = "x"\ndevice = "cpu"\ndtype = "float32"\nseed = 0')
     params.metadata["tags"] = ["parameters"]
     nb.cells = [params, nbformat.v4.new_code_cell(body)]
@@ -212,6 +219,7 @@ def test_reports_models_flag_uses_the_default_list(tmp_path, monkeypatch):
     def fake(nb, model, params, out):
         seen.append((model, nb.stem, params["device"]))
         return reports.Outcome(model, nb.stem, True, 0.0)
+
     monkeypatch.setattr(reports, "run_notebook", fake)
     assert reports.main(["--models", "--notebooks", str(tmp_path), "--out", str(tmp_path / "o")]) == 0
     assert seen == [(m, "01_a", "cpu") for m in reports.DEFAULT_MODELS]

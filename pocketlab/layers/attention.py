@@ -1,21 +1,29 @@
 """Attention over the slot KV cache for prompts (the decode kernel covers one token per row): write the new
 K/V, then attend over each slot's live prefix."""
+
 import torch
 import torch.nn.functional as F
 
 from ..batch import ForwardBatch
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             batch: ForwardBatch, targets: tuple[torch.Tensor, torch.Tensor]) -> None:
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    batch: ForwardBatch,
+    targets: tuple[torch.Tensor, torch.Tensor],
+) -> None:
     """k, v: [B, T, kv_heads, head_dim] -> cache[slot, :, position]; padding goes to the scratch slot."""
     slots, positions = targets
     k_cache[slots, :, positions] = k
     v_cache[slots, :, positions] = v
 
 
-def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
-                     mask: torch.Tensor, scale: float) -> torch.Tensor:
+def cached_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
     """q: [B, T, H, hd] -> [B, T, H, hd], attending to cache[slot, :, :kv_len] under `mask` [B,1,T,kv_len].
 
     Grouped-query heads are folded into the query rows ([B, kv_heads, G*T, hd]) so K/V are never
@@ -24,8 +32,8 @@ def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     B, T, H, hd = q.shape
     kvh = k_cache.shape[1]
     G = H // kvh
-    k = k_cache[batch.slot_ids, :, :batch.kv_len]
-    v = v_cache[batch.slot_ids, :, :batch.kv_len]
+    k = k_cache[batch.slot_ids, :, : batch.kv_len]
+    v = v_cache[batch.slot_ids, :, : batch.kv_len]
     if batch.causal_only:  # a fresh single prompt: no mask tensor, so SDPA can pick its flash kernel
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True, scale=scale, enable_gqa=True)
         return out.transpose(1, 2)

@@ -7,6 +7,7 @@ per-head RMSNorm and rotary embedding itself, and the program whose split holds 
 the new K/V into the cache, so no separate norm, rotary or write kernel runs. Splits over the key axis keep
 the GPU busy at batch 1; a short epilogue merges the partial softmaxes.
 """
+
 import torch
 
 from .fused import cuda_compiled
@@ -18,9 +19,23 @@ except ImportError:  # CPU-only installs: the engine uses SDPA there
     triton = None
 
 if triton is not None:
+
     @triton.jit
-    def _norm_rope(ptrs, partner_ptrs, mask, w_ptr, cos, sin, d, partner, eps,
-                   D: tl.constexpr, ROT: tl.constexpr, HAS_NORM: tl.constexpr, OFFSET: tl.constexpr):
+    def _norm_rope(
+        ptrs,
+        partner_ptrs,
+        mask,
+        w_ptr,
+        cos,
+        sin,
+        d,
+        partner,
+        eps,
+        D: tl.constexpr,
+        ROT: tl.constexpr,
+        HAS_NORM: tl.constexpr,
+        OFFSET: tl.constexpr,
+    ):
         """Rows [R, D] of raw q or k -> per-row RMSNorm (w * x, or (1 + w) * x for Qwen3.5), then rotate-half
         RoPE on the first ROT dims; rounded to the input dtype where layers.norm and layers.rotary round."""
         dtype = ptrs.dtype.element_ty
@@ -41,13 +56,47 @@ if triton is not None:
         return tl.where((d < ROT)[None, :], rotated, x).to(dtype)
 
     @triton.jit
-    def _partial_attention(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, o_ptr, lse_ptr, scale,
-                           qw_ptr, kw_ptr, cos_ptr, sin_ptr, eps,
-                           stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_rb,
-                           stride_cs, stride_ch, stride_ct, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                           G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr,
-                           HAS_NORM: tl.constexpr, OFFSET: tl.constexpr,
-                           BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr, PRECISION: tl.constexpr):
+    def _partial_attention(
+        q_ptr,
+        kn_ptr,
+        vn_ptr,
+        k_ptr,
+        v_ptr,
+        slot_ptr,
+        len_ptr,
+        o_ptr,
+        lse_ptr,
+        scale,
+        qw_ptr,
+        kw_ptr,
+        cos_ptr,
+        sin_ptr,
+        eps,
+        stride_qb,
+        stride_qh,
+        stride_kb,
+        stride_kh,
+        stride_vb,
+        stride_vh,
+        stride_rb,
+        stride_cs,
+        stride_ch,
+        stride_ct,
+        stride_ob,
+        stride_oh,
+        stride_os,
+        stride_lb,
+        stride_lh,
+        G: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        D: tl.constexpr,
+        ROT: tl.constexpr,
+        HAS_NORM: tl.constexpr,
+        OFFSET: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        SPLIT_LEN: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
         b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         slot = tl.load(slot_ptr + b).to(tl.int64)
         length = tl.load(len_ptr + b)
@@ -59,11 +108,37 @@ if triton is not None:
         sin = tl.load(sin_ptr + b * stride_rb + d, mask=d < ROT, other=0.0).to(tl.float32)
         heads = kvh * G + g
         q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
-        q = _norm_rope(q_rows + d[None, :], q_rows + partner[None, :], g[:, None] < G, qw_ptr, cos, sin, d,
-                       partner, eps, D, ROT, HAS_NORM, OFFSET)
+        q = _norm_rope(
+            q_rows + d[None, :],
+            q_rows + partner[None, :],
+            g[:, None] < G,
+            qw_ptr,
+            cos,
+            sin,
+            d,
+            partner,
+            eps,
+            D,
+            ROT,
+            HAS_NORM,
+            OFFSET,
+        )
         k_row = kn_ptr + b * stride_kb + kvh * stride_kh + tl.zeros([1], tl.int32)[:, None]
-        k_new = _norm_rope(k_row + d[None, :], k_row + partner[None, :], d[None, :] < D, kw_ptr, cos, sin, d,
-                           partner, eps, D, ROT, HAS_NORM, OFFSET)  # [1, D]
+        k_new = _norm_rope(
+            k_row + d[None, :],
+            k_row + partner[None, :],
+            d[None, :] < D,
+            kw_ptr,
+            cos,
+            sin,
+            d,
+            partner,
+            eps,
+            D,
+            ROT,
+            HAS_NORM,
+            OFFSET,
+        )  # [1, D]
         v_new = tl.load(vn_ptr + b * stride_vb + kvh * stride_vh + d)[None, :]
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_G], tl.float32)
@@ -102,9 +177,19 @@ def available(device) -> bool:
     return triton is not None and torch.device(device).type == "cuda"
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, slot_ids: torch.Tensor, lengths: torch.Tensor, max_len: int,
-                     scale: float, rope: tuple[torch.Tensor, torch.Tensor], norms=None) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_ids: torch.Tensor,
+    lengths: torch.Tensor,
+    max_len: int,
+    scale: float,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    norms=None,
+) -> torch.Tensor:
     """Raw q [B, H, D] and new k/v [B, kv_heads, D] -> [B, H, D]. q and k get the per-head RMSNorm of `norms`
     ((q_weight, k_weight, eps, offset), or None: Qwen2) and RoPE from `rope` (cos, sin rows [B, rotary_dim]);
     k/v are stored at cache[slot, :, length - 1]; then attention over cache[slot_ids[b], :, :lengths[b]].
@@ -123,13 +208,47 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     cos, sin = rope
     q_w, k_w, eps, offset = norms if norms is not None else (cos, cos, 0.0, False)  # weights unused without norms
     _partial_attention[(B, kvh, splits)](
-        q, k, v, k_cache, v_cache, slot_ids, lengths, o, lse, scale, q_w, k_w, cos, sin, eps,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), o.stride(0), o.stride(1), o.stride(2),
-        lse.stride(0), lse.stride(1),
-        G=G, BLOCK_G=max(triton.next_power_of_2(G), 16), D=D, ROT=cos.shape[-1], HAS_NORM=norms is not None,
-        OFFSET=bool(offset), BLOCK_N=block_n, SPLIT_LEN=split_len,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_stages=2)
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_ids,
+        lengths,
+        o,
+        lse,
+        scale,
+        q_w,
+        k_w,
+        cos,
+        sin,
+        eps,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        cos.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        o.stride(0),
+        o.stride(1),
+        o.stride(2),
+        lse.stride(0),
+        lse.stride(1),
+        G=G,
+        BLOCK_G=max(triton.next_power_of_2(G), 16),
+        D=D,
+        ROT=cos.shape[-1],
+        HAS_NORM=norms is not None,
+        OFFSET=bool(offset),
+        BLOCK_N=block_n,
+        SPLIT_LEN=split_len,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_stages=2,
+    )
     return merge_splits(o, lse, q)
 
 

@@ -7,6 +7,7 @@ it replaces (the first H200 run saw ~50 ms per eager prefill forward), so everyt
 runs eagerly. Each call site (dtype, strides, batch of one or more) is its own compiled variant: the
 recompile limit is raised for that, and past it dynamo runs the function eagerly instead of failing.
 """
+
 import contextlib
 import functools
 
@@ -35,4 +36,5 @@ def cuda_compiled(fn):
     @functools.wraps(fn)
     def run(x, *args, **kwargs):
         return (compiled if _state["on"] and x.is_cuda else fn)(x, *args, **kwargs)
+
     return run

@@ -1,4 +1,5 @@
 """RMSNorm in the two flavours Qwen uses: `w * x` (Qwen2/3) and `(1 + w) * x` (Qwen3.5)."""
+
 import torch
 
 from .fused import cuda_compiled

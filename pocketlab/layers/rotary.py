@@ -1,4 +1,5 @@
 """Rotary position embedding (HF's rotate-half convention), optionally on the first dims only."""
+
 import torch
 
 from .fused import cuda_compiled
@@ -7,8 +8,9 @@ from .norm import _rms_norm
 
 class Rotary:
     def __init__(self, rotary_dim: int, theta: float, max_positions: int, device, dtype):
-        inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=device).float()
-                                    / rotary_dim))
+        inv_freq = 1.0 / (
+            theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=device).float() / rotary_dim)
+        )
         freqs = torch.outer(torch.arange(max_positions, device=device).float(), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
@@ -27,8 +29,9 @@ def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
 
 
 @cuda_compiled
-def norm_and_rotate(q: torch.Tensor, k: torch.Tensor, q_norm, k_norm, cos: torch.Tensor, sin: torch.Tensor,
-                    eps: float, offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def norm_and_rotate(
+    q: torch.Tensor, k: torch.Tensor, q_norm, k_norm, cos: torch.Tensor, sin: torch.Tensor, eps: float, offset: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-head q/k RMSNorm (Qwen3, Qwen3.5; None for Qwen2) then RoPE, as one kernel on CUDA."""
     if q_norm is not None:
         q, k = _rms_norm(q, q_norm, eps, offset), _rms_norm(k, k_norm, eps, offset)

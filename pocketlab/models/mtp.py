@@ -20,6 +20,7 @@ head's own output o_{n-1} (in place of the main model's h_n, not known yet) with
 recursive rows are provisional: after verification the accepted rows are recomputed from the main
 model's real hidden states (see pocketlab.speculative.MTPDrafter).
 """
+
 from __future__ import annotations
 
 import torch
@@ -37,8 +38,10 @@ KV_KEY = "mtp"
 class MTPHead:
     def __init__(self, cfg: ModelConfig, w: dict, main):
         if cfg.mtp_num_hidden_layers != 1:
-            raise ValueError(f"mtp_num_hidden_layers={cfg.mtp_num_hidden_layers}: pocketlab drafts with one MTP "
-                             "layer (Qwen3.5 checkpoints carry exactly one)")
+            raise ValueError(
+                f"mtp_num_hidden_layers={cfg.mtp_num_hidden_layers}: pocketlab drafts with one MTP "
+                "layer (Qwen3.5 checkpoints carry exactly one)"
+            )
         if cfg.mtp_use_dedicated_embeddings:
             raise ValueError("mtp_use_dedicated_embeddings=true: pocketlab's MTP head shares the main embedding")
         self.cfg, self.main = cfg, main

@@ -1,4 +1,5 @@
 """Qwen2 / Qwen3 decoder: pre-norm attention + SwiGLU MLP blocks over the slot cache."""
+
 from __future__ import annotations
 
 import torch
@@ -8,7 +9,8 @@ from ..batch import ForwardBatch
 from ..cache import SlotCache
 from ..config import ModelConfig
 from ..layers.attention import cached_attention, write_kv
-from ..layers.decode_attention import available as decode_attention_available, decode_attention
+from ..layers.decode_attention import available as decode_attention_available
+from ..layers.decode_attention import decode_attention
 from ..layers.fused import cuda_compiled
 from ..layers.norm import add_rms_norm, rms_norm
 from ..layers.rotary import Rotary, norm_and_rotate
@@ -47,7 +49,8 @@ class Attention:
     def __call__(self, x, batch: ForwardBatch, cache: SlotCache, ctx: dict):
         B, T, _ = x.shape
         q, k, v = F.linear(x, self.qkv, self.qkv_bias).split(
-            [self.q_size, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
+            [self.q_size, self.nkv * self.hd, self.nkv * self.hd], dim=-1
+        )
         if self.gated:  # per head: [q_h | gate_h]
             q, gate = q.view(B, T, self.nq, 2 * self.hd).chunk(2, dim=-1)
             gate = gate.reshape(B, T, self.nq * self.hd)
@@ -56,12 +59,23 @@ class Attention:
         if ctx["mask"] is None:  # one token per row on CUDA: one kernel norms, rotates, stores K/V and attends
             norms = (self.q_norm, self.k_norm, eps, self.gated) if self.q_norm is not None else None
             rope = tuple(t[:, 0, 0] for t in ctx["rope"])
-            out = decode_attention(q[:, 0], k[:, 0], v[:, 0], k_cache, v_cache, batch.slot_ids, ctx["lengths"],
-                                   batch.kv_len, self.hd ** -0.5, rope, norms)[:, None]
+            out = decode_attention(
+                q[:, 0],
+                k[:, 0],
+                v[:, 0],
+                k_cache,
+                v_cache,
+                batch.slot_ids,
+                ctx["lengths"],
+                batch.kv_len,
+                self.hd**-0.5,
+                rope,
+                norms,
+            )[:, None]
         else:
             q, k = norm_and_rotate(q, k, self.q_norm, self.k_norm, *ctx["rope"], eps, self.gated)
             write_kv(k_cache, v_cache, k, v, batch, ctx["targets"])
-            out = cached_attention(q, k_cache, v_cache, batch, ctx["mask"], self.hd ** -0.5)
+            out = cached_attention(q, k_cache, v_cache, batch, ctx["mask"], self.hd**-0.5)
         out = out.reshape(B, T, self.nq * self.hd)
         if self.gated:
             out = out * torch.sigmoid(gate)
@@ -70,6 +84,7 @@ class Attention:
 
 class DecoderModel:
     """Shared skeleton: embed -> blocks -> final norm. Subclasses choose each layer's mixer."""
+
     norm_offset = False
 
     def __init__(self, cfg: ModelConfig, w: dict, opts):
@@ -78,13 +93,20 @@ class DecoderModel:
         self.lm_head = self.embed if cfg.tie_word_embeddings else w.pop("lm_head.weight")
         self.final_norm = w.pop("model.norm.weight")
         self.decode_kernel = opts.decode_attention == "triton" or (
-            opts.decode_attention == "auto" and decode_attention_available(opts.device))
+            opts.decode_attention == "auto" and decode_attention_available(opts.device)
+        )
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta, opts.max_seq_len, opts.device, opts.torch_dtype)
         self.layers = []
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
-            self.layers.append((w.pop(p + "input_layernorm.weight"), self.make_mixer(w, p, i),
-                                w.pop(p + "post_attention_layernorm.weight"), MLP(w, p + "mlp.")))
+            self.layers.append(
+                (
+                    w.pop(p + "input_layernorm.weight"),
+                    self.make_mixer(w, p, i),
+                    w.pop(p + "post_attention_layernorm.weight"),
+                    MLP(w, p + "mlp."),
+                )
+            )
 
     def make_mixer(self, w: dict, p: str, i: int):
         return Attention(self.cfg, w, p + "self_attn.", i)
@@ -94,8 +116,11 @@ class DecoderModel:
         positions = batch.positions
         if batch.tokens.shape[1] == 1 and self.decode_kernel:  # the decode kernel writes K/V itself
             return {"rope": self.rotary.table(positions), "mask": None, "lengths": batch.start + 1}
-        return {"rope": self.rotary.table(positions), "targets": batch.write_targets(positions),
-                "mask": batch.attention_mask(positions)}
+        return {
+            "rope": self.rotary.table(positions),
+            "targets": batch.write_targets(positions),
+            "mask": batch.attention_mask(positions),
+        }
 
     def forward(self, batch: ForwardBatch, cache: SlotCache) -> torch.Tensor:
         """Final-normed hidden states [B, T, hidden] for every token of the batch."""

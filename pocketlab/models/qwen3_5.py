@@ -1,4 +1,5 @@
 """Qwen3.5 hybrid decoder: Gated DeltaNet (linear attention) layers with every 4th a gated full attention."""
+
 from __future__ import annotations
 
 import torch
@@ -7,8 +8,8 @@ import torch.nn.functional as F
 from ..batch import ForwardBatch
 from ..cache import SlotCache
 from ..config import ModelConfig
-from ..layers.fused import cuda_compiled
 from ..layers.decode_attention import available as triton_available
+from ..layers.fused import cuda_compiled
 from ..layers.gated_delta import L2_EPS, causal_conv1d, conv_inputs, gated_delta_rule
 from ..layers.linear_decode import conv_step, recurrent_step
 from ..layers.norm import gated_rms_norm
@@ -58,8 +59,9 @@ class GatedDeltaNet:
         g, beta = decay_and_beta(a, b, self.neg_A, self.dt_bias)
         rule = ctx.get("delta_rule", gated_delta_rule)  # speculative verify may keep per-position states
         if batch.checkpoints:
-            o, rec[batch.slot_ids] = self._with_checkpoints(rule, (q, k, v, g, beta), rec0, lengths, batch,
-                                                            conv_inputs(conv0, qkv_in), conv.dtype)
+            o, rec[batch.slot_ids] = self._with_checkpoints(
+                rule, (q, k, v, g, beta), rec0, lengths, batch, conv_inputs(conv0, qkv_in), conv.dtype
+            )
         else:
             o, rec[batch.slot_ids] = rule(q, k, v, g, beta, rec0, lengths)
         if "gdn_log" in ctx:  # speculative verify: what rolling back to an accepted prefix needs
@@ -72,11 +74,20 @@ class GatedDeltaNet:
         q, k, v = y.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
         g, beta = decay_and_beta(a[:, 0], b[:, 0], self.neg_A, self.dt_bias)
         B = y.shape[0]
-        return recurrent_step(q.view(B, self.hk, self.dk), k.view(B, self.hk, self.dk), v.view(B, self.hv, self.dv),
-                              g, beta, rec, slot_ids, L2_EPS)
+        return recurrent_step(
+            q.view(B, self.hk, self.dk),
+            k.view(B, self.hk, self.dk),
+            v.view(B, self.hv, self.dv),
+            g,
+            beta,
+            rec,
+            slot_ids,
+            L2_EPS,
+        )
 
-    def _with_checkpoints(self, rule, inputs, state, lengths, batch: ForwardBatch, full: torch.Tensor,
-                          conv_dtype: torch.dtype):
+    def _with_checkpoints(
+        self, rule, inputs, state, lengths, batch: ForwardBatch, full: torch.Tensor, conv_dtype: torch.dtype
+    ):
         """The delta rule in segments ending at each requested offset, handing back the state there (prefix-cache
         checkpoints without cutting the forward). full: gated_delta.conv_inputs of this forward."""
         offsets = sorted({t for _, t in batch.checkpoints})
@@ -88,7 +99,7 @@ class GatedDeltaNet:
             states[hi] = state
         window = full.shape[-1] - inputs[0].shape[1]
         for (row, t), dst in batch.checkpoints.items():
-            dst[("conv", self.layer)] = full[row, :, t:t + window].to(conv_dtype, copy=True)
+            dst[("conv", self.layer)] = full[row, :, t : t + window].to(conv_dtype, copy=True)
             dst[("rec", self.layer)] = states[t][row].clone()
         return torch.cat(outs, dim=1), state
 
@@ -105,12 +116,14 @@ class HybridModel(DecoderModel):
 
     def __init__(self, cfg: ModelConfig, w: dict, opts):
         pow2 = all(n & (n - 1) == 0 for n in (cfg.linear_key_head_dim, cfg.linear_value_head_dim))
-        self.in_place = pow2 and (opts.linear_decode == "triton" or (
-            opts.linear_decode == "auto" and triton_available(opts.device)))
+        self.in_place = pow2 and (
+            opts.linear_decode == "triton" or (opts.linear_decode == "auto" and triton_available(opts.device))
+        )
         super().__init__(cfg, w, opts)
         self.mtp = None  # the MTP draft head, built only when speculative decoding is on
         if cfg.mtp_num_hidden_layers and opts.speculative_tokens:
             from .mtp import MTPHead
+
             self.mtp = MTPHead(cfg, w, self)
         for name in [n for n in w if n.startswith("mtp.")]:
             w.pop(name)

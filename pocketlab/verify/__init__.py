@@ -1,10 +1,11 @@
 """Verification: checks that return DataFrames and a verdict; the notebooks only display and assert.
 
-    from pocketlab import verify
-    r = verify.parity(model="tiny-qwen3")      # or isolation(...), batch_api(...)
-    r.summary; r.tables; r.figures; assert r.passed
-    verify.record(r)                           # key figures for `make reports` (no-op elsewhere)
+from pocketlab import verify
+r = verify.parity(model="tiny-qwen3")      # or isolation(...), batch_api(...)
+r.summary; r.tables; r.figures; assert r.passed
+verify.record(r)                           # key figures for `make reports` (no-op elsewhere)
 """
+
 from .batch_api import batch_api
 from .common import Pair, Report, Tolerance, load_pair, record, tolerance
 from .isolation import isolation

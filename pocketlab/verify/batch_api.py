@@ -1,6 +1,7 @@
 """Batch API: ragged batch_prefill + batch_decode_step must equal solo runs, run ONE forward per call,
 keep BatchedRequest bookkeeping right, and reject every misuse before touching any slot's state.
 """
+
 from __future__ import annotations
 
 import math
@@ -9,8 +10,18 @@ import pandas as pd
 import torch
 
 from ..engine import BatchedRequest
-from .common import (Report, Run, as_pair, compare_runs, random_prompts, seq_len_for, single_thread_on_cpu,
-                     solo_run, step_metrics, tolerance)
+from .common import (
+    Report,
+    Run,
+    as_pair,
+    compare_runs,
+    random_prompts,
+    seq_len_for,
+    single_thread_on_cpu,
+    solo_run,
+    step_metrics,
+    tolerance,
+)
 
 
 def default_prompt_lens(num_slots: int, prefill_chunk: int) -> list[int]:
@@ -21,8 +32,16 @@ def default_prompt_lens(num_slots: int, prefill_chunk: int) -> list[int]:
 
 
 @single_thread_on_cpu
-def batch_api(model="tiny-qwen3", device: str = "cpu", dtype: str = "float32", seed: int = 0,
-              num_slots: int = 3, prompt_lens=None, decode_steps: int = 6, prefill_chunk: int = 8) -> Report:
+def batch_api(
+    model="tiny-qwen3",
+    device: str = "cpu",
+    dtype: str = "float32",
+    seed: int = 0,
+    num_slots: int = 3,
+    prompt_lens=None,
+    decode_steps: int = 6,
+    prefill_chunk: int = 8,
+) -> Report:
     """Tables: `requests` (batch vs solo), `forwards`, `bookkeeping`, `errors`; summary per section."""
     pair = as_pair(model, device, dtype, seed)
     dtype = pair.dtype
@@ -30,8 +49,9 @@ def batch_api(model="tiny-qwen3", device: str = "cpu", dtype: str = "float32", s
     lens = list(prompt_lens or default_prompt_lens(num_slots, prefill_chunk))
     prompts = random_prompts(pair.vocab_size, lens, seed)
     # one spare slot beyond those allocated, so "a slot outside the allocation" exists physically
-    eng = pair.engine(max_slots=max(num_slots, 3) + 1, max_seq_len=seq_len_for(lens, decode_steps + 1),
-                      prefill_chunk=prefill_chunk)
+    eng = pair.engine(
+        max_slots=max(num_slots, 3) + 1, max_seq_len=seq_len_for(lens, decode_steps + 1), prefill_chunk=prefill_chunk
+    )
     solo = []
     for p in prompts:
         eng.reset()
@@ -47,24 +67,50 @@ def batch_api(model="tiny-qwen3", device: str = "cpu", dtype: str = "float32", s
     book += _reuse_after_release(eng, requests, logits, solo, tol)
     errors = error_cases(eng, prompts[-1], solo[-1], tol)
     book_df, fwd_df = pd.DataFrame(book, columns=["check", "expected", "actual", "pass"]), pd.DataFrame(forwards)
-    summary = pd.DataFrame([
-        dict(check="batch == solo (tokens, logits)", cases=len(table), failures=int((~table["pass"]).sum()),
-             detail=f"max|diff| {table.max_abs_diff.max():.3g}; {tol.describe()}",
-             **{"pass": bool(table["pass"].all())}),
-        dict(check="one forward per batch call", cases=len(fwd_df), failures=int((~fwd_df["pass"]).sum()),
-             detail=f"forwards per call: {sorted(set(fwd_df.actual))}", **{"pass": bool(fwd_df["pass"].all())}),
-        dict(check="BatchedRequest / slot bookkeeping", cases=len(book_df), failures=int((~book_df["pass"]).sum()),
-             detail="", **{"pass": bool(book_df["pass"].all())}),
-        dict(check="errors raised, state unchanged", cases=len(errors), failures=int((~errors["pass"]).sum()),
-             detail=f"{int(errors.state_unchanged.sum())}/{len(errors)} left every slot untouched",
-             **{"pass": bool(errors["pass"].all())}),
-    ])
-    figures = dict(model=pair.name, dtype=dtype, requests=len(table),
-                   max_abs_diff_vs_solo=float(table.max_abs_diff.max()),
-                   forwards_per_call=",".join(map(str, sorted(set(fwd_df.actual)))),
-                   error_cases=len(errors), error_cases_ok=int(errors["pass"].sum()))
-    return Report("batch_api", summary, {"requests": table, "forwards": fwd_df, "bookkeeping": book_df,
-                                         "errors": errors}, figures)
+    summary = pd.DataFrame(
+        [
+            dict(
+                check="batch == solo (tokens, logits)",
+                cases=len(table),
+                failures=int((~table["pass"]).sum()),
+                detail=f"max|diff| {table.max_abs_diff.max():.3g}; {tol.describe()}",
+                **{"pass": bool(table["pass"].all())},
+            ),
+            dict(
+                check="one forward per batch call",
+                cases=len(fwd_df),
+                failures=int((~fwd_df["pass"]).sum()),
+                detail=f"forwards per call: {sorted(set(fwd_df.actual))}",
+                **{"pass": bool(fwd_df["pass"].all())},
+            ),
+            dict(
+                check="BatchedRequest / slot bookkeeping",
+                cases=len(book_df),
+                failures=int((~book_df["pass"]).sum()),
+                detail="",
+                **{"pass": bool(book_df["pass"].all())},
+            ),
+            dict(
+                check="errors raised, state unchanged",
+                cases=len(errors),
+                failures=int((~errors["pass"]).sum()),
+                detail=f"{int(errors.state_unchanged.sum())}/{len(errors)} left every slot untouched",
+                **{"pass": bool(errors["pass"].all())},
+            ),
+        ]
+    )
+    figures = dict(
+        model=pair.name,
+        dtype=dtype,
+        requests=len(table),
+        max_abs_diff_vs_solo=float(table.max_abs_diff.max()),
+        forwards_per_call=",".join(map(str, sorted(set(fwd_df.actual)))),
+        error_cases=len(errors),
+        error_cases_ok=int(errors["pass"].sum()),
+    )
+    return Report(
+        "batch_api", summary, {"requests": table, "forwards": fwd_df, "bookkeeping": book_df, "errors": errors}, figures
+    )
 
 
 def _clear(eng) -> None:
@@ -84,30 +130,71 @@ def _batched(eng, prompts, steps, chunk):
     def call(name, fn, expected):
         before = eng.forward_count
         out = fn(requests)
-        forwards.append(dict(call=name, expected=expected, actual=eng.forward_count - before,
-                             **{"pass": eng.forward_count - before == expected}))
+        forwards.append(
+            dict(
+                call=name,
+                expected=expected,
+                actual=eng.forward_count - before,
+                **{"pass": eng.forward_count - before == expected},
+            )
+        )
         return out
 
     res = call("batch_prefill", eng.batch_prefill, math.ceil(max(map(len, prompts)) / chunk))
     logits = [[fr.logits.detach().float().cpu().clone()] for fr in res.results]
-    book.append(("batch_prefill allocates distinct slots 0..n-1", list(range(n)),
-                 sorted(r.slot_id for r in requests), sorted(r.slot_id for r in requests) == list(range(n))))
-    book.append(("prefill positions == prompt lengths", [len(p) for p in prompts], [fr.position for fr in res.results],
-                 [fr.position for fr in res.results] == [len(p) for p in prompts]))
-    book.append(("next_tokens == generated_tokens after prefill", res.next_tokens,
-                 [list(r.generated_tokens) for r in requests], all(r.generated_tokens == [t] for r, t in
-                                                               zip(requests, res.next_tokens))))
+    book.append(
+        (
+            "batch_prefill allocates distinct slots 0..n-1",
+            list(range(n)),
+            sorted(r.slot_id for r in requests),
+            sorted(r.slot_id for r in requests) == list(range(n)),
+        )
+    )
+    book.append(
+        (
+            "prefill positions == prompt lengths",
+            [len(p) for p in prompts],
+            [fr.position for fr in res.results],
+            [fr.position for fr in res.results] == [len(p) for p in prompts],
+        )
+    )
+    book.append(
+        (
+            "next_tokens == generated_tokens after prefill",
+            res.next_tokens,
+            [list(r.generated_tokens) for r in requests],
+            all(r.generated_tokens == [t] for r, t in zip(requests, res.next_tokens)),
+        )
+    )
     for k in range(steps):
         out = call(f"batch_decode_step {k + 1}", eng.batch_decode_step, 1)
         for i in range(n):
             logits[i].append(out.logits[i].detach().float().cpu().clone())
     want = [len(p) + steps for p in prompts]
-    book.append(("engine.position(slot) == prompt + decoded", want, [eng.position(r.slot_id) for r in requests],
-                 [eng.position(r.slot_id) for r in requests] == want))
-    book.append(("generated_tokens has 1 + steps tokens", [steps + 1] * n, [len(r.generated_tokens) for r in requests],
-                 all(len(r.generated_tokens) == steps + 1 for r in requests)))
-    book.append(("last_token == generated_tokens[-1]", [r.generated_tokens[-1] for r in requests],
-                 [r.last_token for r in requests], all(r.last_token == r.generated_tokens[-1] for r in requests)))
+    book.append(
+        (
+            "engine.position(slot) == prompt + decoded",
+            want,
+            [eng.position(r.slot_id) for r in requests],
+            [eng.position(r.slot_id) for r in requests] == want,
+        )
+    )
+    book.append(
+        (
+            "generated_tokens has 1 + steps tokens",
+            [steps + 1] * n,
+            [len(r.generated_tokens) for r in requests],
+            all(len(r.generated_tokens) == steps + 1 for r in requests),
+        )
+    )
+    book.append(
+        (
+            "last_token == generated_tokens[-1]",
+            [r.generated_tokens[-1] for r in requests],
+            [r.last_token for r in requests],
+            all(r.last_token == r.generated_tokens[-1] for r in requests),
+        )
+    )
     return requests, logits, forwards, book
 
 
@@ -147,10 +234,13 @@ def _state(eng, requests) -> dict:
     slots = {}
     for s in range(eng.num_slots):
         snap = eng.snapshot(s)
-        slots[s] = (list(snap.tokens), {k: v.clone() for k, v in snap.tensors.items()},
-                    eng.cache.slots[s].owner)
-    return dict(num_slots=eng.num_slots, slots=slots, forward_count=eng.forward_count,
-                requests=[(r.slot_id, list(r.generated_tokens)) for r in requests])
+        slots[s] = (list(snap.tokens), {k: v.clone() for k, v in snap.tensors.items()}, eng.cache.slots[s].owner)
+    return dict(
+        num_slots=eng.num_slots,
+        slots=slots,
+        forward_count=eng.forward_count,
+        requests=[(r.slot_id, list(r.generated_tokens)) for r in requests],
+    )
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -188,23 +278,35 @@ def error_cases(eng, prompt: list[int], ref: Run, tol) -> pd.DataFrame:
         ("decode_step: non-integer token", ValueError, lambda: eng.decode_step(1.5, slot_id=a)),
         ("prefill: empty prompt", ValueError, lambda: eng.prefill([], slot_id=a)),
         ("batch_prefill: empty prompt", ValueError, lambda: eng.batch_prefill([R(9, [], slot_id=e)])),
-        ("batch_prefill: bad token in 2nd request", ValueError,
-         lambda: eng.batch_prefill([R(9, [1, 2], slot_id=a), R(10, [V], slot_id=e)])),
+        (
+            "batch_prefill: bad token in 2nd request",
+            ValueError,
+            lambda: eng.batch_prefill([R(9, [1, 2], slot_id=a), R(10, [V], slot_id=e)]),
+        ),
         ("prefill: slot outside allocation", IndexError, lambda: eng.prefill([1, 2], slot_id=outside)),
         ("decode_step: slot -1", IndexError, lambda: eng.decode_step(1, slot_id=-1)),
-        ("batch_decode_step: slot outside allocation", IndexError,
-         lambda: eng.batch_decode_step([req_a, R(9, [1], slot_id=outside, generated_tokens=[1])])),
+        (
+            "batch_decode_step: slot outside allocation",
+            IndexError,
+            lambda: eng.batch_decode_step([req_a, R(9, [1], slot_id=outside, generated_tokens=[1])]),
+        ),
         ("release_slot: slot outside allocation", IndexError, lambda: eng.release_slot(outside)),
         ("reset: slot outside allocation", IndexError, lambda: eng.reset(slot_id=outside)),
         ("snapshot: slot outside allocation", IndexError, lambda: eng.snapshot(outside)),
         ("decode_step before prefill", ValueError, lambda: eng.decode_step(1, slot_id=e)),
-        ("batch_decode_step before batch_prefill", ValueError,
-         lambda: eng.batch_decode_step([req_a, R(9, [1, 2], slot_id=e)])),
+        (
+            "batch_decode_step before batch_prefill",
+            ValueError,
+            lambda: eng.batch_decode_step([req_a, R(9, [1, 2], slot_id=e)]),
+        ),
         ("prefill: prompt > max_seq_len", ValueError, lambda: eng.prefill([1] * (L + 1), slot_id=a)),
         ("decode_step: past max_seq_len", ValueError, lambda: eng.decode_step(rf.next_token, slot_id=f)),
         ("batch_decode_step: one slot past max_seq_len", ValueError, lambda: eng.batch_decode_step([req_a, req_f])),
-        ("batch_prefill: duplicate slot", ValueError,
-         lambda: eng.batch_prefill([R(9, [1, 2], slot_id=a), R(10, [3], slot_id=a)])),
+        (
+            "batch_prefill: duplicate slot",
+            ValueError,
+            lambda: eng.batch_prefill([R(9, [1, 2], slot_id=a), R(10, [3], slot_id=a)]),
+        ),
         ("batch_decode_step: duplicate slot", ValueError, lambda: eng.batch_decode_step([req_a, req_a])),
         ("allocate_slot: all slots taken", ValueError, lambda: eng.allocate_slot(request_id=9)),
         ("batch_prefill: no free slot", ValueError, lambda: eng.batch_prefill([R(9, [1, 2])])),
@@ -222,9 +324,17 @@ def error_cases(eng, prompt: list[int], ref: Run, tol) -> pd.DataFrame:
             raised, message, ok_type = type(exc).__name__, str(exc), isinstance(exc, expected)
         after = _state(eng, [req_a, req_f])
         same = _same(before, after)
-        rows.append(dict(case=name, expected=expected.__name__, raised=raised, message=message,
-                         state_unchanged=same, forwards_run=after["forward_count"] - before["forward_count"],
-                         **{"pass": ok_type and same and after["forward_count"] == before["forward_count"]}))
+        rows.append(
+            dict(
+                case=name,
+                expected=expected.__name__,
+                raised=raised,
+                message=message,
+                state_unchanged=same,
+                forwards_run=after["forward_count"] - before["forward_count"],
+                **{"pass": ok_type and same and after["forward_count"] == before["forward_count"]},
+            )
+        )
     # and the busy slot still continues exactly as its solo run did
     try:
         r = eng.decode_step(ra.next_token, slot_id=a)
@@ -233,6 +343,15 @@ def error_cases(eng, prompt: list[int], ref: Run, tol) -> pd.DataFrame:
         raised, message = "-", ""
     except Exception as exc:  # noqa: BLE001
         ok, raised, message = False, type(exc).__name__, str(exc)
-    rows.append(dict(case="slot 0 continues like its solo run afterwards", expected="-", raised=raised,
-                     message=message, state_unchanged=ok, forwards_run=1, **{"pass": ok}))
+    rows.append(
+        dict(
+            case="slot 0 continues like its solo run afterwards",
+            expected="-",
+            raised=raised,
+            message=message,
+            state_unchanged=ok,
+            forwards_run=1,
+            **{"pass": ok},
+        )
+    )
     return pd.DataFrame(rows)

@@ -1,5 +1,6 @@
 """What every check shares: the engine and its HF reference built from the same weights, prompts,
 tolerances, and one way to compare logits, so parity, isolation and batch checks judge alike."""
+
 from __future__ import annotations
 
 import copy
@@ -7,10 +8,10 @@ import functools
 import inspect
 import json
 import os
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import pandas as pd
 import torch
@@ -24,6 +25,7 @@ from ..synthetic import PRESETS, build_hf_model, ensure_checkpoint
 @dataclass
 class Pair:
     """The engine under test (made on demand, with the options a check needs) and its HF reference."""
+
     name: str
     hf: torch.nn.Module
     make: Callable[[EngineOptions], QwenEngine]
@@ -51,12 +53,14 @@ def checkpoint_root() -> Path:
     return repo / "checkpoints" if (repo / "pyproject.toml").is_file() else Path.home() / ".cache/pocketlab"
 
 
-def load_pair(model: str | Path, device: str = "cpu", dtype: str = "float32", seed: int = 0,
-              root: str | Path | None = None) -> Pair:
+def load_pair(
+    model: str | Path, device: str = "cpu", dtype: str = "float32", seed: int = 0, root: str | Path | None = None
+) -> Pair:
     """Tiny presets go through a checkpoint folder (so the loader is exercised, as HF's is); real-shape
     presets are built in memory on `device`; anything else is a checkpoint folder path."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
+
     hf_logging.disable_progress_bar()
     torch_dtype = DTYPES[dtype]
     name = str(model)
@@ -90,8 +94,9 @@ def hf_logits(hf: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
 @dataclass
 class Run:
     """One sequence's outputs: step 0 is the prefill's prediction, then one per decode step."""
+
     tokens: list[int] = field(default_factory=list)
-    logits: list[torch.Tensor] = field(default_factory=list)   # float32 CPU copies (buffers get reused)
+    logits: list[torch.Tensor] = field(default_factory=list)  # float32 CPU copies (buffers get reused)
 
     def add(self, token: int, logits: torch.Tensor) -> None:
         self.tokens.append(int(token))
@@ -122,6 +127,7 @@ class Tolerance:
     Low precision, engine against itself (batched vs solo): |diff| <= rtol * max|logit|.
     A low-precision token may differ only where the reference's top-2 margin is within 2x the bound.
     """
+
     dtype: str
     atol: float = 1e-4
     rtol: float = 0.0
@@ -147,17 +153,20 @@ class Tolerance:
 
 
 # measured on an H200 with random weights (bf16): batched vs solo up to 3.8% of max|logit| (Qwen3-8B)
-TOLERANCES = {"float32": Tolerance("float32", atol=1e-4),
-              "bfloat16": Tolerance("bfloat16", rtol=0.1),
-              "float16": Tolerance("float16", rtol=0.02)}
+TOLERANCES = {
+    "float32": Tolerance("float32", atol=1e-4),
+    "bfloat16": Tolerance("bfloat16", rtol=0.1),
+    "float16": Tolerance("float16", rtol=0.02),
+}
 
 
 def tolerance(dtype: str) -> Tolerance:
     return TOLERANCES[dtype]
 
 
-def step_metrics(ref: torch.Tensor, test: torch.Tensor, ref_token: int, token: int, tol: Tolerance,
-                 hf_error: float | None = None) -> dict:
+def step_metrics(
+    ref: torch.Tensor, test: torch.Tensor, ref_token: int, token: int, tol: Tolerance, hf_error: float | None = None
+) -> dict:
     """Compare one step's logits and token against the reference's (hf_error: see Tolerance)."""
     ref, test = ref.float().cpu(), test.float().cpu()
     diff = float((test - ref).abs().max())
@@ -167,9 +176,17 @@ def step_metrics(ref: torch.Tensor, test: torch.Tensor, ref_token: int, token: i
     bound = tol.bound(ref, hf_error)
     equal = int(token) == int(ref_token)
     decisive = not equal and (tol.exact_tokens or margin > 2 * bound)  # a flip the allowed error can't explain
-    return dict(max_abs_diff=diff, rel_diff=diff / max(scale, 1e-30), bound=bound, within_tol=diff <= bound,
-                token=int(token), ref_token=int(ref_token), token_equal=equal, ref_margin=margin,
-                decisive_mismatch=decisive)
+    return dict(
+        max_abs_diff=diff,
+        rel_diff=diff / max(scale, 1e-30),
+        bound=bound,
+        within_tol=diff <= bound,
+        token=int(token),
+        ref_token=int(ref_token),
+        token_equal=equal,
+        ref_margin=margin,
+        decisive_mismatch=decisive,
+    )
 
 
 def compare_runs(ref: Run, test: Run, tol: Tolerance) -> dict:
@@ -180,19 +197,25 @@ def compare_runs(ref: Run, test: Run, tol: Tolerance) -> dict:
     upto = n if first < 0 else first + 1
     steps = [step_metrics(ref.logits[k], test.logits[k], ref.tokens[k], test.tokens[k], tol) for k in range(upto)]
     ok = all(s["within_tol"] and not s["decisive_mismatch"] for s in steps) and len(test.tokens) == len(ref.tokens)
-    return {"steps": n, "tokens_equal": first < 0 and len(test.tokens) == len(ref.tokens),
-            "token_agreement": sum(equal) / max(n, 1), "first_divergence": first,
-            "max_abs_diff": max((s["max_abs_diff"] for s in steps), default=0.0),
-            "bound": min((s["bound"] for s in steps), default=tol.atol),
-            "bitwise": all(torch.equal(ref.logits[k], test.logits[k]) for k in range(n)), "pass": ok}
+    return {
+        "steps": n,
+        "tokens_equal": first < 0 and len(test.tokens) == len(ref.tokens),
+        "token_agreement": sum(equal) / max(n, 1),
+        "first_divergence": first,
+        "max_abs_diff": max((s["max_abs_diff"] for s in steps), default=0.0),
+        "bound": min((s["bound"] for s in steps), default=tol.atol),
+        "bitwise": all(torch.equal(ref.logits[k], test.logits[k]) for k in range(n)),
+        "pass": ok,
+    }
 
 
 # -- what a check returns ------------------------------------------------------------------------
 @dataclass
 class Report:
     """DataFrames to show, a verdict to assert, and key figures for the reports index."""
+
     name: str
-    summary: pd.DataFrame                       # one row per case, boolean `pass` column
+    summary: pd.DataFrame  # one row per case, boolean `pass` column
     tables: dict[str, pd.DataFrame] = field(default_factory=dict)
     figures: dict = field(default_factory=dict)
 
@@ -223,6 +246,7 @@ def _threads(n: int):
 def single_thread_on_cpu(check):
     """CPU checks run single-threaded: tiny matmuls gain nothing from OpenMP, and on a busy 2-core box
     its barriers cost ~20 ms per matmul (measured: isolation 18 s with 2 threads, 1 s with 1)."""
+
     @functools.wraps(check)
     def run(*args, **kwargs):
         bound = inspect.signature(check).bind(*args, **kwargs)
@@ -233,18 +257,26 @@ def single_thread_on_cpu(check):
             return check(*args, **kwargs)
         with _threads(1):
             return check(*args, **kwargs)
+
     return run
 
 
-RECORD_ENV = "POCKETLAB_RECORD"   # set by `python -m pocketlab.verify.reports` for each notebook it runs
+RECORD_ENV = "POCKETLAB_RECORD"  # set by `python -m pocketlab.verify.reports` for each notebook it runs
 
 
 def record(*reports: Report, passed: bool | None = None, path: str | Path | None = None, **figures) -> dict:
     """Write a notebook's verdict and key figures where the reports runner asked ($POCKETLAB_RECORD, or
     `path`). Call it just before the notebook's final assert, so a failing check keeps its figures.
     Takes verify Reports and/or plain figures; with no destination it only returns the dict."""
-    entries = [dict(name=r.name, passed=r.passed, figures=r.figures,
-                    summary=json.loads(r.summary.to_json(orient="records", double_precision=15))) for r in reports]
+    entries = [
+        dict(
+            name=r.name,
+            passed=r.passed,
+            figures=r.figures,
+            summary=json.loads(r.summary.to_json(orient="records", double_precision=15)),
+        )
+        for r in reports
+    ]
     merged = {}
     for r in reports:
         merged.update(r.figures if len(reports) == 1 else {f"{r.name}.{k}": v for k, v in r.figures.items()})

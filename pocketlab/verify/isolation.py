@@ -6,12 +6,22 @@ within tolerance. One schedule resets and one releases a slot mid-run; the other
 unaffected, and the freed slot must then serve a new prompt as if it were fresh; a third
 prefills a new prompt straight over a live slot.
 """
+
 from __future__ import annotations
 
 import pandas as pd
 
-from .common import (Report, Run, as_pair, compare_runs, random_prompts, seq_len_for, single_thread_on_cpu,
-                     solo_run, tolerance)
+from .common import (
+    Report,
+    Run,
+    as_pair,
+    compare_runs,
+    random_prompts,
+    seq_len_for,
+    single_thread_on_cpu,
+    solo_run,
+    tolerance,
+)
 
 VICTIM = 0  # the slot reset/released mid-run: slot 0, the default slot, is where shared state used to hide
 SCHEDULES = ("interleaved", "staggered", "sequential", "reset_mid_run", "release_mid_run", "overwrite_mid_run")
@@ -57,8 +67,11 @@ def play(eng, events: list[tuple], prompts: dict[str, list[int]]) -> dict[str, R
         if ev[0] == "op":
             _, key, slot = ev
             run = runs.setdefault(key, Run())
-            r = (eng.prefill(prompts[key], slot_id=slot) if not run.tokens
-                 else eng.decode_step(run.tokens[-1], slot_id=slot))
+            r = (
+                eng.prefill(prompts[key], slot_id=slot)
+                if not run.tokens
+                else eng.decode_step(run.tokens[-1], slot_id=slot)
+            )
             run.add(r.next_token, r.logits)
         elif ev[0] == "reset":
             eng.reset(slot_id=ev[1])
@@ -72,23 +85,30 @@ def play(eng, events: list[tuple], prompts: dict[str, list[int]]) -> dict[str, R
 
 
 @single_thread_on_cpu
-def isolation(model="tiny-qwen3", device: str = "cpu", dtype: str = "float32", seed: int = 0,
-              num_slots=2, prompt_lens=None, decode_steps: int = 8, prefill_chunk: int = 8) -> Report:
+def isolation(
+    model="tiny-qwen3",
+    device: str = "cpu",
+    dtype: str = "float32",
+    seed: int = 0,
+    num_slots=2,
+    prompt_lens=None,
+    decode_steps: int = 8,
+    prefill_chunk: int = 8,
+) -> Report:
     """`num_slots` may be a list (e.g. [2, 4]): each count is checked. Table: one row per
     (slot count, schedule, sequence); summary: one row per (slot count, schedule)."""
     pair = as_pair(model, device, dtype, seed)
     dtype = pair.dtype
     tol = tolerance(dtype)
     rows = []
-    for n in ([num_slots] if isinstance(num_slots, int) else list(num_slots)):
+    for n in [num_slots] if isinstance(num_slots, int) else list(num_slots):
         lens = list(prompt_lens or default_prompt_lens(n))[:n]
         if len(lens) < n:
             raise ValueError(f"need {n} prompt lengths, got {lens}")
         texts = random_prompts(pair.vocab_size, lens + [6], seed + n)
         prompts = {f"s{s}": texts[s] for s in range(n)} | {"new": texts[n]}
         slot_of = {f"s{s}": s for s in range(n)} | {"new": VICTIM}
-        eng = pair.engine(max_slots=n, max_seq_len=seq_len_for(lens + [6], decode_steps),
-                          prefill_chunk=prefill_chunk)
+        eng = pair.engine(max_slots=n, max_seq_len=seq_len_for(lens + [6], decode_steps), prefill_chunk=prefill_chunk)
         solo = {}
         for key, prompt in prompts.items():
             eng.reset()
@@ -105,20 +125,54 @@ def isolation(model="tiny-qwen3", device: str = "cpu", dtype: str = "float32", s
                 ref = solo[key]
                 run = runs.get(key, Run())
                 if name.endswith("mid_run") and key == f"s{VICTIM}":  # the victim: compare what it ran
-                    ref = Run(ref.tokens[:len(run.tokens)], ref.logits[:len(run.tokens)])  # up to its reset
-                c = compare_runs(ref, run, tol) if run.tokens else dict(
-                    steps=0, tokens_equal=False, token_agreement=0.0, first_divergence=0, max_abs_diff=float("nan"),
-                    bound=tol.atol, bitwise=False, **{"pass": False})
-                rows.append(dict(num_slots=n, schedule=name, sequence=key, slot=slot_of[key],
-                                 prompt_len=len(prompts[key]), **c, error=error))
+                    ref = Run(ref.tokens[: len(run.tokens)], ref.logits[: len(run.tokens)])  # up to its reset
+                c = (
+                    compare_runs(ref, run, tol)
+                    if run.tokens
+                    else dict(
+                        steps=0,
+                        tokens_equal=False,
+                        token_agreement=0.0,
+                        first_divergence=0,
+                        max_abs_diff=float("nan"),
+                        bound=tol.atol,
+                        bitwise=False,
+                        **{"pass": False},
+                    )
+                )
+                rows.append(
+                    dict(
+                        num_slots=n,
+                        schedule=name,
+                        sequence=key,
+                        slot=slot_of[key],
+                        prompt_len=len(prompts[key]),
+                        **c,
+                        error=error,
+                    )
+                )
     table = pd.DataFrame(rows)
-    summary = (table.groupby(["num_slots", "schedule"], sort=False)
-               .agg(sequences=("sequence", "size"), tokens_equal=("tokens_equal", "all"),
-                    token_agreement=("token_agreement", "min"), max_abs_diff=("max_abs_diff", "max"),
-                    bitwise=("bitwise", "all"), error=("error", "first"), **{"pass": ("pass", "all")})
-               .reset_index())
+    summary = (
+        table.groupby(["num_slots", "schedule"], sort=False)
+        .agg(
+            sequences=("sequence", "size"),
+            tokens_equal=("tokens_equal", "all"),
+            token_agreement=("token_agreement", "min"),
+            max_abs_diff=("max_abs_diff", "max"),
+            bitwise=("bitwise", "all"),
+            error=("error", "first"),
+            **{"pass": ("pass", "all")},
+        )
+        .reset_index()
+    )
     summary.insert(summary.columns.get_loc("error"), "tolerance", tol.describe())
-    figures = dict(model=pair.name, dtype=dtype, slot_counts=",".join(map(str, summary.num_slots.unique())),
-                   schedules=len(SCHEDULES), max_abs_diff_vs_solo=float(table.max_abs_diff.max()),
-                   min_token_agreement=float(table.token_agreement.min()), bitwise=bool(table.bitwise.all()))
+    figures = dict(
+        model=pair.name,
+        dtype=dtype,
+        slot_counts=",".join(map(str, summary.num_slots.unique())),
+        schedules=len(SCHEDULES),
+        max_abs_diff_vs_solo=float(table.max_abs_diff.max()),
+        min_token_agreement=float(table.token_agreement.min()),
+        bitwise=bool(table.bitwise.all()),
+    )
     return Report("isolation", summary, {"sequences": table}, figures)

@@ -10,6 +10,7 @@ and judge. Every judged figure is higher-is-better.
 On a shared CPU the check runs the bench in several rounds (one thread, low-quantile step times) and
 judges the median of each figure over the rounds; on a GPU one round with medians is steady.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,13 +35,35 @@ BENCH_DIR_ENV = "POCKETLAB_BENCH_DIR"  # reuse a bench JSON from the same GPU ru
 # ratios moved by up to 8% between back-to-back runs of the tiny hybrid here, so the CPU tolerance is 15%;
 # the GPU keeps the 5% the perf contract asks for.
 SETTINGS = {
-    "cpu": dict(batch_sizes=(1, 4, 16), prompt_lens=(64, 256), new_tokens=32, repeats=30, decode_repeats=3,
-                peer_modes=("eager",), peer_batch_sizes=None, threads=1, quantile=0.1, rounds=5,
-                kinds=("vs_hf",), tolerance=0.15),
-    "cuda": dict(batch_sizes=(1, 4, 16, 32, 64), prompt_lens=(512, 4096), new_tokens=128, repeats=3,
-                 peer_modes=("eager", "static"), peer_batch_sizes=(1, 32), peer_eager_new_tokens=32, peer_repeats=2,
-                 threads=0, quantile=0.5, rounds=1,
-                 kinds=("vs_hf", "roofline", "prefill"), tolerance=TOLERANCE),
+    "cpu": dict(
+        batch_sizes=(1, 4, 16),
+        prompt_lens=(64, 256),
+        new_tokens=32,
+        repeats=30,
+        decode_repeats=3,
+        peer_modes=("eager",),
+        peer_batch_sizes=None,
+        threads=1,
+        quantile=0.1,
+        rounds=5,
+        kinds=("vs_hf",),
+        tolerance=0.15,
+    ),
+    "cuda": dict(
+        batch_sizes=(1, 4, 16, 32, 64),
+        prompt_lens=(512, 4096),
+        new_tokens=128,
+        repeats=3,
+        peer_modes=("eager", "static"),
+        peer_batch_sizes=(1, 32),
+        peer_eager_new_tokens=32,
+        peer_repeats=2,
+        threads=0,
+        quantile=0.5,
+        rounds=1,
+        kinds=("vs_hf", "roofline", "prefill"),
+        tolerance=TOLERANCE,
+    ),
 }
 
 
@@ -53,8 +76,9 @@ def settings(device: str, **overrides) -> dict:
 
 
 # -- measuring ---------------------------------------------------------------------------------
-def measure(model: str = "tiny-qwen3", device: str = "cpu", dtype: str = "", seed: int = 0,
-            progress: bool = False, **overrides) -> list[dict]:
+def measure(
+    model: str = "tiny-qwen3", device: str = "cpu", dtype: str = "", seed: int = 0, progress: bool = False, **overrides
+) -> list[dict]:
     """Bench results, one per round. Overrides: any BenchConfig field, `rounds`, `kinds` (ignored here).
 
     If $POCKETLAB_BENCH_DIR holds <device>-<model>.json for the same dtype, that run is used instead
@@ -115,9 +139,17 @@ def write_baseline(results: list[dict], kinds, path: Path) -> Path:
     table = rounds_table(results, kinds)
     meta = results[0]["meta"]
     device = meta["config"]["device"]
-    doc = {"model": meta["config"]["model"], "device": device, "dtype": meta["config"]["dtype"],
-           "kinds": list(kinds), "tolerance": settings(device)["tolerance"], "figures": table["median"].to_dict(),
-           "rounds": len(results), "meta": meta, "raw": results[0]}
+    doc = {
+        "model": meta["config"]["model"],
+        "device": device,
+        "dtype": meta["config"]["dtype"],
+        "kinds": list(kinds),
+        "tolerance": settings(device)["tolerance"],
+        "figures": table["median"].to_dict(),
+        "rounds": len(results),
+        "meta": meta,
+        "raw": results[0],
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1, default=str))
     return path
@@ -132,16 +164,40 @@ def compare(current: dict[str, float], baseline: dict, tolerance: float = TOLERA
     for name, base in baseline["figures"].items():
         now = current.get(name)
         if now is None:
-            rows.append({"figure": name, "baseline": base, "current": None, "change": None,
-                         "status": "missing in this run", "pass": False})
+            rows.append(
+                {
+                    "figure": name,
+                    "baseline": base,
+                    "current": None,
+                    "change": None,
+                    "status": "missing in this run",
+                    "pass": False,
+                }
+            )
             continue
         change = now / base - 1
         ok = change >= -tolerance
-        rows.append({"figure": name, "baseline": base, "current": now, "change": change,
-                     "status": "ok" if ok else f"worse by more than {tolerance:.0%}", "pass": ok})
+        rows.append(
+            {
+                "figure": name,
+                "baseline": base,
+                "current": now,
+                "change": change,
+                "status": "ok" if ok else f"worse by more than {tolerance:.0%}",
+                "pass": ok,
+            }
+        )
     for name in sorted(set(current) - set(baseline["figures"])):
-        rows.append({"figure": name, "baseline": None, "current": current[name], "change": None,
-                     "status": "new (not judged)", "pass": True})
+        rows.append(
+            {
+                "figure": name,
+                "baseline": None,
+                "current": current[name],
+                "change": None,
+                "status": "new (not judged)",
+                "pass": True,
+            }
+        )
     return pd.DataFrame(rows, columns=["figure", "baseline", "current", "change", "status", "pass"])
 
 
@@ -159,9 +215,11 @@ def check(results: list[dict], path: Path | None = None) -> tuple[pd.DataFrame, 
     meta = results[0]["meta"]["config"]
     path = _baseline_file(results, path)
     if not path.is_file():
-        raise FileNotFoundError(f"no perf baseline {path}: write one with `python -m pocketlab.verify.perf "
-                                f"--write-baseline --device {meta['device']} --dtype {meta['dtype']} "
-                                f"--model {meta['model']}`")
+        raise FileNotFoundError(
+            f"no perf baseline {path}: write one with `python -m pocketlab.verify.perf "
+            f"--write-baseline --device {meta['device']} --dtype {meta['dtype']} "
+            f"--model {meta['model']}`"
+        )
     baseline = json.loads(path.read_text())
     if baseline["dtype"] != meta["dtype"]:
         raise ValueError(f"baseline {path} is {baseline['dtype']}, this run is {meta['dtype']}")
@@ -171,25 +229,47 @@ def check(results: list[dict], path: Path | None = None) -> tuple[pd.DataFrame, 
 
 
 # -- the notebook's entry point ----------------------------------------------------------------
-def perf(model: str = "tiny-qwen3", device: str = "cpu", dtype: str = "", seed: int = 0, batch_sizes=None,
-         prompt_lens=None, repeats=None, rounds=None, baseline: Path | None = None, **overrides) -> Report:
+def perf(
+    model: str = "tiny-qwen3",
+    device: str = "cpu",
+    dtype: str = "",
+    seed: int = 0,
+    batch_sizes=None,
+    prompt_lens=None,
+    repeats=None,
+    rounds=None,
+    baseline: Path | None = None,
+    **overrides,
+) -> Report:
     """Measure (or reuse the GPU run's bench JSON), compare with the baseline, and package it all.
 
     summary: the baseline comparison (column `pass`); tables: ceilings, decode, prefill, peer, rounds,
     curves (decode tokens/s by batch), roofline; figures: the key numbers for the reports index.
     """
-    results = measure(model, device, dtype, seed, batch_sizes=batch_sizes, prompt_lens=prompt_lens,
-                      repeats=repeats, rounds=rounds, **overrides)
+    results = measure(
+        model,
+        device,
+        dtype,
+        seed,
+        batch_sizes=batch_sizes,
+        prompt_lens=prompt_lens,
+        repeats=repeats,
+        rounds=rounds,
+        **overrides,
+    )
     summary, _ = check(results, baseline)
     t = tables(results)
     kinds = json.loads(_baseline_file(results, baseline).read_text())["kinds"]
     t |= {"rounds": rounds_table(results, kinds), "curves": decode_curves(results), "roofline": roofline(results)}
     first = results[0]
-    figs = {"source": first["meta"].get("source", "measured now"), "rounds": len(results),
-            "copy_GBps": first["ceilings"]["copy"]["bytes_per_s"] / 1e9,
-            "matmul_TFLOPs": first["ceilings"]["matmul"]["flop_per_s"] / 1e12,
-            **{f"decode_tok_s_b{d['batch']}": d["tokens_per_s"] for d in first["decode"]},
-            **t["rounds"]["median"].to_dict()}
+    figs = {
+        "source": first["meta"].get("source", "measured now"),
+        "rounds": len(results),
+        "copy_GBps": first["ceilings"]["copy"]["bytes_per_s"] / 1e9,
+        "matmul_TFLOPs": first["ceilings"]["matmul"]["flop_per_s"] / 1e12,
+        **{f"decode_tok_s_b{d['batch']}": d["tokens_per_s"] for d in first["decode"]},
+        **t["rounds"]["median"].to_dict(),
+    }
     return Report("perf", summary, t, figs)
 
 
@@ -217,9 +297,20 @@ def decode_curves(results: list[dict]) -> pd.DataFrame:
 
 def roofline(results: list[dict]) -> pd.DataFrame:
     r = results[0]
-    return pd.DataFrame([{"batch": d["batch"], "step ms": d["step_s"] * 1e3, "roofline ms": d["roofline_step_s"] * 1e3,
-                          "roofline frac": d["roofline_frac"], "weight MB": d["weight_bytes"] / 1e6,
-                          "KV MB": d["kv_bytes"] / 1e6, "state MB": d["state_bytes"] / 1e6} for d in r["decode"]])
+    return pd.DataFrame(
+        [
+            {
+                "batch": d["batch"],
+                "step ms": d["step_s"] * 1e3,
+                "roofline ms": d["roofline_step_s"] * 1e3,
+                "roofline frac": d["roofline_frac"],
+                "weight MB": d["weight_bytes"] / 1e6,
+                "KV MB": d["kv_bytes"] / 1e6,
+                "state MB": d["state_bytes"] / 1e6,
+            }
+            for d in r["decode"]
+        ]
+    )
 
 
 # -- CLI ---------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ whole shared prefix for dense models; for hybrid models the nearest state checkp
     r = prefix_cache(model="tiny-qwen3_5")      # Report: summary, tables cases/stale/eviction/workloads
     ttft(model="qwen3-8b", device="cuda", dtype="bfloat16")   # time to first token, cached vs cold
 """
+
 from __future__ import annotations
 
 import pandas as pd
@@ -64,17 +65,39 @@ def _row(section: str, case: str, slot: int, prompt: list[int], got: tuple, ref:
     run, reused, computed = got
     c = compare_runs(ref, run, tol)
     counts_ok = reused == expected and computed == len(prompt) - expected
-    return dict(section=section, case=case, slot=slot, prompt_len=len(prompt), expected_reused=expected,
-                reused=reused, computed=computed, counts_exact=counts_ok, tokens_equal=c["tokens_equal"],
-                max_abs_diff=c["max_abs_diff"], bound=c["bound"], **{"pass": bool(c["pass"] and counts_ok)})
+    return dict(
+        section=section,
+        case=case,
+        slot=slot,
+        prompt_len=len(prompt),
+        expected_reused=expected,
+        reused=reused,
+        computed=computed,
+        counts_exact=counts_ok,
+        tokens_equal=c["tokens_equal"],
+        max_abs_diff=c["max_abs_diff"],
+        bound=c["bound"],
+        **{"pass": bool(c["pass"] and counts_ok)},
+    )
 
 
 # -- the check -----------------------------------------------------------------------------------
 @single_thread_on_cpu
-def prefix_cache(model="tiny-qwen3", device: str = "cpu", dtype: str = "float32", seed: int = 0,
-                 prompt_len: int = 40, decode_steps: int = 4, prefill_chunk: int = 16, snapshot_stride: int = 8,
-                 prefix_block: int = 4, requests: int = 8, system_len: int = 48, question_len: int = 6,
-                 turns: int = 3) -> Report:
+def prefix_cache(
+    model="tiny-qwen3",
+    device: str = "cpu",
+    dtype: str = "float32",
+    seed: int = 0,
+    prompt_len: int = 40,
+    decode_steps: int = 4,
+    prefill_chunk: int = 16,
+    snapshot_stride: int = 8,
+    prefix_block: int = 4,
+    requests: int = 8,
+    system_len: int = 48,
+    question_len: int = 6,
+    turns: int = 3,
+) -> Report:
     """Tables: `cases` (hits in the same slot, another slot, a released slot, a retained entry, on and off the
     stride, with another slot decoding in between), `stale` (prompts diverging at every position of a block),
     `eviction` (a tiny budget: bounded, LRU, live slots untouched), `workloads` (hit rates, tokens saved)."""
@@ -84,9 +107,15 @@ def prefix_cache(model="tiny-qwen3", device: str = "cpu", dtype: str = "float32"
         raise ValueError(f"requests={requests}: need more than the 4 slots, or the first batch takes them all")
     pair = as_pair(model, device, dtype, seed)
     tol = tolerance(dtype)
-    opts = dict(max_slots=4, max_seq_len=max(256, system_len + turns * (question_len + decode_steps + 2) + 8,
-                                             2 * prompt_len + 4 * decode_steps + 32),
-                prefill_chunk=prefill_chunk, snapshot_stride=snapshot_stride, prefix_block=prefix_block)
+    opts = dict(
+        max_slots=4,
+        max_seq_len=max(
+            256, system_len + turns * (question_len + decode_steps + 2) + 8, 2 * prompt_len + 4 * decode_steps + 32
+        ),
+        prefill_chunk=prefill_chunk,
+        snapshot_stride=snapshot_stride,
+        prefix_block=prefix_block,
+    )
     cold = _Cold(pair.engine(**opts, prefix_cache=False))
     eng = pair.engine(**opts)
     hybrid = eng.prefix.stateful
@@ -97,28 +126,54 @@ def prefix_cache(model="tiny-qwen3", device: str = "cpu", dtype: str = "float32"
     eviction = _eviction(pair, opts, cold, decode_steps, prompt_len, hybrid, tol, seed)
     workloads = _workloads(pair, opts, requests, system_len, question_len, turns, decode_steps, seed)
     cases, stale = pd.DataFrame(cases), pd.DataFrame(stale)
-    summary = pd.DataFrame([
-        _summary("cache hit == cold run (tokens, logits), counts exact", cases,
-                 f"max|diff| {cases.max_abs_diff.max():.3g}; {tol.describe()}"),
-        _summary("stale prefixes never reused (divergence at every position)", stale,
-                 f"positions {stale.diverge_at.min()}..{stale.diverge_at.max()}"),
-        _summary("LRU eviction within budget, live slots untouched", eviction,
-                 f"budget {int(eviction.budget.max())} B, evicted {int(eviction.evicted.max())}"),
-        _summary("workloads: outputs == cold, reuse as designed", workloads,
-                 "; ".join(f"{w.workload}: {w.tokens_saved:.0%} saved" for w in workloads.itertuples())),
-    ])
-    figures = dict(model=pair.name, dtype=dtype, hybrid=hybrid, cases=len(cases),
-                   max_abs_diff_vs_cold=float(max(cases.max_abs_diff.max(), stale.max_abs_diff.max())),
-                   stale_cases=len(stale), evicted=int(eviction.evicted.max()),
-                   **{f"{w.workload}_tokens_saved": float(w.tokens_saved) for w in workloads.itertuples()},
-                   **{f"{w.workload}_hit_rate": float(w.hit_rate) for w in workloads.itertuples()})
-    return Report("prefix_cache", summary, {"cases": cases, "stale": stale, "eviction": eviction,
-                                            "workloads": workloads}, figures)
+    summary = pd.DataFrame(
+        [
+            _summary(
+                "cache hit == cold run (tokens, logits), counts exact",
+                cases,
+                f"max|diff| {cases.max_abs_diff.max():.3g}; {tol.describe()}",
+            ),
+            _summary(
+                "stale prefixes never reused (divergence at every position)",
+                stale,
+                f"positions {stale.diverge_at.min()}..{stale.diverge_at.max()}",
+            ),
+            _summary(
+                "LRU eviction within budget, live slots untouched",
+                eviction,
+                f"budget {int(eviction.budget.max())} B, evicted {int(eviction.evicted.max())}",
+            ),
+            _summary(
+                "workloads: outputs == cold, reuse as designed",
+                workloads,
+                "; ".join(f"{w.workload}: {w.tokens_saved:.0%} saved" for w in workloads.itertuples()),
+            ),
+        ]
+    )
+    figures = dict(
+        model=pair.name,
+        dtype=dtype,
+        hybrid=hybrid,
+        cases=len(cases),
+        max_abs_diff_vs_cold=float(max(cases.max_abs_diff.max(), stale.max_abs_diff.max())),
+        stale_cases=len(stale),
+        evicted=int(eviction.evicted.max()),
+        **{f"{w.workload}_tokens_saved": float(w.tokens_saved) for w in workloads.itertuples()},
+        **{f"{w.workload}_hit_rate": float(w.hit_rate) for w in workloads.itertuples()},
+    )
+    return Report(
+        "prefix_cache", summary, {"cases": cases, "stale": stale, "eviction": eviction, "workloads": workloads}, figures
+    )
 
 
 def _summary(check: str, table: pd.DataFrame, detail: str) -> dict:
-    return dict(check=check, cases=len(table), failures=int((~table["pass"]).sum()), detail=detail,
-                **{"pass": bool(len(table)) and bool(table["pass"].all())})
+    return dict(
+        check=check,
+        cases=len(table),
+        failures=int((~table["pass"]).sum()),
+        detail=detail,
+        **{"pass": bool(len(table)) and bool(table["pass"].all())},
+    )
 
 
 def _cases(eng, cold, texts, steps, stride, hybrid, tol, V) -> list[dict]:
@@ -130,7 +185,7 @@ def _cases(eng, cold, texts, steps, stride, hybrid, tol, V) -> list[dict]:
         return shared if not hybrid else max([p for p in points if p <= shared], default=0)
 
     rows, background = [], Run()
-    bg = eng.prefill(B, slot_id=3)                    # slot 3 decodes one step between every case
+    bg = eng.prefill(B, slot_id=3)  # slot 3 decodes one step between every case
     background.add(bg.next_token, bg.logits)
 
     def tick():
@@ -144,8 +199,8 @@ def _cases(eng, cold, texts, steps, stride, hybrid, tol, V) -> list[dict]:
             tick()
         return got[0]
 
-    a_on = (L // stride - 1) * stride                 # a shared length on the stride
-    a_off = L - 3 if (L - 3) % stride else L - 4      # ... and one off it
+    a_on = (L // stride - 1) * stride  # a shared length on the stride
+    a_off = L - 3 if (L - 3) % stride else L - 4  # ... and one off it
     first = case("cold prompt", 0, A, 0)
     hist0 = A + first.tokens[:-1]
     turn2 = hist0 + [first.tokens[-1]] + texts[2][:3]
@@ -153,7 +208,7 @@ def _cases(eng, cold, texts, steps, stride, hybrid, tol, V) -> list[dict]:
     case("other slot: shared prefix off the stride", 1, _diverge(A[:a_off], texts[3], V), expect(a_off))
     p2 = _diverge(A[:a_on], texts[4][:4], V)
     case("other slot: shared prefix on the stride", 2, p2, expect(a_on))
-    case("same slot: diverges below its history", 1, _diverge(A[:a_on - 3], texts[5], V), expect(a_on - 3))
+    case("same slot: diverges below its history", 1, _diverge(A[: a_on - 3], texts[5], V), expect(a_on - 3))
     case("another slot: slot 0's first prompt again (last token computed)", 2, A, expect(L - 1))
     # slot 2 is released: its rows keep the prompt it ran last (A + decode), its end state is checkpointed
     hist2 = eng.cache.slots[2].tokens[:]
@@ -163,8 +218,18 @@ def _cases(eng, cold, texts, steps, stride, hybrid, tol, V) -> list[dict]:
     hist0b = eng.cache.slots[0].tokens[:]
     case("overwritten slot: unrelated prompt", 0, texts[5][::-1], 0)
     case("retained entry after the overwrite", 2, hist0b + texts[2][3:7], len(hist0b))
-    rows.append(_row("cases", "slot decoding in between all along", 3, B, (background, 0, len(B)),
-                     cold(B, len(background.tokens) - 1), 0, tol))
+    rows.append(
+        _row(
+            "cases",
+            "slot decoding in between all along",
+            3,
+            B,
+            (background, 0, len(B)),
+            cold(B, len(background.tokens) - 1),
+            0,
+            tol,
+        )
+    )
     eng.reset()
     case("after reset(): nothing reused", 0, turn2, 0, between=False)
     return rows
@@ -179,7 +244,7 @@ def _stale(eng, cold, A, stride, block, hybrid, tol, V) -> list[dict]:
     span = max(stride, block)
     rows = []
     for d in range(span, 2 * span + 1):
-        prompt = A[:d] + [(A[d] + 1) % V] + A[d + 1:]
+        prompt = A[:d] + [(A[d] + 1) % V] + A[d + 1 :]
         slot = d % 2
         expected = d if not hybrid else max([p for p in ck_A if p <= d], default=0)
         got = _run(eng, prompt, 1, slot)
@@ -194,7 +259,7 @@ def _eviction(pair, opts, cold, steps, prompt_len, hybrid, tol, seed) -> pd.Data
     slots 1..3, live all along, continue exactly and still hand over their full history."""
     n = 6
     prompts = random_prompts(pair.vocab_size, [prompt_len] * (n + 3), seed + 7)
-    probe = pair.engine(**opts)          # measure one retained prompt (K/V + its checkpoints)
+    probe = pair.engine(**opts)  # measure one retained prompt (K/V + its checkpoints)
     for p in prompts[:2]:
         probe.prefill(p, slot_id=0)
     budget = 3 * sum(c["bytes"] for c in probe.prefix.contents() if c["kind"] == "entry")
@@ -203,10 +268,18 @@ def _eviction(pair, opts, cold, steps, prompt_len, hybrid, tol, seed) -> pd.Data
     rows = []
 
     def row(check, ok, **kw):
-        rows.append(dict(check=check, budget=budget, used=eng.prefix.used, evicted=eng.prefix.stats["evicted"],
-                         **kw, **{"pass": bool(ok and eng.prefix.used <= budget)}))
+        rows.append(
+            dict(
+                check=check,
+                budget=budget,
+                used=eng.prefix.used,
+                evicted=eng.prefix.stats["evicted"],
+                **kw,
+                **{"pass": bool(ok and eng.prefix.used <= budget)},
+            )
+        )
 
-    for i in range(n):   # each new prompt overwrites slot 0 and retains the previous one
+    for i in range(n):  # each new prompt overwrites slot 0 and retains the previous one
         _run(eng, prompts[i], 0, 0)
         row(f"slot 0 <- prompt {i}: used <= budget", True)
     newest, oldest = prompts[n - 2], prompts[0]
@@ -225,8 +298,12 @@ def _eviction(pair, opts, cold, steps, prompt_len, hybrid, tol, seed) -> pd.Data
         hist = eng.cache.slots[s].tokens[:]
         turn = _run(eng, hist + [more.tokens[-1], 5], steps, s)
         c = compare_runs(cold(hist + [more.tokens[-1], 5], steps), turn[0], tol)
-        row(f"live slot {s}: next turn reuses its whole history", c["pass"] and turn[1] == len(hist),
-            reused=turn[1], max_abs_diff=c["max_abs_diff"])
+        row(
+            f"live slot {s}: next turn reuses its whole history",
+            c["pass"] and turn[1] == len(hist),
+            reused=turn[1],
+            max_abs_diff=c["max_abs_diff"],
+        )
     return pd.DataFrame(rows)
 
 
@@ -239,17 +316,29 @@ def _workloads(pair, opts, requests, system_len, question_len, turns, steps, see
     questions = random_prompts(V, [question_len] * requests, seed + 12)
     prompts = [system + q for q in questions]
     params = SamplingParams(max_new_tokens=steps)
-    for name, run in (("shared system prompt (generate)", lambda e: e.generate(prompts, params)),
-                      ("multi-turn chat", lambda e: _chats(e, V, question_len, turns, steps, seed))):
+    for name, run in (
+        ("shared system prompt (generate)", lambda e: e.generate(prompts, params)),
+        ("multi-turn chat", lambda e: _chats(e, V, question_len, turns, steps, seed)),
+    ):
         cold = pair.engine(**opts, prefix_cache=False)
         eng = pair.engine(**opts)
         out_cold, out = run(cold), run(eng)
         st = eng.prefix.stats
         total = st["reused_tokens"] + st["computed_tokens"]
-        rows.append(dict(workload=name, requests=st["prefills"], prompt_tokens=total,
-                         computed_cold=total, reused=st["reused_tokens"], computed=st["computed_tokens"],
-                         hit_rate=st["hits"] / max(st["prefills"], 1), tokens_saved=st["reused_tokens"] / max(total, 1),
-                         outputs_equal_cold=out == out_cold, **{"pass": bool(out == out_cold and st["hits"] > 0)}))
+        rows.append(
+            dict(
+                workload=name,
+                requests=st["prefills"],
+                prompt_tokens=total,
+                computed_cold=total,
+                reused=st["reused_tokens"],
+                computed=st["computed_tokens"],
+                hit_rate=st["hits"] / max(st["prefills"], 1),
+                tokens_saved=st["reused_tokens"] / max(total, 1),
+                outputs_equal_cold=out == out_cold,
+                **{"pass": bool(out == out_cold and st["hits"] > 0)},
+            )
+        )
     return pd.DataFrame(rows)
 
 
@@ -270,9 +359,18 @@ def _chats(eng, V, question_len, turns, steps, seed) -> list[list[int]]:
 
 # -- time to first token -------------------------------------------------------------------------
 @single_thread_on_cpu
-def ttft(model="qwen3-8b", device: str = "cuda", dtype: str = "bfloat16", seed: int = 0, prompt_len: int = 4096,
-         cached_len: int = 3968, repeats: int = 5, warmup: int = 1, snapshot_stride: int | None = None,
-         prefill_chunk: int | None = None) -> pd.DataFrame:
+def ttft(
+    model="qwen3-8b",
+    device: str = "cuda",
+    dtype: str = "bfloat16",
+    seed: int = 0,
+    prompt_len: int = 4096,
+    cached_len: int = 3968,
+    repeats: int = 5,
+    warmup: int = 1,
+    snapshot_stride: int | None = None,
+    prefill_chunk: int | None = None,
+) -> pd.DataFrame:
     """Time to first token of a `prompt_len`-token prompt whose first `cached_len` tokens are cached (prefilled
     earlier as a prompt of their own) against the same prompt cold. CUDA events on a GPU, perf_counter on CPU.
     Rows: cold (cache off), cold (cache on, a miss: lookup + checkpoints), hit in the same slot (the prefix was
@@ -319,10 +417,21 @@ def ttft(model="qwen3-8b", device: str = "cuda", dtype: str = "bfloat16", seed: 
             if k >= warmup:
                 samples.append(t)
         r = result["r"]
-        rows.append(dict(model=name, device=device, dtype=dtype, mode=mode, prompt_len=prompt_len,
-                         cached_len=cached_len if cached_in is not None else 0, reused=r.reused_tokens,
-                         computed=r.computed_tokens, ttft_ms=1e3 * clock.pick(samples), min_ms=1e3 * min(samples),
-                         repeats=repeats))
+        rows.append(
+            dict(
+                model=name,
+                device=device,
+                dtype=dtype,
+                mode=mode,
+                prompt_len=prompt_len,
+                cached_len=cached_len if cached_in is not None else 0,
+                reused=r.reused_tokens,
+                computed=r.computed_tokens,
+                ttft_ms=1e3 * clock.pick(samples),
+                min_ms=1e3 * min(samples),
+                repeats=repeats,
+            )
+        )
     df = pd.DataFrame(rows)
     df["speedup_vs_cold"] = df.ttft_ms[df["mode"] == "cold, cache off"].iloc[0] / df.ttft_ms
     return df

@@ -10,6 +10,7 @@ final `assert`, which writes its verdict, key figures and summary tables there (
 still leaves its figures). The verdict shown is papermill's: a notebook that raises is FAIL; one that
 finishes but recorded passed=False is FAIL too. Any FAIL makes the command exit non-zero at the end.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,7 +28,7 @@ from pathlib import Path
 from ..bench import option
 from .common import RECORD_ENV
 
-DEFAULT_MODELS = ["tiny-qwen3", "tiny-qwen2", "tiny-qwen3_5"]   # a new model family is one more name here
+DEFAULT_MODELS = ["tiny-qwen3", "tiny-qwen2", "tiny-qwen3_5"]  # a new model family is one more name here
 PATTERN = "[0-9][0-9]_*.ipynb"
 
 
@@ -55,15 +56,22 @@ def slug(model: str) -> str:
 def run_notebook(nb: Path, model: str, params: dict, out: Path) -> Outcome:
     """Execute one notebook with papermill and render it; never raises, a failure is an Outcome."""
     import papermill
+
     folder = out / slug(model)
     folder.mkdir(parents=True, exist_ok=True)
     ipynb, page, rec = folder / nb.name, folder / f"{nb.stem}.html", folder / f"{nb.stem}.json"
     rec.unlink(missing_ok=True)
-    os.environ[RECORD_ENV] = str(rec.resolve())     # the kernel inherits our environment
+    os.environ[RECORD_ENV] = str(rec.resolve())  # the kernel inherits our environment
     error, start = "", time.perf_counter()
     try:
-        papermill.execute_notebook(str(nb), str(ipynb), parameters=dict(params, model=model), cwd=str(nb.parent),
-                                   progress_bar=False, log_output=False)
+        papermill.execute_notebook(
+            str(nb),
+            str(ipynb),
+            parameters=dict(params, model=model),
+            cwd=str(nb.parent),
+            progress_bar=False,
+            log_output=False,
+        )
     except Exception as exc:  # noqa: BLE001 - any failure is recorded, the other notebooks still run
         error = f"{getattr(exc, 'ename', type(exc).__name__)}: {getattr(exc, 'evalue', exc)}"
     finally:
@@ -75,12 +83,20 @@ def run_notebook(nb: Path, model: str, params: dict, out: Path) -> Outcome:
     if ipynb.is_file():
         try:
             from nbconvert import HTMLExporter
+
             page.write_text(HTMLExporter().from_filename(str(ipynb))[0], encoding="utf-8")
         except Exception as exc:  # noqa: BLE001 - a rendering failure must not hide the verdict
             error = error or f"HTML export failed: {exc}"
-    return Outcome(model, nb.stem, not error, seconds, error, data,
-                   ipynb.relative_to(out).as_posix() if ipynb.is_file() else "",
-                   page.relative_to(out).as_posix() if page.is_file() else "")
+    return Outcome(
+        model,
+        nb.stem,
+        not error,
+        seconds,
+        error,
+        data,
+        ipynb.relative_to(out).as_posix() if ipynb.is_file() else "",
+        page.relative_to(out).as_posix() if page.is_file() else "",
+    )
 
 
 def recorded_outcome(nb: Path, model: str, out: Path) -> Outcome | None:
@@ -92,10 +108,21 @@ def recorded_outcome(nb: Path, model: str, out: Path) -> Outcome | None:
         return None
     data = json.loads(rec.read_text()) if rec.is_file() else {}
     meta = json.loads(ipynb.read_text()).get("metadata", {}).get("papermill", {})
-    error = meta.get("exception") and "the notebook raised (see its html)" or (
-        "" if data.get("passed") else "no passing record")
-    return Outcome(model, nb.stem, not error, float(meta.get("duration") or 0.0), error, data,
-                   ipynb.relative_to(out).as_posix(), page.relative_to(out).as_posix() if page.is_file() else "")
+    error = (
+        meta.get("exception")
+        and "the notebook raised (see its html)"
+        or ("" if data.get("passed") else "no passing record")
+    )
+    return Outcome(
+        model,
+        nb.stem,
+        not error,
+        float(meta.get("duration") or 0.0),
+        error,
+        data,
+        ipynb.relative_to(out).as_posix(),
+        page.relative_to(out).as_posix() if page.is_file() else "",
+    )
 
 
 # -- the index -----------------------------------------------------------------------------------
@@ -106,12 +133,19 @@ def _fmt(v) -> str:
 
 
 def _figures_html(figs: dict) -> str:
-    return "<br>".join(f"<b>{html.escape(str(k))}</b> {html.escape(_fmt(v))}" for k, v in figs.items()
-                       if k not in ("model", "dtype")) or "&mdash;"
+    return (
+        "<br>".join(
+            f"<b>{html.escape(str(k))}</b> {html.escape(_fmt(v))}"
+            for k, v in figs.items()
+            if k not in ("model", "dtype")
+        )
+        or "&mdash;"
+    )
 
 
 def _summary_html(entry: dict) -> str:
     import pandas as pd
+
     rows = entry.get("summary") or []
     if not rows:
         return ""
@@ -126,16 +160,20 @@ def write_index(outcomes: list[Outcome], out: Path, meta: dict, name: str = "ind
     verdict = "FAIL" if failed or not outcomes else "PASS"
     rows, details = [], []
     for i, o in enumerate(outcomes):
-        links = " ".join(f'<a href="{html.escape(p)}">{label}</a>'
-                         for p, label in ((o.html, "html"), (o.ipynb, "ipynb")) if p)
+        links = " ".join(
+            f'<a href="{html.escape(p)}">{label}</a>' for p, label in ((o.html, "html"), (o.ipynb, "ipynb")) if p
+        )
         err = f'<pre class="err">{html.escape(o.error[:600])}</pre>' if o.error else ""
-        rows.append(f'<tr><td>{html.escape(o.model)}</td><td><a href="#d{i}">{html.escape(o.notebook)}</a></td>'
-                    f'<td class="{"pass" if o.passed else "fail"}">{"PASS" if o.passed else "FAIL"}</td>'
-                    f'<td>{o.seconds:.1f}</td><td>{_figures_html(o.record.get("figures", {}))}{err}</td>'
-                    f"<td>{links}</td></tr>")
+        rows.append(
+            f'<tr><td>{html.escape(o.model)}</td><td><a href="#d{i}">{html.escape(o.notebook)}</a></td>'
+            f'<td class="{"pass" if o.passed else "fail"}">{"PASS" if o.passed else "FAIL"}</td>'
+            f"<td>{o.seconds:.1f}</td><td>{_figures_html(o.record.get('figures', {}))}{err}</td>"
+            f"<td>{links}</td></tr>"
+        )
         body = "".join(_summary_html(e) for e in o.record.get("reports", [])) or "<p>no record written</p>"
-        details.append(f'<details id="d{i}"><summary>{html.escape(o.model)} / {html.escape(o.notebook)}</summary>'
-                       f"{body}</details>")
+        details.append(
+            f'<details id="d{i}"><summary>{html.escape(o.model)} / {html.escape(o.notebook)}</summary>{body}</details>'
+        )
     setting = " &middot; ".join(f"{html.escape(k)}: {html.escape(str(v))}" for k, v in meta.items())
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>PocketLab reports: {verdict}</title>
 <style>body{{font-family:system-ui,sans-serif;margin:2em;max-width:80em}}
@@ -147,7 +185,7 @@ details{{margin:.5em 0}} summary{{cursor:pointer;font-weight:bold}}</style></hea
 <h1>PocketLab verification: <span class="{verdict.lower()}">{verdict}</span></h1>
 <p>{len(outcomes) - len(failed)}/{len(outcomes)} notebooks passed. {setting}</p>
 <table><tr><th>model</th><th>notebook</th><th>verdict</th><th>seconds</th><th>key figures</th><th>report</th></tr>
-{''.join(rows)}</table><h2>Summaries</h2>{''.join(details)}</body></html>"""
+{"".join(rows)}</table><h2>Summaries</h2>{"".join(details)}</body></html>"""
     (out / f"{name}.html").write_text(page, encoding="utf-8")
     summary = dict(verdict=verdict, meta=meta, outcomes=[o.__dict__ for o in outcomes])
     data = out / ("summary.json" if name == "index" else f"{name}.json")
@@ -158,30 +196,54 @@ details{{margin:.5em 0}} summary{{cursor:pointer;font-weight:bold}}</style></hea
 def _meta(args, models) -> dict:
     import torch
     import transformers
+
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                timeout=10).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit = ""
-    return dict(models=", ".join(models), device=args.device, dtype=args.dtype, seed=args.seed,
-                date=time.strftime("%Y-%m-%d %H:%M"), commit=commit or "?", python=platform.python_version(),
-                torch=torch.__version__, transformers=transformers.__version__)
+    return dict(
+        models=", ".join(models),
+        device=args.device,
+        dtype=args.dtype,
+        seed=args.seed,
+        date=time.strftime("%Y-%m-%d %H:%M"),
+        commit=commit or "?",
+        python=platform.python_version(),
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+    )
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pocketlab.verify.reports", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="tiny-qwen3", help="one preset name or checkpoint folder")
-    ap.add_argument("--models", nargs="*", default=None,
-                    help=f"several models in one go; alone means the default list {DEFAULT_MODELS}")
+    ap.add_argument(
+        "--models",
+        nargs="*",
+        default=None,
+        help=f"several models in one go; alone means the default list {DEFAULT_MODELS}",
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("-p", "--param", action="append", default=[], metavar="KEY=VALUE",
-                    help="extra notebook parameter (Python literal), e.g. -p decode_steps=32")
+    ap.add_argument(
+        "-p",
+        "--param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra notebook parameter (Python literal), e.g. -p decode_steps=32",
+    )
     ap.add_argument("--notebooks", default="notebooks", help="folder holding NN_*.ipynb")
     ap.add_argument("--out", default="reports")
-    ap.add_argument("--index-only", metavar="NAME", default=None,
-                    help="run nothing: rebuild <out>/NAME.html from the notebooks that ran earlier")
+    ap.add_argument(
+        "--index-only",
+        metavar="NAME",
+        default=None,
+        help="run nothing: rebuild <out>/NAME.html from the notebooks that ran earlier",
+    )
     args = ap.parse_args(argv)
     from tqdm import tqdm
 
