@@ -3,69 +3,114 @@
 Device side, one row per slot (plus a scratch row that absorbs padding writes): attention K/V
 [slots+1, kv_heads, max_seq, head_dim] per full-attention layer; for Gated DeltaNet layers the conv
 window [slots+1, conv_dim, K-1] and the fp32 recurrent state [slots+1, Hv, dk, dv].
-Host side, per slot: position (tokens whose K/V is cached), token history, owner request.
+Host side, per slot (`SlotState`): token history (whose K/V is cached; its length is the position), owner
+request. The history is read-only outside its methods, which report every change to the registered listener.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from .config import EngineOptions, ModelConfig
+from .prefix_cache import common_len
 
 
-class TokenHistory(list):
-    """A slot's token list that remembers the lowest index changed since `changed_from` was last set.
-    Appending changes nothing below the old length; the edits the engine makes (item assignment, `del`,
-    pop, clear) lower the mark, so the prefix cache drops exactly the checkpoints and hashed blocks that
-    went stale, whoever made the edit."""
+class HistoryListener(Protocol):
+    """Told of every change to a slot's history and the rows behind it (the prefix cache registers as one)."""
 
-    def __init__(self, tokens=()):
-        super().__init__(tokens)
-        self.changed_from = 0
+    def history_changed(self, slot: int, first_changed: int) -> None:
+        """The slot's tokens from index `first_changed` on changed (appended, cut or replaced); those before it
+        did not."""
 
-    def _mark(self, i: int) -> None:
-        self.changed_from = max(0, min(self.changed_from, i))
+    def before_clear(self, slot: int) -> None:
+        """The slot is about to be cleared: its history emptied and its conv/recurrent state zeroed."""
 
-    def _first(self, i) -> int:
-        if isinstance(i, slice):
-            start, stop, step = i.indices(len(self))
-            return stop + 1 if step < 0 else start
-        return i + len(self) if i < 0 else i
-
-    def __setitem__(self, i, value):
-        self._mark(self._first(i))
-        super().__setitem__(i, value)
-
-    def __delitem__(self, i):
-        self._mark(self._first(i))
-        super().__delitem__(i)
-
-    def pop(self, i=-1):
-        self._mark(self._first(i))
-        return super().pop(i)
-
-    def clear(self):
-        self._mark(0)
-        super().clear()
+    def before_restore(self, slot: int) -> None:
+        """The slot's rows and history are about to be overwritten by a snapshot."""
 
 
-@dataclass
+class TokensView(Sequence):
+    """Read-only view of a slot's token list. It follows the list as it changes; a slice is a plain list copy,
+    so the prefix cache's comparisons of slices still run at C speed; nothing can edit the history through
+    it, so every change goes through SlotState's methods and reaches the listener."""
+
+    __slots__ = ("_tokens",)
+
+    def __init__(self, tokens: list[int]):
+        self._tokens = tokens
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def __getitem__(self, i):
+        return self._tokens[i]
+
+    def __iter__(self):
+        return iter(self._tokens)
+
+    def __eq__(self, other) -> bool:
+        return self._tokens == (other._tokens if isinstance(other, TokensView) else other)
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"TokensView({self._tokens!r})"
+
+
 class SlotState:
-    tokens: list[int] = field(default_factory=list)  # history whose K/V (or state) is in the cache
-    owner: int | None = None  # request id holding the slot, if allocated
+    """A slot's host side: its token history (whose K/V or state is in the cache) and its owner. The history
+    changes only through extend / truncate / replace, each of which reports the first index it changed to the
+    listener (`history_changed(slot, first_changed)`), so it can drop exactly the facts that went stale."""
 
-    def __setattr__(self, name, value):
-        if name == "tokens":  # a new history: changed from index 0
-            value = TokenHistory(value)
-        super().__setattr__(name, value)
+    def __init__(self, index: int):
+        self.index = index
+        self.owner: int | None = None  # request id holding the slot, if allocated
+        self._tokens: list[int] = []
+        self._view = TokensView(self._tokens)
+        self._listener: HistoryListener | None = None
+
+    def listen(self, listener: HistoryListener | None) -> None:
+        """Register the one listener told of every change (None: nobody); SlotCache.listen does it per slot."""
+        self._listener = listener
+
+    @property
+    def tokens(self) -> TokensView:
+        """The history, read-only (a view that follows later changes: copy a slice to keep one)."""
+        return self._view
 
     @property
     def position(self) -> int:
-        return len(self.tokens)
+        return len(self._tokens)
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        """Append tokens (their K/V or state was just computed)."""
+        first = len(self._tokens)
+        self._tokens.extend(tokens)
+        self._changed(first)
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n tokens (a rollback, or reuse of a prefix); truncate(0) empties the history."""
+        if not 0 <= n <= len(self._tokens):
+            raise ValueError(f"slot {self.index}: cannot truncate a history of {len(self._tokens)} tokens to {n}")
+        del self._tokens[n:]
+        self._changed(n)
+
+    def replace(self, tokens: Iterable[int]) -> None:
+        """Make `tokens` the history; the part it shares with the old one counts as unchanged."""
+        tokens = list(tokens)
+        first = common_len(self._tokens, tokens)
+        self._tokens[first:] = tokens[first:]
+        self._changed(first)
+
+    def _changed(self, first: int) -> None:
+        if self._listener is not None:
+            self._listener.history_changed(self.index, first)
 
 
 @dataclass
@@ -123,8 +168,14 @@ class SlotCache:
                 dtype=torch.float32,
             )
         self.extra: dict[str, torch.Tensor] = {}  # [rows, ...] per-slot state other parts register (MTP queue)
-        self.slots = [SlotState() for _ in range(opts.max_slots)]
-        self.watcher = None  # the prefix cache: told before a slot is cleared or restored (it may keep the rows)
+        self.slots = [SlotState(s) for s in range(opts.max_slots)]
+        self._listener: HistoryListener | None = None
+
+    def listen(self, listener: HistoryListener | None) -> None:
+        """Register the one listener told of every slot's history changes, clears and restores (None: nobody)."""
+        self._listener = listener
+        for slot in self.slots:
+            slot.listen(listener)
 
     def add_kv(self, key: str, kv_heads: int, head_dim: int) -> None:
         """One more attention KV region per slot (e.g. the MTP layer's), snapshotted like the model's."""
@@ -140,9 +191,9 @@ class SlotCache:
     # -- per-slot state ------------------------------------------------------------------------
     def clear(self, slot: int) -> None:
         """Forget a slot's sequence. K/V rows need no wipe (masked by position); recurrent state does."""
-        if self.watcher is not None:
-            self.watcher.before_clear(slot)
-        self.slots[slot].tokens = []
+        if self._listener is not None:  # before anything is zeroed: it may checkpoint the live state
+            self._listener.before_clear(slot)
+        self.slots[slot].truncate(0)
         for i in self.conv:
             self.conv[i][slot].zero_()
             self.rec[i][slot].zero_()
@@ -188,8 +239,8 @@ class SlotCache:
         return shapes
 
     def restore(self, snap: Snapshot, slot: int) -> None:
-        if self.watcher is not None:
-            self.watcher.before_restore(slot)
+        if self._listener is not None:  # before the rows are overwritten: it may retain what they hold
+            self._listener.before_restore(slot)
         n = snap.position
         for i in self.k:
             self.k[i][slot, :, :n] = snap.tensors[f"k.{i}"]
@@ -199,4 +250,4 @@ class SlotCache:
             self.rec[i][slot] = snap.tensors[f"rec.{i}"]
         for name, x in self.extra.items():
             x[slot] = snap.tensors[f"x.{name}"]
-        self.slots[slot].tokens = list(snap.tokens)
+        self.slots[slot].replace(snap.tokens)

@@ -228,7 +228,7 @@ class QwenEngine:
             hidden = self._forward(seqs, checkpoints)
             for i, (b, (s, lo, piece)) in enumerate(zip(rows, seqs)):
                 last_hidden[b] = hidden[i, len(piece) - 1]
-                self.cache.slots[s].tokens.extend(piece)
+                self.cache.slots[s].extend(piece)
                 if self.prefix is not None:
                     for t in marks[i]:
                         self.prefix.reached(s, lo + t, final=False, state=checkpoints[(i, t)])
@@ -257,7 +257,7 @@ class QwenEngine:
         seqs = [(s, self.cache.slots[s].position, [tok]) for s, tok, _ in items]
         logits = self._decode_logits(seqs)
         for s, tok, _ in items:
-            self.cache.slots[s].tokens.append(tok)
+            self.cache.slots[s].extend([tok])
         positions = [self.cache.slots[s].position for s, _, _ in items]
         tokens = sample(logits, [sp for _, _, sp in items], positions).tolist()
         return [[t] for t in tokens], logits, positions

@@ -23,16 +23,22 @@ and probes plus O(match) C-speed list comparisons per candidate; no Python loop 
 Budget: checkpoints and retained entries count against `prefix_cache_bytes`, evicted least recently used
 first (a hit refreshes what it used). Live slot rows and states are never counted and never evicted.
 
-Staleness: a slot's token list (`cache.TokenHistory`) records the lowest index changed since this cache last
-looked, so whatever edits it (prefill, decode, a speculative rollback) hashed blocks and checkpoints above the
-change are dropped before any lookup. Clearing or restoring a slot tells this cache first (`SlotCache.watcher`);
-`reset` forgets everything, so a run after it is computed exactly as on a fresh engine.
+Staleness: this cache is the slot cache's listener (`cache.HistoryListener`). A slot's history is read-only
+outside `SlotState.extend/truncate/replace`, and each of those reports the first index it changed
+(`history_changed`), so the hashed blocks and checkpoints above it are dropped at once, whoever made the edit
+(prefill, decode, a speculative rollback). A live slot record reads its tokens through the slot; only entries
+and ghosts keep a list of their own. Clearing or restoring a slot calls this cache first (`before_clear`,
+`before_restore`); `reset` forgets everything, so a run after it is computed exactly as on a fresh engine.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .cache import SlotState
 
 _SEED = 0x5EED
 
@@ -89,12 +95,22 @@ def chain_hashes(tokens, block: int, n_blocks: int, first: int = 0, prev: int = 
 class Record:
     """A reusable prefix: `tokens` and where the K/V for them lives, plus hybrid state checkpoints."""
 
-    tokens: list[int]
+    held: list[int] = field(default_factory=list)  # the tokens of an entry or a ghost (unused while live)
     slot: int | None = None  # K/V in this slot's rows; None: a retained entry holding copies in `kv`
-    live: bool = False  # the slot's live conv/recurrent state is the state at len(tokens)
+    history: SlotState | None = None  # live: the tokens are this slot's history, the live state is at its end
     kv: dict | None = None  # retained entry: {("k"|"v", layer key): [kv_heads, len(tokens), head_dim]}
     states: dict[int, dict] = field(default_factory=dict)  # position -> {("conv"|"rec", layer): copy}
     hashes: list[int] = field(default_factory=list)  # chain hash of each full block of `tokens`
+
+    @property
+    def live(self) -> bool:
+        """The slot's rows and live conv/recurrent state are those of its current history."""
+        return self.history is not None
+
+    @property
+    def tokens(self):
+        """The tokens whose K/V this record offers: read through the slot while live, else its own list."""
+        return self.history.tokens if self.history is not None else self.held
 
     def resume_point(self, shared: int, stateful: bool) -> int:
         """The longest prefix (<= shared tokens) this record can hand over: any length for K/V alone; for
@@ -111,13 +127,13 @@ class PrefixCache:
     def __init__(self, cache, options):
         self.cache = cache
         self.block, self.stride, self.budget = options.prefix_block, options.snapshot_stride, options.prefix_cache_bytes
-        self.slots = [Record(cache.slots[s].tokens, slot=s, live=True) for s in range(cache.num_slots)]
+        self.slots = [Record(slot=s, history=cache.slots[s]) for s in range(cache.num_slots)]
         self.entries: list[Record] = []  # retained entries
         self.index: dict[int, set[Record]] = {}  # chain hash -> records holding that block chain
         self.lru: OrderedDict[tuple[Record, int | None], int] = OrderedDict()  # (record, position|None) -> bytes
         self.used = 0
         self.stats = dict(prefills=0, hits=0, reused_tokens=0, computed_tokens=0, checkpoints=0, retained=0, evicted=0)
-        cache.watcher = self
+        cache.listen(self)
 
     # -- the engine's entry points -------------------------------------------------------------
     def prepare(self, slot: int, prompt: list[int]) -> int:
@@ -141,14 +157,7 @@ class PrefixCache:
             self._copy_kv(src, slot, keep, r)
         if state is not None or (self.stateful and r == 0):
             self._load_state(slot, state)
-        tokens = self.cache.slots[slot].tokens
-        if own.live and own.tokens is tokens and src is own:
-            del tokens[r:]
-        else:
-            self.cache.slots[slot].tokens = prompt[:r]
-            tokens = self.cache.slots[slot].tokens
-        own.tokens, own.live = tokens, True
-        tokens.changed_from = len(tokens)
+        self.cache.slots[slot].replace(prompt[:r])  # -> history_changed: `own` follows the slot's history
         self.stats["prefills"] += 1
         self.stats["hits"] += r > 0
         self.stats["reused_tokens"] += r
@@ -193,6 +202,19 @@ class PrefixCache:
             self._add((rec, position), nbytes)
             self.stats["checkpoints"] += 1
 
+    # -- the slot cache's listener (cache.HistoryListener) -------------------------------------------
+    def history_changed(self, slot: int, first_changed: int) -> None:
+        """The slot's tokens changed from `first_changed` on: drop the hashed blocks and checkpoints above it."""
+        rec = self.slots[slot]
+        if rec.history is None:
+            history = self.cache.slots[slot]
+            if not history.tokens:  # still empty: the rows hold the ghost's tokens
+                return
+            # the slot is written again: its rows still agree with the ghost's tokens up to the common prefix
+            first_changed = common_len(rec.held, history.tokens)
+            rec.held, rec.history = [], history
+        self._truncate(rec, first_changed)
+
     def before_clear(self, slot: int) -> None:
         """SlotCache.clear is about to forget the slot's sequence: its K/V rows stay (a ghost, still
         reusable); its live state is zeroed, so checkpoint it first."""
@@ -200,7 +222,7 @@ class PrefixCache:
         self._sync(rec)
         if rec.live and self.stateful and rec.tokens:
             self.reached(slot, len(rec.tokens), final=True)
-        rec.tokens, rec.live = list(rec.tokens), False
+        rec.held, rec.history = rec.tokens[:], None
 
     def before_restore(self, slot: int) -> None:
         """SlotCache.restore is about to overwrite the slot: keep what it held, if worth it, and start over."""
@@ -212,8 +234,7 @@ class PrefixCache:
         """Drop what was learned about one slot (or everything, retained entries included)."""
         for rec in self.slots if slot is None else [self.slots[slot]]:
             self._truncate(rec, 0)
-            rec.tokens, rec.live = self.cache.slots[rec.slot].tokens, True
-            rec.tokens.changed_from = len(rec.tokens)
+            rec.held, rec.history = [], self.cache.slots[rec.slot]
         if slot is None:
             for entry in list(self.entries):
                 self._evict((entry, None), count=False)
@@ -272,24 +293,12 @@ class PrefixCache:
         return best, best_r
 
     def _sync(self, rec: Record) -> None:
-        """Catch up with whatever changed the slot's token list since the last look."""
-        cur = self.cache.slots[rec.slot].tokens
-        if rec.live and cur is rec.tokens:
-            valid = cur.changed_from
-            if valid == len(cur) and len(rec.hashes) == valid // self.block:  # nothing new since the last look
-                return
-        elif rec.live:  # the list was replaced without telling us
-            valid = min(getattr(rec.tokens, "changed_from", 0), common_len(rec.tokens, cur))
-        elif not cur:  # ghost: the rows still hold rec.tokens
-            return
-        else:  # something filled a ghost slot without telling us
-            valid = common_len(rec.tokens, cur)
-        self._truncate(rec, valid)
-        rec.tokens, rec.live = cur, True
-        cur.changed_from = len(cur)
-        n = len(cur) // self.block
+        """Hash the blocks the record's tokens completed since the last look (stale ones are already dropped:
+        `history_changed`), so lookups find them."""
+        tokens = rec.tokens
+        n = len(tokens) // self.block
         if n > len(rec.hashes):
-            new = chain_hashes(cur, self.block, n, len(rec.hashes), rec.hashes[-1] if rec.hashes else _SEED)
+            new = chain_hashes(tokens, self.block, n, len(rec.hashes), rec.hashes[-1] if rec.hashes else _SEED)
             self._index(rec, new)
 
     def _index(self, rec: Record, hashes: list[int]) -> None:
@@ -298,9 +307,12 @@ class PrefixCache:
         rec.hashes.extend(hashes)
 
     def _truncate(self, rec: Record, n: int) -> None:
-        """Forget everything the record claims beyond its first n tokens (hashed blocks, checkpoints)."""
+        """Forget everything the record claims beyond its first n tokens (hashed blocks, checkpoints, and for
+        an entry or a ghost the tokens themselves: their rows are about to be overwritten or dropped)."""
+        if rec.history is None:
+            del rec.held[n:]
         nb = n // self.block
-        if nb >= len(rec.hashes) and not any(p > n for p in rec.states):
+        if nb >= len(rec.hashes) and (not rec.states or max(rec.states) <= n):  # e.g. an append: nothing stale
             return
         for h in rec.hashes[nb:]:
             holders = self.index.get(h)
@@ -334,7 +346,7 @@ class PrefixCache:
         if copy_live:
             states[end] = self._live_state(slot, clone=True)
         entry = Record(
-            list(rec.tokens[:end]),
+            rec.tokens[:end],
             kv={(kind, name): t[slot, :, :end].clone() for kind, name, t in banks},
             states=states,
         )
@@ -370,7 +382,7 @@ class PrefixCache:
         self.stats["evicted"] += count
         if position is None:
             self._truncate(rec, 0)
-            rec.kv, rec.tokens = None, []
+            rec.kv = None
             self.entries.remove(rec)
         else:
             rec.states.pop(position, None)

@@ -520,7 +520,7 @@ class Speculator:
         emitted, kept = accept(logits, rows, drafts)
         self._roll_back(run, seqs, kept)
         for r, (_, _, fed), c in zip(rows, seqs, kept):
-            slots[r.slot].tokens.extend(fed[:c])
+            slots[r.slot].extend(fed[:c])
         self.drafter.commit(self, rows, kept, hidden)
         self.stats.steps += 1
         self.stats.rows += len(rows)

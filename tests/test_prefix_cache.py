@@ -8,7 +8,7 @@ from conftest import DTYPE, LOGIT_TOL, greedy_continue, greedy_run, random_promp
 
 from pocketlab import BatchedRequest, verify
 from pocketlab import prefix_cache as pc
-from pocketlab.cache import TokenHistory
+from pocketlab.cache import SlotState
 from pocketlab.verify import prefix as vprefix
 
 PRESETS = ["tiny-qwen3", "tiny-qwen3_5"]
@@ -191,7 +191,7 @@ def test_restore_replaces_what_the_slot_offers(preset, engines):
 @pytest.mark.parametrize("preset", PRESETS)
 def test_rollback_below_a_checkpoint_invalidates_it(preset, engines):
     """A decode-path rollback (as speculative decoding does: restore the state, truncate the tokens) must
-    drop the checkpoints above the cut even though the prefix cache was not told."""
+    drop the checkpoints above the cut: the truncation alone tells the prefix cache."""
     eng, cold = engines(preset)
     A = random_prompt(40, seed=17)
     eng.prefill(A[:30], slot_id=0)
@@ -201,7 +201,7 @@ def test_rollback_below_a_checkpoint_invalidates_it(preset, engines):
     for prefix, bank in (("conv", cache.conv), ("rec", cache.rec), ("x", getattr(cache, "extra", {}))):
         for i, t in bank.items():
             t[0].copy_(snap.tensors[f"{prefix}.{i}"])
-    del cache.slots[0].tokens[30:]
+    cache.slots[0].truncate(30)
     tok = other(A[30])
     for _ in range(5):
         tok = eng.decode_step(tok, slot_id=0).next_token
@@ -275,24 +275,59 @@ def test_common_len_matches_a_plain_loop():
         assert pc.common_len(a, b, limit, known) == (want if limit is None else min(want, limit))
 
 
-def test_token_history_marks_the_lowest_change():
-    t = TokenHistory(range(10))
-    t.changed_from = 10
-    t.append(10)
-    t.extend([11, 12])
-    t += [13]
-    assert t.changed_from == 10 and len(t) == 14
-    for edit, low in [
-        (lambda: t.__delitem__(slice(8, None)), 8),
-        (lambda: t.__setitem__(6, 0), 6),
-        (lambda: t.pop(), 7),
-        (lambda: t.__setitem__(-4, 9), 3),
-        (lambda: t.clear(), 0),
-    ]:
-        t.changed_from = len(t)
-        edit()
-        assert t.changed_from == low, low
-    assert type(t[:2]) is list
+def test_slot_history_reports_the_first_changed_index():
+    seen = []
+
+    class Recorder:
+        def history_changed(self, slot, first_changed):
+            seen.append((slot, first_changed))
+
+    slot = SlotState(2)
+    slot.listen(Recorder())
+    slot.extend(range(10))
+    slot.extend([10, 11])
+    slot.truncate(7)
+    slot.replace([0, 1, 2, 9])  # shares 3 tokens with the old history
+    slot.replace([0, 1, 2, 9])
+    slot.truncate(0)
+    assert seen == [(2, 0), (2, 10), (2, 7), (2, 3), (2, 4), (2, 0)] and slot.position == 0
+    with pytest.raises(ValueError, match="cannot truncate"):
+        slot.truncate(1)
+
+
+def test_history_is_read_only_outside_the_slot_methods(engines):
+    """No edit can bypass the prefix cache: a slot's history changes only through SlotState's methods."""
+    eng, _ = engines("tiny-qwen3")
+    A = random_prompt(12, seed=34)
+    eng.prefill(A, slot_id=0)
+    tokens = eng.cache.slots[0].tokens
+    for edit in (
+        lambda: tokens.append(4),
+        lambda: tokens.extend([4]),
+        lambda: tokens.__setitem__(0, 9),
+        lambda: tokens.__delitem__(slice(1, None)),
+        lambda: tokens.clear(),
+    ):
+        with pytest.raises((AttributeError, TypeError)):
+            edit()
+    assert tokens == A and type(tokens[:2]) is list
+    eng.decode_step(5, slot_id=0)
+    assert tokens == A + [5] and list(tokens) == A + [5]  # the view follows the history
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_truncation_drops_stale_blocks_and_checkpoints_at_once(preset, engines):
+    eng, _ = engines(preset)
+    A = random_prompt(40, seed=32)
+    eng.prefill(A, slot_id=0)
+    eng.prefill(random_prompt(5, seed=33), slot_id=1)  # a lookup: slot 0's blocks are hashed
+    rec = eng.prefix.slots[0]
+    assert len(rec.hashes) == 40 // BLOCK and (not hybrid(eng) or max(rec.states) == 40)
+    assert rec.tokens is eng.cache.slots[0].tokens  # a live record reads the slot's history, holds no copy
+    eng.cache.slots[0].truncate(30)
+    assert len(rec.hashes) == 30 // BLOCK and all(p <= 30 for p in rec.states)
+    if hybrid(eng):
+        assert sorted(rec.states) == [8, 16, 24]
 
 
 # -- the verify check and the TTFT measurement --------------------------------------------------------
