@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from .batch import ForwardBatch
 from .cache import SlotCache, Snapshot
 from .config import EngineOptions, ModelConfig
+from .forward import ForwardContext, Run
 from .graphs import StepGraphs
 from .loader import load_weights, validate_weights
 from .models import build_model
@@ -221,17 +222,16 @@ class QwenEngine:
         last_hidden = [None] * len(items)
         for c in range(max(map(len, pieces))):
             rows = [b for b in range(len(items)) if c < len(pieces[b])]
-            seqs = [(items[b][0], pieces[b][c][0], items[b][1][slice(*pieces[b][c])]) for b in rows]
+            runs = [Run(items[b][0], pieces[b][c][0], items[b][1][slice(*pieces[b][c])]) for b in rows]
             # hybrid models: the layers hand back their state at stride multiples inside each piece
-            marks = [self.prefix.marks(lo, lo + len(piece)) if self.prefix is not None else [] for _, lo, piece in seqs]
-            checkpoints = {(i, t): {} for i, ts in enumerate(marks) for t in ts}
-            hidden = self._forward(seqs, checkpoints)
-            for i, (b, (s, lo, piece)) in enumerate(zip(rows, seqs)):
+            marks = [self.prefix.marks(lo, lo + len(piece)) if self.prefix is not None else [] for _, lo, piece in runs]
+            hidden, ctx = self._forward(runs, [(i, t) for i, ts in enumerate(marks) for t in ts])
+            for i, (b, (s, lo, piece)) in enumerate(zip(rows, runs)):
                 last_hidden[b] = hidden[i, len(piece) - 1]
                 self.cache.slots[s].extend(piece)
                 if self.prefix is not None:
                     for t in marks[i]:
-                        self.prefix.reached(s, lo + t, final=False, state=checkpoints[(i, t)])
+                        self.prefix.reached(s, lo + t, final=False, state=ctx.checkpoint_states[(i, t)])
                     self.prefix.reached(s, lo + len(piece), final=c == len(pieces[b]) - 1)
         logits = self.model.logits(torch.stack(last_hidden))
         positions = [len(t) for _, t, _ in items]
@@ -254,8 +254,8 @@ class QwenEngine:
         self._check_plan([s for s, _, _ in items], [(s, [t]) for s, t, _ in items], prefill=False)
         if self.speculator is not None:  # tokens per item: accepted drafts + one; eager, one verify forward
             return self.speculator.step(items)
-        seqs = [(s, self.cache.slots[s].position, [tok]) for s, tok, _ in items]
-        logits = self._decode_logits(seqs)
+        runs = [Run(s, self.cache.slots[s].position, [tok]) for s, tok, _ in items]
+        logits = self._decode_logits(runs)
         for s, tok, _ in items:
             self.cache.slots[s].extend([tok])
         positions = [self.cache.slots[s].position for s, _, _ in items]
@@ -263,18 +263,22 @@ class QwenEngine:
         return [[t] for t in tokens], logits, positions
 
     @torch.inference_mode()
-    def _decode_logits(self, seqs: list[tuple[int, int, list[int]]]) -> torch.Tensor:
+    def _decode_logits(self, runs: list[Run]) -> torch.Tensor:
         if self.graphs is None:
-            return self.model.logits(self._forward(seqs)[:, 0])
+            hidden, _ = self._forward(runs)
+            return self.model.logits(hidden[:, 0])
         self.forward_count += 1
-        return self.graphs.logits(seqs)
+        return self.graphs.logits(runs)
 
     @torch.inference_mode()
-    def _forward(self, seqs: list[tuple[int, int, list[int]]], checkpoints: dict | None = None) -> torch.Tensor:
+    def _forward(
+        self, runs: list[Run], checkpoints: Sequence[tuple[int, int]] = ()
+    ) -> tuple[torch.Tensor, ForwardContext]:
+        """(final-normed hidden states [B, T, hidden], the forward's context: checkpoint_states holds the linear
+        layers' states at the (row, offset) `checkpoints`)."""
         self.forward_count += 1
-        batch = ForwardBatch.build(seqs, self.cache.scratch, self.options.device)
-        batch.checkpoints = checkpoints or {}
-        hidden = self.model.forward(batch, self.cache)
+        ctx = ForwardContext.build(runs, self.cache.scratch, self.options.device, checkpoints=checkpoints)
+        hidden = self.model.forward(ctx, self.cache)
         if self.speculator is not None:  # the MTP head writes its rows for these positions (prefill)
-            self.speculator.observe(seqs, hidden)
-        return hidden
+            self.speculator.observe(runs, hidden)
+        return hidden, ctx

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import bisect
 import warnings
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from .batch import ForwardBatch
+from .forward import ForwardContext, Run
 from .layers import fused
 
 
@@ -25,56 +27,101 @@ def key_buckets(max_seq_len: int, smallest: int = 128) -> list[int]:
     return sizes + [max_seq_len]
 
 
+@dataclass
+class StaticInputs:
+    """A captured step's inputs: named views into ONE [T + 3, B] long buffer (T token rows, then slot ids, start
+    positions, lengths), so a replay loads them with one host-to-device copy. The graph reads them: they must
+    outlive it."""
+
+    buffer: torch.Tensor
+    tokens: torch.Tensor  # [B, T] (a transposed view)
+    slot_ids: torch.Tensor  # [B]
+    start: torch.Tensor  # [B]
+    lengths: torch.Tensor  # [B]
+
+    @classmethod
+    def allocate(cls, rows: int, tokens: int, scratch_slot: int, device) -> StaticInputs:
+        """Buffers for `rows` runs of `tokens` tokens, every row a filler run on the scratch slot."""
+        buffer = torch.zeros(tokens + 3, rows, dtype=torch.long, device=device)
+        inputs = cls(buffer, buffer[:tokens].t(), *buffer[tokens:])
+        inputs.slot_ids.fill_(scratch_slot)
+        inputs.lengths.fill_(tokens)
+        return inputs
+
+    def load(self, runs: list[Run], scratch_slot: int, real_lengths: bool) -> None:
+        """Copy `runs` in, each padded with token 0 to T (its length T, or its own with real_lengths); the rows
+        past them run T tokens on the scratch slot."""
+        rows, T = self.tokens.shape
+        if len(runs) > rows or any(len(run.tokens) > T for run in runs):
+            raise ValueError(
+                f"these inputs hold at most {rows} runs of {T} tokens; got {[len(r.tokens) for r in runs]}"
+            )
+        pad = rows - len(runs)
+        tokens = [run.tokens + [0] * (T - len(run.tokens)) for run in runs] + [[0] * T] * pad
+        slots = [run.slot for run in runs] + [scratch_slot] * pad
+        start = [run.start for run in runs] + [0] * pad
+        lengths = [len(run.tokens) if real_lengths else T for run in runs] + [T] * pad
+        self.buffer.copy_(torch.tensor([list(column) for column in zip(*tokens)] + [slots, start, lengths]))
+
+    def context(self, kv_len: int, scratch_slot: int) -> ForwardContext:
+        """A context over these buffers (hooks off); kv_len: the key bucket the graph attends over."""
+        return ForwardContext(
+            tokens=self.tokens,
+            slot_ids=self.slot_ids,
+            start=self.start,
+            lengths=self.lengths,
+            kv_len=kv_len,
+            scratch_slot=scratch_slot,
+        )
+
+
+class Captured(NamedTuple):
+    """One captured step: the graph, the inputs it reads and the outputs it writes."""
+
+    graph: torch.cuda.CUDAGraph
+    inputs: StaticInputs
+    outputs: object  # what the captured step returned: static tensors the replays overwrite
+
+
 class StepGraphs:
     def __init__(self, model, cache, options):
         self.model, self.cache = model, cache
         sizes = sorted({b for b in options.graph_batch_sizes if b < options.max_slots} | {options.max_slots})
         self.batch_sizes, self.key_sizes = sizes, key_buckets(options.max_seq_len)
         self.device, self.compile = options.device, options.compile
-        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
+        self.graphs: dict[tuple, Captured] = {}
         self.failed: dict[tuple, str] = {}  # key -> why its capture failed twice (those steps run eagerly)
         self.pool = None  # one memory pool for all of this engine's graphs, made at the first capture
 
-    def logits(self, seqs: list[tuple[int, int, list[int]]]) -> torch.Tensor:
-        """[B, vocab] float32 logits of one decode step; seqs hold (slot, position, [token])."""
-        out = self.replay("decode", self._decode, seqs)
+    def logits(self, runs: list[Run]) -> torch.Tensor:
+        """[B, vocab] float32 logits of one decode step; runs of one token each."""
+        out = self.replay("decode", self._decode, runs)
         if out is None:
-            batch = ForwardBatch.build(seqs, self.cache.scratch, self.device)
-            return self._decode(batch)
-        return out[: len(seqs)].clone()  # the next replay overwrites it
+            return self._decode(ForwardContext.build(runs, self.cache.scratch, self.device))
+        return out[: len(runs)].clone()  # the next replay overwrites it
 
-    def _decode(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.model.logits(self.model.forward(batch, self.cache)[:, 0])
+    def _decode(self, ctx: ForwardContext) -> torch.Tensor:
+        return self.model.logits(self.model.forward(ctx, self.cache)[:, 0])
 
-    def replay(
-        self, name: str, step, seqs: list[tuple[int, int, list[int]]], real_lengths: bool = False, beyond: int = 0
-    ):
-        """step(batch)'s outputs (static tensors, rows past len(seqs) are filler) for seqs (slot, position,
-        tokens). Every row runs T = the longest run's tokens, shorter runs padded with token 0: treated as real
-        (lengths T: the caller ignores what they produce, and every position written must fit in the slot), or,
-        with real_lengths, masked by each run's own length. `beyond`: positions past the runs that the step
+    def replay(self, name: str, step, runs: list[Run], real_lengths: bool = False, beyond: int = 0):
+        """step(ctx)'s outputs (static tensors, rows past len(runs) are filler) for `runs`. Every row runs T = the
+        longest run's tokens, shorter runs padded with token 0: treated as real (lengths T: the caller ignores
+        what they produce, and every position written must fit in the slot), or, with real_lengths, masked by
+        each run's own length. `beyond`: positions past the runs that the step
         also writes (the key bucket must hold them). None where this shape's graph cannot be captured: the
         caller runs the step eagerly."""
-        B, T = len(seqs), max(len(t) for _, _, t in seqs)
+        B, T = len(runs), max(len(run.tokens) for run in runs)
         b = self.batch_sizes[bisect.bisect_left(self.batch_sizes, B)]
-        kv = self.key_sizes[bisect.bisect_left(self.key_sizes, max(p for _, p, _ in seqs) + T + beyond)]
+        kv = self.key_sizes[bisect.bisect_left(self.key_sizes, max(run.start for run in runs) + T + beyond)]
         key = (name, b, T, kv)
         if key in self.failed:
             return None
         if key not in self.graphs and not self._capture_with_retry(key, step):
             return None
-        graph, inputs, out = self.graphs[key]
-        pad = b - B
-        rows = [t + [0] * (T - len(t)) for _, _, t in seqs] + [[0] * T] * pad
-        lengths = [len(t) if real_lengths else T for _, _, t in seqs] + [T] * pad
-        inputs.copy_(
-            torch.tensor(
-                [list(col) for col in zip(*rows)]
-                + [[s for s, _, _ in seqs] + [self.cache.scratch] * pad, [p for _, p, _ in seqs] + [0] * pad, lengths]
-            )
-        )  # one host-to-device copy
-        graph.replay()
-        return out
+        captured = self.graphs[key]
+        captured.inputs.load(runs, self.cache.scratch, real_lengths)
+        captured.graph.replay()
+        return captured.outputs
 
     def capture(self, fn):
         """(graph, outputs) of fn() captured in this engine's pool, after one warm-up run outside the graph
@@ -105,18 +152,8 @@ class StepGraphs:
         return False
 
     def _capture(self, key: tuple, step) -> None:
-        # Rows: tokens (T of them, one row per position), slot ids, start positions, lengths (all T). One static
-        # buffer that the graph reads and that outlives it; filler rows run on the scratch slot.
         _, b, T, kv = key
-        inputs = torch.zeros(T + 3, b, dtype=torch.long, device=self.device)
-        inputs[T], inputs[T + 2] = self.cache.scratch, T
-        batch = ForwardBatch(
-            tokens=inputs[:T].t(),
-            slot_ids=inputs[T],
-            start=inputs[T + 1],
-            lengths=inputs[T + 2],
-            kv_len=kv,
-            scratch_slot=self.cache.scratch,
-        )
-        graph, out = self.capture(lambda: step(batch))
-        self.graphs[key] = (graph, inputs, out)
+        inputs = StaticInputs.allocate(b, T, self.cache.scratch, self.device)
+        ctx = inputs.context(kv, self.cache.scratch)
+        graph, out = self.capture(lambda: step(ctx))
+        self.graphs[key] = Captured(graph, inputs, out)

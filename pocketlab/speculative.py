@@ -4,7 +4,7 @@ what agrees, and everything else is rolled back exactly.
 A step, for each slot b holding n tokens and feeding its last emitted token x_n:
   1. draft   a drafter proposes d_1 .. d_k (k <= EngineOptions.speculative_tokens, fewer near max_seq_len);
   2. verify  one main-model forward over [x_n, d_1 .. d_k] at positions n .. n+k for all slots together
-             (a ragged ForwardBatch: every slot may have its own k) gives target logits y_0 .. y_k;
+             (ragged runs: every slot may have its own k) gives target logits y_0 .. y_k;
   3. accept  greedy: the longest prefix with d_{i+1} == argmax y_i, plus the target's own next token;
              sampling: speculative rejection sampling (accept d with prob min(1, p(d)/q(d)), else draw from
              norm(max(0, p - q)); a bonus draw from p_k when every draft is accepted), which leaves the
@@ -49,12 +49,12 @@ counted; `Speculator.stats` has acceptance figures.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from .batch import ForwardBatch
 from .config import MAX_SPECULATIVE_TOKENS
+from .forward import ForwardContext, Run
 from .layers.gated_delta import L2_EPS, backend_name, conv_inputs, gated_delta_rule, window_at
 from .layers.linear_decode import recurrent_step
 from .sampling import SamplingParams, filtered_probs, inverse_cdf
@@ -110,7 +110,7 @@ class Drafter:
     def draft(self, spec: Speculator, rows: list[Row]) -> Drafts:
         raise NotImplementedError
 
-    def observe(self, spec: Speculator, seqs, hidden: torch.Tensor) -> None:
+    def observe(self, spec: Speculator, runs: list[Run], hidden: torch.Tensor) -> None:
         pass
 
     def commit(self, spec: Speculator, rows: list[Row], kept: list[int], hidden: torch.Tensor) -> None:
@@ -173,9 +173,9 @@ class MTPDrafter(Drafter):
         state = self.queue[torch.tensor(slots, device=self.queue.device)].tolist()
         return [c if e == end and c > 0 else 0 for (c, e), end in zip(state, ends)]
 
-    def _write_rows(self, spec, seqs, hidden: torch.Tensor) -> torch.Tensor:
-        batch = ForwardBatch.build(seqs, spec.engine.cache.scratch, spec.engine.options.device)
-        return self.head.forward(batch, hidden, spec.engine.cache)
+    def _write_rows(self, spec, runs: list[Run], hidden: torch.Tensor) -> torch.Tensor:
+        ctx = ForwardContext.build(runs, spec.engine.cache.scratch, spec.engine.options.device)
+        return self.head.forward(ctx, hidden, spec.engine.cache)
 
     def _set_queue(self, slots: list[int], src: torch.Tensor, counts: list[int], ends: list[int]) -> None:
         """queue[slot] = src[b, :counts[b]] (src [B, T, d])."""
@@ -194,29 +194,29 @@ class MTPDrafter(Drafter):
         hist = spec.engine.cache.slots[slot].tokens
         return start - count, hist[start - count + 1 : start] + [next_token]
 
-    def observe(self, spec, seqs, hidden):
-        slots = [s for s, _, _ in seqs]
-        counts = self._queues(spec, slots, [p for _, p, _ in seqs])
+    def observe(self, spec, runs, hidden):
+        slots = [run.slot for run in runs]
+        counts = self._queues(spec, slots, [run.start for run in runs])
         rows, parts = [], []
-        for b, ((s, start, toks), m) in enumerate(zip(seqs, counts)):
+        for b, ((s, start, toks), m) in enumerate(zip(runs, counts)):
             if len(spec.engine.cache.slots[s].tokens) != start:
                 m = 0
             first, toks_q = self._pending(spec, s, start, m, toks[0]) if m else (start, [])
-            rows.append((s, first, toks_q + list(toks[1:])))
+            rows.append(Run(s, first, toks_q + list(toks[1:])))
             parts.append((b, m, len(toks) - 1))
-        live = [i for i, (_, _, t) in enumerate(rows) if t]
+        live = [i for i, row in enumerate(rows) if row.tokens]
         if live:
-            T = max(len(rows[i][2]) for i in live)
+            T = max(len(rows[i].tokens) for i in live)
             hid = hidden.new_zeros(len(live), T, hidden.shape[-1])
             for j, i in enumerate(live):
                 b, m, new = parts[i]
                 if m:
-                    hid[j, :m] = self.hidden[rows[i][0], :m].to(hid.dtype)
+                    hid[j, :m] = self.hidden[rows[i].slot, :m].to(hid.dtype)
                 hid[j, m : m + new] = hidden[b, :new]
             self._write_rows(spec, [rows[i] for i in live], hid)
-        lengths = [len(t) for _, _, t in seqs]
+        lengths = [len(run.tokens) for run in runs]
         last = torch.stack([hidden[b, n - 1] for b, n in enumerate(lengths)])[:, None]
-        self._set_queue(slots, last, [1] * len(seqs), [p + n for (_, p, _), n in zip(seqs, lengths)])
+        self._set_queue(slots, last, [1] * len(runs), [run.start + n for run, n in zip(runs, lengths)])
 
     def draft(self, spec, rows):
         slots = [r.slot for r in rows]
@@ -229,13 +229,13 @@ class MTPDrafter(Drafter):
         probs: list[list] = [[] for _ in rows]
         step = [b for b, m in enumerate(counts) if m]  # a slot without a usable queue verifies no drafts
         if step:
-            seqs = [
-                (rows[b].slot, *self._pending(spec, rows[b].slot, rows[b].position, counts[b], rows[b].token))
+            runs = [
+                Run(rows[b].slot, *self._pending(spec, rows[b].slot, rows[b].position, counts[b], rows[b].token))
                 for b in step
             ]
             T = max(counts[b] for b in step)
             hid = self.hidden[torch.tensor([slots[b] for b in step], device=self.hidden.device), :T]
-            out = self._write_rows(spec, seqs, hid)
+            out = self._write_rows(spec, runs, hid)
             at = torch.tensor([counts[b] - 1 for b in step], device=out.device)
             last = out[torch.arange(len(step), device=out.device), at]  # o_{n-1} per row
         for i in range(1, spec.k + 1):  # d_i comes from MTP row t = n + i - 2
@@ -244,8 +244,8 @@ class MTPDrafter(Drafter):
                 break
             step, last = [step[j] for j in want], last[want]
             if i > 1:  # recursive row: the head's own output o_{t-1} stands in for h_t (not known yet)
-                seqs = [(rows[b].slot, rows[b].position + i - 2, [tokens[b][-1]]) for b in step]
-                last = self._write_rows(spec, seqs, last[:, None])[:, 0]
+                runs = [Run(rows[b].slot, rows[b].position + i - 2, [tokens[b][-1]]) for b in step]
+                last = self._write_rows(spec, runs, last[:, None])[:, 0]
             sub = [rows[b] for b in step]
             logits = self.head.logits(last)
             if self.trace is not None:
@@ -278,9 +278,9 @@ class MTPDrafter(Drafter):
     def _draft_graphed(self, spec, rows, counts) -> Drafts | None:
         """The draft replayed from a CUDA graph (None: it could not be captured, draft eagerly)."""
         k = spec.k
-        seqs = [(r.slot, *self._pending(spec, r.slot, r.position, c, r.token)) for r, c in zip(rows, counts)]
+        runs = [Run(r.slot, *self._pending(spec, r.slot, r.position, c, r.token)) for r, c in zip(rows, counts)]
         out = spec.engine.graphs.replay(
-            f"draft{k}", lambda batch: self._draft_step(spec, k, batch), seqs, real_lengths=True, beyond=k - 1
+            f"draft{k}", lambda ctx: self._draft_step(spec, k, ctx), runs, real_lengths=True, beyond=k - 1
         )
         if out is None:
             return None
@@ -298,24 +298,24 @@ class MTPDrafter(Drafter):
                 )  # copied: the next replay overwrites out
         return Drafts(tokens, [None] * len(rows))
 
-    def _draft_step(self, spec, k: int, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Greedy drafts [B, k] and their logits [B, k, vocab] from the queued rows in `batch` (lengths: each
+    def _draft_step(self, spec, k: int, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy drafts [B, k] and their logits [B, k, vocab] from the queued rows in `ctx` (lengths: each
         slot's queue), all on the device: the eager loop of `draft`, without its host round trips."""
         cache = spec.engine.cache
-        B, T = batch.tokens.shape
-        last = self.head.forward(batch, self.hidden[batch.slot_ids, :T], cache)
-        last = last[torch.arange(B, device=last.device), batch.lengths - 1]  # o_{n-1} per row
-        position = batch.start + batch.lengths  # n per row
+        B, T = ctx.tokens.shape
+        last = self.head.forward(ctx, self.hidden[ctx.slot_ids, :T], cache)
+        last = last[torch.arange(B, device=last.device), ctx.lengths - 1]  # o_{n-1} per row
+        position = ctx.start + ctx.lengths  # n per row
         tokens, logits = [], []
         for i in range(1, k + 1):
             if i > 1:  # recursive row t = n + i - 2, as in `draft`
-                row = ForwardBatch(
+                row = ForwardContext(
                     tokens=tokens[-1][:, None],
-                    slot_ids=batch.slot_ids,
+                    slot_ids=ctx.slot_ids,
                     start=position + (i - 2),
                     lengths=torch.ones_like(position),
-                    kv_len=batch.kv_len,
-                    scratch_slot=batch.scratch_slot,
+                    kv_len=ctx.kv_len,
+                    scratch_slot=ctx.scratch_slot,
                 )
                 last = self.head.forward(row, last[:, None], cache)[:, 0]
             logits.append(self.head.logits(last))
@@ -488,9 +488,9 @@ class Speculator:
         return drafter
 
     @torch.inference_mode()
-    def observe(self, seqs, hidden: torch.Tensor) -> None:
+    def observe(self, runs: list[Run], hidden: torch.Tensor) -> None:
         """Every main forward outside verification (prefill chunks) passes its hidden states here."""
-        self.drafter.observe(self, seqs, hidden)
+        self.drafter.observe(self, runs, hidden)
 
     @torch.inference_mode()
     def step(self, items: list[tuple[int, int, SamplingParams]]):
@@ -507,19 +507,19 @@ class Speculator:
             bad = [t for t in d if not isinstance(t, int) or not 0 <= t < eng.cfg.vocab_size]
             if bad:
                 raise ValueError(f"drafter {self.drafter.name!r} proposed token(s) outside the vocabulary: {bad[:5]}")
-        seqs = [(r.slot, r.position, [r.token] + d) for r, d in zip(rows, drafts.tokens)]
-        run = eng.graphs.replay("verify", self._verify_step, seqs) if self._graphed(seqs) else None
+        runs = [Run(r.slot, r.position, [r.token] + d) for r, d in zip(rows, drafts.tokens)]
+        run = eng.graphs.replay("verify", self._verify_step, runs) if self._graphed(runs) else None
         if run is not None:
             run.graphed = [] if run.graphed is None else run.graphed
             hidden, logits = run.hidden[: len(rows)], run.logits[: len(rows)]
         else:
-            batch = ForwardBatch.build(seqs, eng.cache.scratch, eng.options.device)
-            run = self._verify_step(batch, min(len(fed) for _, _, fed in seqs))
+            ctx = ForwardContext.build(runs, eng.cache.scratch, eng.options.device)
+            run = self._verify_step(ctx, min(len(fed) for _, _, fed in runs))
             hidden, logits = run.hidden, run.logits
         eng.forward_count += 1
         emitted, kept = accept(logits, rows, drafts)
-        self._roll_back(run, seqs, kept)
-        for r, (_, _, fed), c in zip(rows, seqs, kept):
+        self._roll_back(run, runs, kept)
+        for r, (_, _, fed), c in zip(rows, runs, kept):
             slots[r.slot].extend(fed[:c])
         self.drafter.commit(self, rows, kept, hidden)
         self.stats.steps += 1
@@ -530,39 +530,35 @@ class Speculator:
         last = logits[torch.arange(len(rows), device=logits.device), torch.tensor(kept, device=logits.device) - 1]
         return emitted, last, [r.position + c for r, c in zip(rows, kept)]
 
-    def _graphed(self, seqs) -> bool:
+    def _graphed(self, runs: list[Run]) -> bool:
         """The verify step replays a CUDA graph when the engine captures graphs, its per-token delta rule is
         capturable (the in-place Triton step or our torch one; fla's is not captured) and every run, padded to
         the longest (padding positions count as real; what they write is never kept), still fits in its slot."""
-        eng, T = self.engine, max(len(fed) for _, _, fed in seqs)
+        eng, T = self.engine, max(len(run.tokens) for run in runs)
         capturable = getattr(eng.model, "in_place", False) or backend_name(eng.options.device) == "torch"
         return (
             eng.graphs is not None
             and self.rollback == "states"
             and capturable
-            and all(p + T <= eng.options.max_seq_len for _, p, _ in seqs)
+            and all(run.start + T <= eng.options.max_seq_len for run in runs)
         )
 
-    def _verify_step(self, batch: ForwardBatch, shortest: int | None = None) -> VerifyRun:
+    def _verify_step(self, ctx: ForwardContext, shortest: int | None = None) -> VerifyRun:
         """The main-model forward over every fed run, keeping what a rollback needs (eager, or captured: then
         every position is real). shortest: the fewest tokens any run feeds (None: all of them)."""
         eng = self.engine
-        shortest = batch.tokens.shape[1] if shortest is None else shortest
-        log: dict = {}
+        shortest = ctx.tokens.shape[1] if shortest is None else shortest
         states = _StatesRule(shortest, getattr(eng.model, "in_place", False)) if self.rollback == "states" else None
-        eng.model.record = {"gdn_log": log} | ({"delta_rule": states} if states is not None else {})
-        try:
-            hidden = eng.model.forward(batch, eng.cache)
-        finally:
-            eng.model.record = None
-        return VerifyRun(batch, hidden, eng.model.logits(hidden), log, states)
+        ctx = replace(ctx, gdn_log={}, delta_rule=states)
+        hidden = eng.model.forward(ctx, eng.cache)
+        return VerifyRun(ctx, hidden, eng.model.logits(hidden), ctx.gdn_log, states)
 
-    def _roll_back(self, run: VerifyRun, seqs, kept: list[int]) -> None:
+    def _roll_back(self, run: VerifyRun, runs: list[Run], kept: list[int]) -> None:
         """Gated DeltaNet conv and recurrent state of every slot that rejected something -> after its kept tokens.
         A replayed verify graph ran every row over T tokens, so there every row short of T is restored, by a
         second graph captured with it (eagerly should that capture fail)."""
-        T, graphed = run.batch.tokens.shape[1], run.graphed is not None
-        short = [b for b, ((_, _, fed), c) in enumerate(zip(seqs, kept)) if c < (T if graphed else len(fed))]
+        T, graphed = run.ctx.tokens.shape[1], run.graphed is not None
+        short = [b for b, ((_, _, fed), c) in enumerate(zip(runs, kept)) if c < (T if graphed else len(fed))]
         if not short or not run.log:
             return
         if graphed and self._restore_graph(run):
@@ -570,19 +566,19 @@ class Speculator:
             keep.copy_(torch.tensor(kept + [T] * (len(rows) - len(kept))))
             graph.replay()
             return
-        idx = torch.tensor(short, device=run.batch.slot_ids.device)
+        idx = torch.tensor(short, device=run.ctx.slot_ids.device)
         self._restore(
-            run.batch.slot_ids[idx], idx, torch.tensor([kept[b] for b in short], device=idx.device), run.log, run.states
+            run.ctx.slot_ids[idx], idx, torch.tensor([kept[b] for b in short], device=idx.device), run.log, run.states
         )
 
     def _restore_graph(self, run: VerifyRun) -> bool:
         """Capture (once per verify graph) the rollback of every row; False if that capture failed."""
         if not run.graphed:
-            rows = torch.arange(run.batch.tokens.shape[0], device=run.batch.slot_ids.device)
-            keep = torch.full_like(rows, run.batch.tokens.shape[1])  # while capturing every row keeps all: a no-op
+            rows = torch.arange(run.ctx.tokens.shape[0], device=run.ctx.slot_ids.device)
+            keep = torch.full_like(rows, run.ctx.tokens.shape[1])  # while capturing every row keeps all: a no-op
             try:
                 graph, _ = self.engine.graphs.capture(
-                    lambda: self._restore(run.batch.slot_ids, rows, keep, run.log, run.states)
+                    lambda: self._restore(run.ctx.slot_ids, rows, keep, run.log, run.states)
                 )
             except RuntimeError:
                 run.graphed.append(None)
@@ -609,7 +605,7 @@ class Speculator:
 class VerifyRun:
     """What one verify forward leaves for accepting and rolling back; static buffers when it was a graph."""
 
-    batch: ForwardBatch
+    ctx: ForwardContext  # the verify forward's context (its hooks on)
     hidden: torch.Tensor  # [B, T, hidden] final-normed
     logits: torch.Tensor  # [B, T, vocab] float32
     log: dict  # per GDN layer: (conv inputs, start window, delta-rule inputs and start state)

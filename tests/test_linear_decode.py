@@ -72,9 +72,9 @@ def test_engine_decodes_the_same_either_way(make_engine):
     for kind in ("triton", "torch"):
         engine = make_engine("tiny-qwen3_5", linear_decode=kind, max_slots=3)
         assert all(
-            getattr(m, "in_place", False) == (kind == "triton")
-            for _, m, _, _ in engine.model.layers
-            if hasattr(m, "conv_weight")
+            getattr(layer.mixer, "in_place", False) == (kind == "triton")
+            for layer in engine.model.layers
+            if hasattr(layer.mixer, "conv_weight")
         )
         reqs = [BatchedRequest(i, random_prompt(n, seed=n), slot_id=i) for i, n in enumerate((5, 23, 40))]
         engine.batch_prefill(reqs)

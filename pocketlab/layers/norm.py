@@ -30,3 +30,17 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (weight * xf.to(x.dtype) * torch.nn.functional.silu(gate.float())).to(x.dtype)
+
+
+class RMSNorm:
+    """A pre-norm with the residual add before it: (h, None) -> (norm(h), h) for the first layer, then
+    (h, residual) -> (norm(residual + h), residual + h), the add and the norm one kernel on CUDA."""
+
+    def __init__(self, weight: torch.Tensor, eps: float, offset: bool = False):
+        self.weight, self.eps, self.offset = weight, eps, offset
+
+    def __call__(self, h: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return rms_norm(h, self.weight, self.eps, self.offset), h
+        residual, h = add_rms_norm(residual, h, self.weight, self.eps, self.offset)
+        return h, residual

@@ -7,7 +7,7 @@ For a sequence x_0 .. x_n with main-model final-normed hidden states h_t, the he
     logits_t = lm_head(o_t)  ~  a guess for x_{t+2}
 
 with the embedding and lm_head shared with the main model and every norm in Qwen3.5's (1 + w) form.
-The block is exactly a main-model full-attention layer (Attention(gated=True) + MLP) with its own KV
+The block is exactly a main-model full-attention layer (DecoderLayer: Attention(gated=True) + MLP), own KV
 per slot, stored in SlotCache.k/v under the key "mtp" so snapshots and copies carry it.
 
 Position convention: row t (the pair h_t, x_{t+1}) is written to MTP KV index t and rotated at position t,
@@ -26,11 +26,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..batch import ForwardBatch
 from ..cache import SlotCache
 from ..config import ModelConfig
-from ..layers.norm import rms_norm
-from .qwen3 import MLP, Attention
+from ..forward import ForwardContext
+from ..layers.norm import RMSNorm, rms_norm
+from .qwen3 import Attention, DecoderLayer
 
 KV_KEY = "mtp"
 
@@ -45,33 +45,30 @@ class MTPHead:
         if cfg.mtp_use_dedicated_embeddings:
             raise ValueError("mtp_use_dedicated_embeddings=true: pocketlab's MTP head shares the main embedding")
         self.cfg, self.main = cfg, main
+        eps = cfg.rms_norm_eps
         self.fc = w.pop("mtp.fc.weight")
         self.norm_embed = w.pop("mtp.pre_fc_norm_embedding.weight")
         self.norm_hidden = w.pop("mtp.pre_fc_norm_hidden.weight")
         p = "mtp.layers.0."
-        self.norm1 = w.pop(p + "input_layernorm.weight")
-        self.attn = Attention(cfg, w, p + "self_attn.", KV_KEY, gated=True)
-        self.norm2 = w.pop(p + "post_attention_layernorm.weight")
-        self.mlp = MLP(w, p + "mlp.")
-        self.norm = w.pop("mtp.norm.weight")
+        self.layer = DecoderLayer(w, p, Attention(cfg, w, p + "self_attn.", KV_KEY, gated=True), eps, True)
+        self.norm = RMSNorm(w.pop("mtp.norm.weight"), eps, True)
 
     def register(self, cache: SlotCache) -> None:
         """Give every slot a KV region for the MTP layer."""
         if KV_KEY not in cache.k:
             cache.add_kv(KV_KEY, self.cfg.num_key_value_heads, self.cfg.head_dim)
 
-    def forward(self, batch: ForwardBatch, hidden: torch.Tensor, cache: SlotCache) -> torch.Tensor:
-        """Rows (h_t, x_{t+1}): batch.tokens[b, j] = x_{t+1}, hidden[b, j] = h_t, t = batch.start[b] + j.
+    def forward(self, ctx: ForwardContext, hidden: torch.Tensor, cache: SlotCache) -> torch.Tensor:
+        """Rows (h_t, x_{t+1}): ctx.tokens[b, j] = x_{t+1}, hidden[b, j] = h_t, t = ctx.start[b] + j.
 
         Writes the MTP KV at index t for each row and returns the normed outputs o_t [B, T, hidden]
         (feed them to `logits`, or back in as the hidden state of the next recursive row)."""
         eps = self.cfg.rms_norm_eps
-        e = rms_norm(F.embedding(batch.tokens, self.main.embed), self.norm_embed, eps, True)
+        e = rms_norm(F.embedding(ctx.tokens, self.main.embed), self.norm_embed, eps, True)
         x = F.linear(torch.cat([e, rms_norm(hidden.to(e.dtype), self.norm_hidden, eps, True)], dim=-1), self.fc)
-        ctx = self.main.context(batch)
-        x = x + self.attn(rms_norm(x, self.norm1, eps, True), batch, cache, ctx)
-        x = x + self.mlp(rms_norm(x, self.norm2, eps, True))
-        return rms_norm(x, self.norm, eps, True)
+        ctx.prepare(self.main.rotary, self.main.decode_kernel)
+        h, residual = self.layer(x, None, ctx, cache)
+        return self.norm(h, residual)[0]
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         return self.main.logits(out)

@@ -5,14 +5,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..batch import ForwardBatch
 from ..cache import SlotCache
 from ..config import ModelConfig
+from ..forward import AttentionPath, ForwardContext
 from ..layers.attention import cached_attention, write_kv
 from ..layers.decode_attention import available as decode_attention_available
 from ..layers.decode_attention import decode_attention
 from ..layers.fused import cuda_compiled
-from ..layers.norm import add_rms_norm, rms_norm
+from ..layers.norm import RMSNorm
 from ..layers.rotary import Rotary, norm_and_rotate
 
 
@@ -33,10 +33,11 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 class Attention:
-    """Full attention; `gated` is Qwen3.5's variant (q_proj also emits a sigmoid output gate, (1+w) norms)."""
+    """Full attention; `gated` is Qwen3.5's variant (q_proj also emits a sigmoid output gate, (1+w) norms).
+    kv_key: where this layer's K/V live in the SlotCache (the layer index, or a name such as the MTP head's)."""
 
-    def __init__(self, cfg: ModelConfig, w: dict, p: str, layer: int, gated: bool = False):
-        self.cfg, self.layer, self.gated = cfg, layer, gated
+    def __init__(self, cfg: ModelConfig, w: dict, p: str, kv_key: int | str, gated: bool = False):
+        self.cfg, self.kv_key, self.gated = cfg, kv_key, gated
         self.nq, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_size = self.nq * self.hd * (2 if gated else 1)
         names = ("q_proj", "k_proj", "v_proj")
@@ -46,7 +47,7 @@ class Attention:
         self.q_norm = w.pop(p + "q_norm.weight", None)
         self.k_norm = w.pop(p + "k_norm.weight", None)
 
-    def __call__(self, x, batch: ForwardBatch, cache: SlotCache, ctx: dict):
+    def __call__(self, x, ctx: ForwardContext, cache: SlotCache):
         B, T, _ = x.shape
         q, k, v = F.linear(x, self.qkv, self.qkv_bias).split(
             [self.q_size, self.nkv * self.hd, self.nkv * self.hd], dim=-1
@@ -55,31 +56,49 @@ class Attention:
             q, gate = q.view(B, T, self.nq, 2 * self.hd).chunk(2, dim=-1)
             gate = gate.reshape(B, T, self.nq * self.hd)
         q, k, v = q.reshape(B, T, self.nq, self.hd), k.view(B, T, self.nkv, self.hd), v.view(B, T, self.nkv, self.hd)
-        k_cache, v_cache, eps = cache.k[self.layer], cache.v[self.layer], self.cfg.rms_norm_eps
-        if ctx["mask"] is None:  # one token per row on CUDA: one kernel norms, rotates, stores K/V and attends
+        k_cache, v_cache, eps = cache.k[self.kv_key], cache.v[self.kv_key], self.cfg.rms_norm_eps
+        if ctx.attention is AttentionPath.DECODE_KERNEL:  # one kernel norms, rotates, stores K/V and attends
             norms = (self.q_norm, self.k_norm, eps, self.gated) if self.q_norm is not None else None
-            rope = tuple(t[:, 0, 0] for t in ctx["rope"])
+            rope = tuple(t[:, 0, 0] for t in ctx.rope)
             out = decode_attention(
                 q[:, 0],
                 k[:, 0],
                 v[:, 0],
                 k_cache,
                 v_cache,
-                batch.slot_ids,
-                ctx["lengths"],
-                batch.kv_len,
+                ctx.slot_ids,
+                ctx.kv_lengths,
+                ctx.kv_len,
                 self.hd**-0.5,
                 rope,
                 norms,
             )[:, None]
         else:
-            q, k = norm_and_rotate(q, k, self.q_norm, self.k_norm, *ctx["rope"], eps, self.gated)
-            write_kv(k_cache, v_cache, k, v, batch, ctx["targets"])
-            out = cached_attention(q, k_cache, v_cache, batch, ctx["mask"], self.hd**-0.5)
+            q, k = norm_and_rotate(q, k, self.q_norm, self.k_norm, *ctx.rope, eps, self.gated)
+            write_kv(k_cache, v_cache, k, v, ctx.kv_targets)
+            out = cached_attention(q, k_cache, v_cache, ctx, self.hd**-0.5)
         out = out.reshape(B, T, self.nq * self.hd)
         if self.gated:
             out = out * torch.sigmoid(gate)
         return F.linear(out, self.o)
+
+
+class DecoderLayer:
+    """One pre-norm decoder block: a token mixer (Attention, or Qwen3.5's GatedDeltaNet) then an MLP, each
+    behind a residual add that RMSNorm fuses with the norm after it. residual None: the first block."""
+
+    def __init__(self, w: dict, p: str, mixer, eps: float, offset: bool):
+        self.input_norm = RMSNorm(w.pop(p + "input_layernorm.weight"), eps, offset)
+        self.mixer = mixer
+        self.post_norm = RMSNorm(w.pop(p + "post_attention_layernorm.weight"), eps, offset)
+        self.mlp = MLP(w, p + "mlp.")
+
+    def __call__(self, h, residual, ctx: ForwardContext, cache: SlotCache):
+        h, residual = self.input_norm(h, residual)
+        h = self.mixer(h, ctx, cache)
+        h, residual = self.post_norm(h, residual)
+        h = self.mlp(h)
+        return h, residual
 
 
 class DecoderModel:
@@ -89,9 +108,10 @@ class DecoderModel:
 
     def __init__(self, cfg: ModelConfig, w: dict, opts):
         self.cfg = cfg
+        eps = cfg.rms_norm_eps
         self.embed = w.pop("model.embed_tokens.weight")
         self.lm_head = self.embed if cfg.tie_word_embeddings else w.pop("lm_head.weight")
-        self.final_norm = w.pop("model.norm.weight")
+        self.final_norm = RMSNorm(w.pop("model.norm.weight"), eps, self.norm_offset)
         self.decode_kernel = opts.decode_attention == "triton" or (
             opts.decode_attention == "auto" and decode_attention_available(opts.device)
         )
@@ -99,40 +119,18 @@ class DecoderModel:
         self.layers = []
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
-            self.layers.append(
-                (
-                    w.pop(p + "input_layernorm.weight"),
-                    self.make_mixer(w, p, i),
-                    w.pop(p + "post_attention_layernorm.weight"),
-                    MLP(w, p + "mlp."),
-                )
-            )
+            self.layers.append(DecoderLayer(w, p, self.make_mixer(w, p, i), eps, self.norm_offset))
 
     def make_mixer(self, w: dict, p: str, i: int):
         return Attention(self.cfg, w, p + "self_attn.", i)
 
-    def context(self, batch: ForwardBatch) -> dict:
-        """Per-forward tensors shared by all layers (computed once, not per layer)."""
-        positions = batch.positions
-        if batch.tokens.shape[1] == 1 and self.decode_kernel:  # the decode kernel writes K/V itself
-            return {"rope": self.rotary.table(positions), "mask": None, "lengths": batch.start + 1}
-        return {
-            "rope": self.rotary.table(positions),
-            "targets": batch.write_targets(positions),
-            "mask": batch.attention_mask(positions),
-        }
-
-    def forward(self, batch: ForwardBatch, cache: SlotCache) -> torch.Tensor:
-        """Final-normed hidden states [B, T, hidden] for every token of the batch."""
-        eps, off = self.cfg.rms_norm_eps, self.norm_offset
-        ctx = self.context(batch)
-        x = F.embedding(batch.tokens, self.embed)
-        h = rms_norm(x, self.layers[0][0], eps, off)
-        next_norms = [layer[0] for layer in self.layers[1:]] + [self.final_norm]
-        for (_, mixer, norm2, mlp), next_norm in zip(self.layers, next_norms):
-            x, h = add_rms_norm(x, mixer(h, batch, cache, ctx), norm2, eps, off)
-            x, h = add_rms_norm(x, mlp(h), next_norm, eps, off)
-        return h
+    def forward(self, ctx: ForwardContext, cache: SlotCache) -> torch.Tensor:
+        """Final-normed hidden states [B, T, hidden] for every token of the context's runs."""
+        ctx.prepare(self.rotary, self.decode_kernel)
+        h, residual = F.embedding(ctx.tokens, self.embed), None
+        for layer in self.layers:
+            h, residual = layer(h, residual, ctx, cache)
+        return self.final_norm(h, residual)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head).float()

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..batch import ForwardBatch
 from ..cache import SlotCache
 from ..config import ModelConfig
+from ..forward import ForwardContext
 from ..layers.decode_attention import available as triton_available
 from ..layers.fused import cuda_compiled
 from ..layers.gated_delta import L2_EPS, causal_conv1d, conv_inputs, gated_delta_rule
@@ -33,39 +33,39 @@ class GatedDeltaNet:
         self.norm = w.pop(p + "norm.weight")
         self.out = w.pop(p + "out_proj.weight")
 
-    def __call__(self, x, batch: ForwardBatch, cache: SlotCache, ctx: dict):
+    def __call__(self, x, ctx: ForwardContext, cache: SlotCache):
         B, T, _ = x.shape
         qkv, z, b, a = F.linear(x, self.in_proj).split(self.splits, dim=-1)
         conv, rec = cache.conv[self.layer], cache.rec[self.layer]
-        if T == 1 and self.in_place and not ctx.keys() & {"delta_rule", "gdn_log"}:
-            o = self._step_in_place(qkv[:, 0], b, a, conv, rec, batch.slot_ids)[:, None]
+        if T == 1 and self.in_place and ctx.delta_rule is None and ctx.gdn_log is None:
+            o = self._step_in_place(qkv[:, 0], b, a, conv, rec, ctx.slot_ids)[:, None]
         else:
-            o = self._run_gathered(qkv, b, a, conv, rec, batch, ctx)
+            o = self._run_gathered(qkv, b, a, conv, rec, ctx)
         o = gated_rms_norm(o, z.reshape(B, T, self.hv, self.dv), self.norm, self.cfg.rms_norm_eps)
         return F.linear(o.reshape(B, T, self.hv * self.dv), self.out)
 
-    def _run_gathered(self, qkv_in, b, a, conv, rec, batch: ForwardBatch, ctx: dict) -> torch.Tensor:
+    def _run_gathered(self, qkv_in, b, a, conv, rec, ctx: ForwardContext) -> torch.Tensor:
         """Any number of tokens: gather the slots' states, run conv and delta rule on the copies, scatter back.
         Returns [B, T, Hv, dv]."""
         B, T, _ = qkv_in.shape
-        conv0, rec0 = conv[batch.slot_ids], rec[batch.slot_ids]  # gathered copies: the states before this forward
-        lengths = batch.lengths if T > 1 else None  # one token per row is always real: skip the padding masks
-        qkv, conv[batch.slot_ids] = causal_conv1d(qkv_in, conv0, self.conv_weight, lengths)
+        conv0, rec0 = conv[ctx.slot_ids], rec[ctx.slot_ids]  # gathered copies: the states before this forward
+        lengths = ctx.lengths if T > 1 else None  # one token per row is always real: skip the padding masks
+        qkv, conv[ctx.slot_ids] = causal_conv1d(qkv_in, conv0, self.conv_weight, lengths)
         q, k, v = qkv.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
         group = self.hv // self.hk  # value head j reads key head j // group
         q = q.reshape(B, T, self.hk, self.dk).repeat_interleave(group, dim=2)
         k = k.reshape(B, T, self.hk, self.dk).repeat_interleave(group, dim=2)
         v = v.reshape(B, T, self.hv, self.dv)
         g, beta = decay_and_beta(a, b, self.neg_A, self.dt_bias)
-        rule = ctx.get("delta_rule", gated_delta_rule)  # speculative verify may keep per-position states
-        if batch.checkpoints:
-            o, rec[batch.slot_ids] = self._with_checkpoints(
-                rule, (q, k, v, g, beta), rec0, lengths, batch, conv_inputs(conv0, qkv_in), conv.dtype
+        rule = gated_delta_rule if ctx.delta_rule is None else ctx.delta_rule  # verify may keep every state
+        if ctx.checkpoints:
+            o, rec[ctx.slot_ids] = self._with_checkpoints(
+                rule, (q, k, v, g, beta), rec0, lengths, ctx, conv_inputs(conv0, qkv_in), conv.dtype
             )
         else:
-            o, rec[batch.slot_ids] = rule(q, k, v, g, beta, rec0, lengths)
-        if "gdn_log" in ctx:  # speculative verify: what rolling back to an accepted prefix needs
-            ctx["gdn_log"][self.layer] = (qkv_in, conv0, (q, k, v, g, beta, rec0))
+            o, rec[ctx.slot_ids] = rule(q, k, v, g, beta, rec0, lengths)
+        if ctx.gdn_log is not None:  # speculative verify: what rolling back to an accepted prefix needs
+            ctx.gdn_log[self.layer] = (qkv_in, conv0, (q, k, v, g, beta, rec0))
         return o
 
     def _step_in_place(self, qkv, b, a, conv, rec, slot_ids) -> torch.Tensor:
@@ -86,11 +86,12 @@ class GatedDeltaNet:
         )
 
     def _with_checkpoints(
-        self, rule, inputs, state, lengths, batch: ForwardBatch, full: torch.Tensor, conv_dtype: torch.dtype
+        self, rule, inputs, state, lengths, ctx: ForwardContext, full: torch.Tensor, conv_dtype: torch.dtype
     ):
         """The delta rule in segments ending at each requested offset, handing back the state there (prefix-cache
-        checkpoints without cutting the forward). full: gated_delta.conv_inputs of this forward."""
-        offsets = sorted({t for _, t in batch.checkpoints})
+        checkpoints without cutting the forward) in ctx.checkpoint_states. full: gated_delta.conv_inputs of this
+        forward."""
+        offsets = sorted({t for _, t in ctx.checkpoints})
         bounds, outs, states = [0, *offsets, inputs[0].shape[1]], [], {}
         for lo, hi in zip(bounds, bounds[1:]):
             seg = None if lengths is None else (lengths - lo).clamp(0, hi - lo)  # rows that ended stay unchanged
@@ -98,7 +99,8 @@ class GatedDeltaNet:
             outs.append(o)
             states[hi] = state
         window = full.shape[-1] - inputs[0].shape[1]
-        for (row, t), dst in batch.checkpoints.items():
+        for row, t in ctx.checkpoints:
+            dst = ctx.checkpoint_states[(row, t)]
             dst[("conv", self.layer)] = full[row, :, t : t + window].to(conv_dtype, copy=True)
             dst[("rec", self.layer)] = states[t][row].clone()
         return torch.cat(outs, dim=1), state
@@ -112,7 +114,6 @@ def decay_and_beta(a: torch.Tensor, b: torch.Tensor, neg_A: torch.Tensor, dt_bia
 
 class HybridModel(DecoderModel):
     norm_offset = True  # Qwen3.5 norms scale by (1 + w)
-    record: dict | None = None  # extra per-forward context set by pocketlab.speculative while it verifies
 
     def __init__(self, cfg: ModelConfig, w: dict, opts):
         pow2 = all(n & (n - 1) == 0 for n in (cfg.linear_key_head_dim, cfg.linear_value_head_dim))
@@ -127,10 +128,6 @@ class HybridModel(DecoderModel):
             self.mtp = MTPHead(cfg, w, self)
         for name in [n for n in w if n.startswith("mtp.")]:
             w.pop(name)
-
-    def context(self, batch: ForwardBatch) -> dict:
-        ctx = super().context(batch)
-        return ctx if self.record is None else ctx | self.record
 
     def make_mixer(self, w: dict, p: str, i: int):
         if self.cfg.layer_types[i] == "full_attention":
