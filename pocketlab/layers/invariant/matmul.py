@@ -37,7 +37,9 @@ def config(N: int, K: int, dtype: torch.dtype) -> Tiles:
 
     16-bit: 64 x 64 tiles (one Hopper warpgroup MMA) stepping 128 along K; 128-wide N tiles only where N alone
     gives two programs per SM (lm_head), as larger tiles help prefill. float32 runs IEEE FMA dots in smaller
-    tiles. The split count tops the weight's N tiles up to about PROGRAMS_WANTED programs at M <= block_m.
+    tiles. The split count tops the weight's N tiles up to about PROGRAMS_WANTED programs at M <= block_m; it
+    holds for prefill too, where writing and reading the fp32 partials (8 bytes per output and slice) costs
+    about what the arithmetic of a 1024-long slice does, the price of one order for every M.
     """
     if N <= 0 or K <= 0:
         raise ValueError(f"linear needs N, K >= 1, got N={N}, K={K}")
@@ -165,11 +167,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return y.reshape(*lead, N)
     has_bias = bias is not None
     bias_arg = bias.contiguous() if has_bias else y  # never read without HAS_BIAS
+    upcast = x.dtype == torch.bfloat16 and x.device.type == "cpu"  # Triton's interpreter: see _matmul
     kernel_args = dict(
         K_PER_SPLIT=tiles.k_per_split,
         HAS_BIAS=has_bias,
-        IEEE=x.dtype == torch.float32,
-        UPCAST=x.dtype == torch.bfloat16 and x.device.type == "cpu",
+        IEEE=x.dtype == torch.float32 or upcast,
+        UPCAST=upcast,
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k,
