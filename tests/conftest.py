@@ -7,8 +7,12 @@ import sys
 import pytest
 import torch
 
-from pocketlab import EngineOptions, QwenEngine
-from pocketlab.synthetic import write_checkpoint
+# no GPU: Triton kernels run in Triton's CPU interpreter, a flag read as each kernel is decorated (so before pocketlab)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pocketlab import EngineOptions, QwenEngine  # noqa: E402
+from pocketlab.synthetic import write_checkpoint  # noqa: E402
 
 DEVICE = os.environ.get("POCKETLAB_DEVICE", "cpu")
 DTYPE = os.environ.get("POCKETLAB_DTYPE", "float32")

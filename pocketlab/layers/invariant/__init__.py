@@ -1,0 +1,11 @@
+"""Batch-invariant kernels: a row's result is bitwise the same whatever other rows share the call.
+
+Every reduction a row takes part in runs in an order fixed by the weight's or row's shape, never by the
+number of rows, so batch size, padding buckets, prefill chunking and multi-token verify steps cannot change a
+request's logits. Needs Triton (a GPU, or TRITON_INTERPRET=1 on the CPU).
+"""
+
+from .matmul import Tiles, config, linear
+from .norm import add_rms_norm, gated_rms_norm, rms_norm
+
+__all__ = ["Tiles", "add_rms_norm", "config", "gated_rms_norm", "linear", "rms_norm"]

@@ -1,0 +1,216 @@
+"""Batch-invariant linear and RMSNorms: torch's accuracy, and each row bitwise the same in any batch
+(natively on CUDA, through Triton's interpreter on the CPU; conftest turns the interpreter on there)."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+    pytest.skip("needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
+
+from invariance import assert_rows_invariant  # noqa: E402
+
+from pocketlab.layers import invariant as inv  # noqa: E402
+from pocketlab.layers import norm as torch_norm  # noqa: E402
+from pocketlab.layers.invariant import matmul  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+EPS = 1e-6
+# (N, K) with K split in slices (one shape per dtype: the tiles differ), and one slice with N and K off the tiles
+SPLIT_SHAPE = {torch.float32: (40, 300), torch.bfloat16: (40, 1030)}
+PLAIN_SHAPE = (100, 70)
+
+
+def randn(*shape, dtype=torch.float32, scale=1.0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen) * scale).to(DEV, dtype)
+
+
+def close(got, want, dtype):
+    """float32: a few ulps of the output scale; 16-bit: a couple of rounding steps."""
+    tol = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}[dtype]
+    err = (got.float() - want.float()).abs().max().item()
+    assert err <= tol * max(1.0, want.float().abs().max().item()), err
+
+
+def test_config_fills_the_gpu_and_tiles_k_exactly():
+    """The Qwen3-8B decode shapes launch enough programs at M <= block_m to fill an H200, the K slices cover K
+    exactly once, and the test shapes below do reach both the split-K and the one-slice paths."""
+    shapes_8b = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (151936, 4096)]
+    for N, K in shapes_8b + [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]:
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            t = inv.config(N, K, dtype)
+            assert min(t.block_m, t.block_n, t.block_k) >= 16 and t.k_per_split % t.block_k == 0
+            assert (t.split_k - 1) * t.k_per_split < K <= t.split_k * t.k_per_split
+            if (N, K) in shapes_8b and dtype == torch.bfloat16:
+                assert -(-N // t.block_n) * t.split_k >= 192, (N, K, t)
+    for dtype, shape in SPLIT_SHAPE.items():
+        assert inv.config(*shape, dtype).split_k > 1 and inv.config(*PLAIN_SHAPE, dtype).split_k == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("split", [True, False])
+@pytest.mark.parametrize("M", [1, 3, 17, 64, 130])
+def test_linear_matches_f_linear(dtype, split, M):
+    (N, K), bias = SPLIT_SHAPE[dtype] if split else PLAIN_SHAPE, M % 2 == 1
+    x, w = randn(M, K, dtype=dtype, seed=M), randn(N, K, dtype=dtype, scale=K**-0.5, seed=N)
+    b = randn(N, dtype=dtype, seed=1) if bias else None
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    close(inv.linear(x, w, b), want, dtype)
+
+
+def test_linear_keeps_leading_dims_and_checks_its_inputs():
+    x, w = randn(2, 3, 20), randn(24, 20)
+    assert inv.linear(x, w).shape == (2, 3, 24) and inv.linear(x[:0], w).shape == (0, 3, 24)
+    close(inv.linear(x.transpose(0, 1), w), F.linear(x.transpose(0, 1), w), torch.float32)
+    with pytest.raises(ValueError, match="do not match"):
+        inv.linear(x, randn(24, 21))
+    with pytest.raises(ValueError, match="share a dtype"):
+        inv.linear(x, w.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="bias"):
+        inv.linear(x, w, randn(23))
+    with pytest.raises(ValueError, match="supports"):
+        inv.linear(x.double(), w.double())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("split,bias", [(True, False), (True, True), (False, True)])
+def test_linear_rows_are_batch_invariant(dtype, split, bias):
+    N, K = SPLIT_SHAPE[dtype] if split else PLAIN_SHAPE
+    x, w = cancelling(randn(20, K, seed=3), randn(N, K, scale=K**-0.5, seed=1))
+    w, b = w.to(dtype), randn(N, dtype=dtype, seed=2) if bias else None
+    assert_rows_invariant(lambda x: inv.linear(x, w, b), x.to(dtype))
+
+
+def cancelling(x, w):
+    """x @ w.T with a huge first term that the last one cancels: every partial sum in between rounds at that
+    scale, so a change of summation order moves the results by far more than a bf16 ulp (with plain random
+    data, a few fp32 ulps would rarely show through the bf16 rounding)."""
+    x[:, 0] = x[:, -1] = 2.0**12
+    w[:, 0], w[:, -1] = 1.0, -1.0
+    return x, w
+
+
+def test_linear_row_chunks_do_not_change_rows(monkeypatch):
+    """Prefill-sized batches run in chunks of ROW_CHUNK rows (bounding the split-K partials): a row's result
+    does not depend on its chunk or on where in it the row sits."""
+    monkeypatch.setattr(matmul, "ROW_CHUNK", 32)
+    N, K = SPLIT_SHAPE[torch.float32]
+    x, w = randn(40, K, seed=3), randn(N, K, scale=K**-0.5, seed=1)
+    b = randn(N, seed=2)
+    close(inv.linear(x, w, b), F.linear(x, w, b), torch.float32)
+    x, w = cancelling(x, w)
+    assert_rows_invariant(lambda x: inv.linear(x, w, b), x)
+
+
+NORM_CASES = [(torch.float32, 100), (torch.bfloat16, 100), (torch.float16, 48), (torch.bfloat16, 4000)]
+
+
+def norm_inputs(dtype, N, M=6):
+    x = randn(M, N, scale=3.0, seed=N)
+    x[:, 0] = 2.0**10  # an outlier channel, as real activations have: the sum of squares turns order-sensitive
+    x = x.to(dtype)
+    update, gate = randn(M, N, dtype=dtype, seed=N + 1), randn(M, N, dtype=dtype, scale=2.0, seed=N + 2)
+    weight = (1.0 + 0.1 * randn(N, seed=N + 3)).to(dtype)
+    return x, update, gate, weight
+
+
+@pytest.mark.parametrize("dtype,N", NORM_CASES)
+def test_norms_match_layers_norm(dtype, N):
+    """Same rounding points as pocketlab.layers.norm: a few ulps apart, in every flavour."""
+    x, update, gate, weight = norm_inputs(dtype, N)
+    for offset in (False, True):
+        close(inv.rms_norm(x, weight, EPS, offset), torch_norm._rms_norm(x, weight, EPS, offset), dtype)
+        (h, y), (h_ref, y_ref) = (
+            f(x, update, weight, EPS, offset) for f in (inv.add_rms_norm, torch_norm.add_rms_norm)
+        )
+        assert torch.equal(h, h_ref)
+        close(y, y_ref, dtype)
+    close(inv.gated_rms_norm(x, gate, weight, EPS), torch_norm.gated_rms_norm(x, gate, weight, EPS), dtype)
+
+
+def test_norms_round_where_torch_rounds():
+    """bf16 activations with a float32 weight: w * round(x) is float32, as in torch (type promotion); the
+    Qwen3.5 (1 + w) flavour and the gated norm come back in x's dtype."""
+    x, update, gate, weight = norm_inputs(torch.bfloat16, 64)
+    w32 = weight.float()
+    y, y_ref = inv.rms_norm(x, w32, EPS), torch_norm._rms_norm(x, w32, EPS)
+    assert y.dtype == y_ref.dtype == torch.float32
+    close(y, y_ref, torch.float32)
+    assert inv.rms_norm(x, w32, EPS, True).dtype == torch.bfloat16
+    assert inv.gated_rms_norm(x, gate, w32, EPS).dtype == torch.bfloat16
+    close(inv.gated_rms_norm(x, gate, w32, EPS), torch_norm.gated_rms_norm(x, gate, w32, EPS), torch.bfloat16)
+
+
+def test_long_rows_loop_over_blocks(monkeypatch):
+    """Rows longer than MAX_BLOCK are reduced block by block in one program."""
+    monkeypatch.setattr(inv.norm, "MAX_BLOCK", 32)
+    x, update, gate, weight = norm_inputs(torch.float32, 100)
+    close(inv.rms_norm(x, weight, EPS), torch_norm._rms_norm(x, weight, EPS), torch.float32)
+    h, y = inv.add_rms_norm(x, update, weight, EPS, True)
+    close(y, torch_norm.add_rms_norm(x, update, weight, EPS, True)[1], torch.float32)
+    assert_rows_invariant(lambda x, g: inv.gated_rms_norm(x, g, weight, EPS), x, gate)
+
+
+def test_norms_check_their_inputs():
+    x, update, gate, weight = norm_inputs(torch.float32, 16)
+    with pytest.raises(ValueError, match="weight"):
+        inv.rms_norm(x, weight[:-1], EPS)
+    with pytest.raises(ValueError, match="gate"):
+        inv.gated_rms_norm(x, gate[:-1], weight, EPS)
+    with pytest.raises(ValueError, match="supports"):
+        inv.rms_norm(x.double(), weight.double(), EPS)
+
+
+@pytest.mark.parametrize("dtype,N", [(torch.float32, 1000), (torch.bfloat16, 4000), (torch.float16, 2000)])
+@pytest.mark.parametrize("offset", [False, True])
+def test_norm_rows_are_batch_invariant(dtype, N, offset):
+    """float32 is the sharp check: another order of the sum of squares moves most of a row's outputs by an ulp.
+    Through 16-bit rounding that shows in only about one output in 10^4, so there the test mainly checks the
+    16-bit loads, casts and garbage rows (long rows give it some chance to see an order change too)."""
+    x, update, gate, weight = norm_inputs(dtype, N)
+    assert_rows_invariant(lambda x: inv.rms_norm(x, weight, EPS, offset), x)
+    assert_rows_invariant(lambda x, u: inv.add_rms_norm(x, u, weight, EPS, offset), x, update)
+    if not offset:
+        assert_rows_invariant(lambda x, g: inv.gated_rms_norm(x, g, weight, EPS), x, gate)
+
+
+def test_the_checker_catches_batch_variant_functions():
+    """The checker must fail a matmul that splits K by the batch size, as cuBLAS does for few rows, and a
+    norm whose sum of squares runs in an order picked by the row count; and pass them when each row is computed
+    alone (the same call whatever the batch)."""
+
+    def one_row_at_a_time(fn, x):
+        return torch.cat([fn(row[None]) for row in x])
+
+    x, w = randn(9, 256, seed=4), randn(24, 256, seed=5)
+
+    def split_k_linear(x, splits):
+        return sum(xs @ ws.T for xs, ws in zip(x.chunk(splits, -1), w.chunk(splits, -1), strict=True))
+
+    with pytest.raises(AssertionError, match="differs from the full batch"):
+        assert_rows_invariant(lambda x: split_k_linear(x, 4 if len(x) < 8 else 1), x)
+    assert_rows_invariant(lambda x: one_row_at_a_time(lambda x: split_k_linear(x, 4), x), x)
+
+    def norm(x, sequential):
+        squares = x.pow(2)
+        total = squares.cumsum(-1)[:, -1] if sequential else squares.sum(-1)
+        return x * torch.rsqrt(total / x.shape[-1] + EPS)[:, None]
+
+    with pytest.raises(AssertionError, match="differs from the full batch"):
+        assert_rows_invariant(lambda x: norm(x, sequential=len(x) % 2 == 1), x)
+    assert_rows_invariant(lambda x: one_row_at_a_time(lambda x: norm(x, sequential=False), x), x)
+
+
+def test_bench_lists_the_tiles(capsys):
+    """The H200 benchmark's CPU side: the tile table (and, without CUDA, nothing else)."""
+    from pocketlab.layers.invariant import bench
+
+    table = bench.config_table(torch.bfloat16)
+    assert len(table) == 1 + len(bench.QWEN3_8B) and table[3].split()[:3] == ["gate_up", "24576", "4096"]
+    if not torch.cuda.is_available():
+        bench.main(["--rows", "1"])
+        assert "timings skipped" in capsys.readouterr().out
