@@ -77,21 +77,31 @@ def test_matches_float64_attention(heads, kv_heads, dim, dtype):
 # invariance: one target sequence's queries, computed many ways, must agree bit for bit
 # ---------------------------------------------------------------------------------------------------------------------
 
-HEADS, KV_HEADS, DIM, CACHE = 4, 1, 32, 640  # 16 queries per tile
-TARGET_SLOT, PROMPT = 3, 270  # the prompt crosses the first 256-key split
+CACHE, TARGET_SLOT, PROMPT = 640, 3, 270  # the prompt crosses the first 256-key split
 DECODE_AT = [0, 63, 64, 255, 256, 269]  # positions checked one token at a time
+on_gpu_only = pytest.mark.skipif(not on_gpu, reason="bfloat16 / full size: GPU only")
 
 
-@pytest.fixture(scope="module")
-def setting():
-    kc, vc = caches(6, KV_HEADS, CACHE, DIM, torch.float32, seed=7)
+@pytest.fixture(
+    scope="module",
+    params=[
+        (torch.float32, 4, 1, 32),  # 16 queries per tile
+        pytest.param((torch.bfloat16, 32, 8, 128), marks=on_gpu_only),  # Qwen3-8B's heads, tensor-core dots
+        pytest.param((torch.float32, 16, 8, 64), marks=on_gpu_only),
+    ],
+)
+def setting(request):
+    """(caches, the target's queries by position [PROMPT, H, D], generator) for (dtype, heads, kv_heads, dim)."""
+    dtype, heads, kv_heads, dim = request.param
+    kc, vc = caches(6, kv_heads, CACHE, dim, dtype, seed=7)
     gen = torch.Generator().manual_seed(8)
-    q = torch.randn(PROMPT, HEADS, DIM, generator=gen).to(DEV)  # the target's queries, by position
+    q = torch.randn(PROMPT, heads, dim, generator=gen).to(DEV, dtype)
     return kc, vc, q, gen
 
 
 def ours(q, kc, vc, slots, start, lengths, max_len, split_programs=None):
-    return ia.attention(q, kc, vc, slots, start, lengths, DIM**-0.5, max_len, split_programs=split_programs)
+    scale = q.shape[-1] ** -0.5
+    return ia.attention(q, kc, vc, slots, start, lengths, scale, max_len, split_programs=split_programs)
 
 
 def with_others(setting, positions, others, row, T, max_len, run, split_programs=None):
@@ -99,7 +109,7 @@ def with_others(setting, positions, others, row, T, max_len, run, split_programs
     random rows (other slots, starts, lengths); -> the target's outputs [len(positions), H, D]."""
     kc, vc, q_target, gen = setting
     B = others + 1
-    q = torch.randn(B, T, HEADS, DIM, generator=gen).to(DEV)
+    q = torch.randn(B, T, *q_target.shape[1:], generator=gen).to(DEV, q_target.dtype)
     slots = torch.tensor([s for s in range(6) if s != TARGET_SLOT])[torch.randint(0, 5, (others,), generator=gen)]
     lengths = torch.randint(1, T + 1, (others,), generator=gen)
     start = torch.tensor(
@@ -137,8 +147,8 @@ def test_every_query_is_bitwise_the_same_however_it_is_batched(setting):
             got = with_others(setting, positions, others, others // 2, chunk, CACHE, run=ours, split_programs=mode)
             assert torch.equal(got, whole[lo : lo + len(positions)]), f"chunk {chunk} at {lo}"
     # one batch, then its rows reversed: each row's outputs move with it, unchanged
-    kc, vc, _, gen = setting
-    q = torch.randn(4, 6, HEADS, DIM, generator=gen).to(DEV)
+    kc, vc, q_target, gen = setting
+    q = torch.randn(4, 6, *q_target.shape[1:], generator=gen).to(DEV, q_target.dtype)
     slots, start = torch.tensor([1, 3, 0, 5], device=DEV), torch.tensor([10, 250, 600, 0], device=DEV)
     lengths = torch.tensor([6, 2, 5, 1], device=DEV)
     out = ours(q, kc, vc, slots, start, lengths, CACHE)
@@ -153,21 +163,21 @@ def split_count_varies(q, kc, vc, slots, start, lengths, max_len, split_programs
     assert T == 1
     pos = start + lengths - 1
     k_new, v_new = kc[slots, :, pos], vc[slots, :, pos]
-    rope = (torch.ones(B, D, device=DEV), torch.zeros(B, D, device=DEV))
+    rope = (torch.ones(B, D, device=DEV, dtype=q.dtype), torch.zeros(B, D, device=DEV, dtype=q.dtype))
     return da.decode_attention(q[:, 0], k_new, v_new, kc, vc, slots, pos + 1, max_len, D**-0.5, rope)[:, None]
 
 
 def test_the_invariance_check_catches_a_batch_variant_kernel(setting):
     with pytest.raises(AssertionError, match="rows"):
-        # alone it takes splits of 64 keys; beside 25 other rows (26 programs per split) splits of 128
+        # alone it takes splits of 64 keys; beside 25 other rows, longer ones (its split length is sized from B)
         decode_one_by_one(setting, split_count_varies, [200], ways=[(0, CACHE, None), (25, CACHE, None)])
 
 
 @pytest.mark.skipif(not on_gpu, reason="CUDA graphs")
 def test_replays_in_a_cuda_graph(setting):
     """No host sync and shapes from B, T and max_len only: capture once, replay with new positions."""
-    kc, vc, _, gen = setting
-    q = torch.randn(4, 3, HEADS, DIM, generator=gen).to(DEV)
+    kc, vc, q_target, gen = setting
+    q = torch.randn(4, 3, *q_target.shape[1:], generator=gen).to(DEV, q_target.dtype)
     slots, start = torch.tensor([1, 3, 0, 5], device=DEV), torch.tensor([10, 250, 600, 0], device=DEV)
     lengths = torch.tensor([3, 2, 3, 1], device=DEV)
     for mode in (True, False):
