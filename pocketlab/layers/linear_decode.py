@@ -75,7 +75,6 @@ if triton is not None:
         state_ptr,
         w_ptr,
         slot_ptr,
-        len_ptr,
         y_ptr,
         T,
         C,
@@ -89,28 +88,44 @@ if triton is not None:
         BLOCK_T: tl.constexpr,
         BLOCK_C: tl.constexpr,
     ):
-        """Every token's y from the carried window and the new inputs (tokens are independent given those), then
-        the window moves on to the last K-1 inputs of the first lengths[b] tokens."""
+        """y of BLOCK_T tokens x BLOCK_C channels: given the carried window and the new inputs, tokens are
+        independent, so every tile runs in parallel (the window moves on afterwards, in `_conv_advance`)."""
+        b, cb, tb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+        t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+        live = (t < T)[:, None] & (c < C)[None, :]
+        window = state_ptr + slot * stride_ss + c * stride_sc
+        y = _conv_token(x_ptr + b * stride_xb, stride_xt, window[None, :], w_ptr, t, c, c < C, live, K)
+        tl.store(y_ptr + b * stride_yb + t[:, None] * stride_yt + c[None, :], y.to(y_ptr.dtype.element_ty), mask=live)
+
+    @triton.jit
+    def _conv_advance(
+        x_ptr,
+        state_ptr,
+        slot_ptr,
+        len_ptr,
+        T,
+        C,
+        stride_xb,
+        stride_xt,
+        stride_ss,
+        stride_sc,
+        K: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+    ):
+        """window[j] = full[length + j], full = [window | x]: the last K-1 inputs of the first lengths[b] tokens.
+        Ascending j reads each carried cell before it is overwritten, by the same thread."""
         b, cb = tl.program_id(0), tl.program_id(1)
         slot = tl.load(slot_ptr + b).to(tl.int64)
         length = tl.minimum(tl.load(len_ptr + b), T)
         c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
-        window = state_ptr + slot * stride_ss + c * stride_sc
-        x_row = x_ptr + b * stride_xb
-        for t0 in range(0, T, BLOCK_T):
-            t = t0 + tl.arange(0, BLOCK_T)
-            live = (t < T)[:, None] & (c < C)[None, :]
-            y = _conv_token(x_row, stride_xt, window[None, :], w_ptr, t, c, c < C, live, K)
-            tl.store(
-                y_ptr + b * stride_yb + t[:, None] * stride_yt + c[None, :], y.to(y_ptr.dtype.element_ty), mask=live
-            )
-        # new window[j] = full[length + j]: ascending j reads each carried cell before it is overwritten
-        tl.debug_barrier()  # every thread has read the window for y before any moves it
         live = c < C
+        window = state_ptr + slot * stride_ss + c * stride_sc
         for j in tl.static_range(K - 1):
             i = length + j + tl.zeros_like(c)  # per channel: the interpreter cannot mask with scalar & tensor
             s_old = tl.load(window + i, mask=live & (i < K - 1), other=0.0)
-            s_new = tl.load(x_row + (i - (K - 1)) * stride_xt + c, mask=live & (i >= K - 1), other=0.0)
+            s_new = tl.load(x_ptr + b * stride_xb + (i - (K - 1)) * stride_xt + c, mask=live & (i >= K - 1), other=0.0)
             s = tl.where(i < K - 1, s_old, s_new.to(state_ptr.dtype.element_ty))
             tl.store(window + j, s, mask=live)
 
@@ -280,12 +295,12 @@ def conv_steps(
     if x.stride(-1) != 1 or weight.stride(-1) != 1 or conv_state.stride(-1) != 1 or not weight.is_contiguous():
         raise ValueError("x, weight and conv_state must be contiguous along their last dim (weight entirely)")
     y = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
-    _conv_steps[(B, triton.cdiv(C, CONV_BLOCK_C))](
+    blocks_c = triton.cdiv(C, CONV_BLOCK_C)
+    _conv_steps[(B, blocks_c, triton.cdiv(T, CONV_BLOCK_T))](
         x,
         conv_state,
         weight,
         slot_ids,
-        lengths,
         y,
         T,
         C,
@@ -297,6 +312,20 @@ def conv_steps(
         y.stride(1),
         K=K,
         BLOCK_T=CONV_BLOCK_T,
+        BLOCK_C=CONV_BLOCK_C,
+    )
+    _conv_advance[(B, blocks_c)](
+        x,
+        conv_state,
+        slot_ids,
+        lengths,
+        T,
+        C,
+        x.stride(0),
+        x.stride(1),
+        conv_state.stride(0),
+        conv_state.stride(1),
+        K=K,
         BLOCK_C=CONV_BLOCK_C,
     )
     return y

@@ -14,17 +14,24 @@ import torch
 import torch.nn.functional as F
 
 
-def median_us(fn, reps: int = 15, inner: int = 5) -> float:
-    """Median over `reps` samples of the mean time of `inner` back-to-back calls, in microseconds."""
+def median_us(fn, reps: int = 15, inner: int = 5, graphed: bool = False) -> float:
+    """Median over `reps` samples of the mean time of `inner` back-to-back calls, in microseconds. `graphed`:
+    the calls are captured once in a CUDA graph and replayed, so microsecond kernels are timed without the
+    host's launch overhead (as the engine's graphed decode steps run them)."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
+    sample = lambda: [fn() for _ in range(inner)]  # noqa: E731
+    if graphed:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            sample()
+        sample = graph.replay
     samples = []
     for _ in range(reps):
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
-        for _ in range(inner):
-            fn()
+        sample()
         end.record()
         end.synchronize()
         samples.append(begin.elapsed_time(end) * 1e3 / inner)
@@ -32,7 +39,8 @@ def median_us(fn, reps: int = 15, inner: int = 5) -> float:
 
 
 def decode_row(dtype, B, n, heads=32, kv_heads=8, dim=128):
-    """One decode token per row over n cached keys: ours vs the batch-variant split kernel."""
+    """One decode token per row over n cached keys, graphed: ours vs the batch-variant split kernel (which also
+    norms, rotates and stores the new token; here RoPE is the identity and no norms)."""
     from ..decode_attention import decode_attention
     from .attention import attention
 
@@ -43,9 +51,11 @@ def decode_row(dtype, B, n, heads=32, kv_heads=8, dim=128):
     start, ones = torch.full((B,), n - 1, device="cuda"), torch.ones(B, dtype=torch.long, device="cuda")
     k_new, v_new = k_cache[slots, :, n - 1], v_cache[slots, :, n - 1]
     rope = (torch.ones(B, dim, device="cuda", dtype=dtype), torch.zeros(B, dim, device="cuda", dtype=dtype))
-    ours = median_us(lambda: attention(q, k_cache, v_cache, slots, start, ones, dim**-0.5, n))
+    lengths = start + 1
+    ours = median_us(lambda: attention(q, k_cache, v_cache, slots, start, ones, dim**-0.5, n), graphed=True)
     theirs = median_us(
-        lambda: decode_attention(q[:, 0], k_new, v_new, k_cache, v_cache, slots, start + 1, n, dim**-0.5, rope)
+        lambda: decode_attention(q[:, 0], k_new, v_new, k_cache, v_cache, slots, lengths, n, dim**-0.5, rope),
+        graphed=True,
     )
     return f"decode B={B} keys={n}", ours, "decode_attention", theirs
 
