@@ -18,6 +18,7 @@ from .decode_attention import triton
 CONV_BLOCK_C = 256  # channels per conv program
 CONV_BLOCK_T = 16  # tokens per conv tile in conv_steps (tokens are independent given the inputs)
 STATE_BLOCK_V = 32  # value columns of the [dk, dv] state per recurrent program (capped at dv)
+STATE_WARPS = 4  # one- and multi-token recurrent programs alike: the same layout, so the same reduction order
 
 if triton is not None:
     import triton.language as tl
@@ -241,17 +242,27 @@ if triton is not None:
         cells = state_ptr + slot * stride_ss + hv * stride_sh + kk[:, None] * stride_sk + vv[None, :]
         kept = states_ptr + b * stride_xb + hv * stride_xh + kk[:, None] * stride_xk + vv[None, :]
         o_row = o_ptr + b * stride_ob + hv * stride_oh + vv
+        q_row = q_ptr + b * stride_qb + hk * stride_qh + kk
+        k_row = k_ptr + b * stride_kb + hk * stride_kh + kk
+        v_row = v_ptr + b * stride_vb + hv * stride_vh + vv
+        g_row = g_ptr + b * stride_gb + hv * stride_gh
+        beta_row = beta_ptr + b * stride_bb + hv * stride_bh
         S = tl.load(cells)
+        q, k, v = tl.load(q_row), tl.load(k_row), tl.load(v_row)
+        g, beta = tl.load(g_row), tl.load(beta_row)
         for t in range(0, length):
-            q = tl.load(q_ptr + b * stride_qb + t * stride_qt + hk * stride_qh + kk).to(tl.float32)
-            k = tl.load(k_ptr + b * stride_kb + t * stride_kt + hk * stride_kh + kk).to(tl.float32)
-            v = tl.load(v_ptr + b * stride_vb + t * stride_vt + hv * stride_vh + vv).to(tl.float32)
-            g = tl.load(g_ptr + b * stride_gb + t * stride_gt + hv * stride_gh).to(tl.float32)
-            beta = tl.load(beta_ptr + b * stride_bb + t * stride_bt + hv * stride_bh).to(tl.float32)
-            S, o = _delta_rule_token(S, q, k, v, g, beta, scale, eps)
+            ahead = tl.minimum(t + 1, T - 1)  # the next token's inputs load while this one computes
+            q_next, k_next = tl.load(q_row + ahead * stride_qt), tl.load(k_row + ahead * stride_kt)
+            v_next = tl.load(v_row + ahead * stride_vt)
+            g_next, beta_next = tl.load(g_row + ahead * stride_gt), tl.load(beta_row + ahead * stride_bt)
+            S, o = _delta_rule_token(
+                S, q.to(tl.float32), k.to(tl.float32), v.to(tl.float32), g.to(tl.float32), beta.to(tl.float32),
+                scale, eps,
+            )  # fmt: skip
             tl.store(o_row + t * stride_ot, o.to(o_ptr.dtype.element_ty))
             if KEEP_STATES:
                 tl.store(kept + t * stride_xt, S)
+            q, k, v, g, beta = q_next, k_next, v_next, g_next, beta_next
         tl.store(cells, S)
         for t in range(length, T):
             tl.store(o_row + t * stride_ot, tl.zeros([BLOCK_V], tl.float32).to(o_ptr.dtype.element_ty))
@@ -375,6 +386,7 @@ def recurrent_step(
         GROUP=Hv // Hk,
         DK=dk,
         BLOCK_V=block_v,
+        num_warps=STATE_WARPS,
     )
     return o
 
@@ -410,6 +422,8 @@ def recurrent_steps(
     ):
         raise ValueError(f"states_out must be float32 [{B}, {T}, {Hv}, {dk}, {dv}]")
     o = torch.empty(B, T, Hv, dv, dtype=v.dtype, device=v.device)
+    if T == 0:
+        return o
     kept = states_out if states_out is not None else state  # not touched without states_out
     block_v = min(dv, STATE_BLOCK_V)
     _recurrent_steps[(B, Hv, triton.cdiv(dv, block_v))](
@@ -438,5 +452,6 @@ def recurrent_steps(
         DK=dk,
         BLOCK_V=block_v,
         KEEP_STATES=states_out is not None,
+        num_warps=STATE_WARPS,
     )
     return o
