@@ -62,6 +62,80 @@ def test_recurrent_step_matches_the_reference_rule(hk, hv, dk, dv):
     assert torch.equal(state[others], before[others])
 
 
+def one_token_at_a_time(lengths, T, step):
+    """Drive a one-token kernel over ragged rows: step(rows, t) for the rows still inside their lengths."""
+    for t in range(T):
+        rows = (lengths > t).nonzero()[:, 0]
+        if len(rows):
+            step(rows, t)
+
+
+@pytest.mark.parametrize("dtype,state_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32)])
+def test_conv_steps_equal_one_token_steps(dtype, state_dtype):
+    """T tokens at once == T conv_step calls bit for bit (outputs and windows); ragged rows, a row shorter than
+    the window and an empty one; agrees with causal_conv1d; other slots untouched."""
+    gen = torch.Generator().manual_seed(3)
+    C, K, T = 300, 4, 20  # two channel blocks, two token tiles
+    slots, lengths = torch.tensor([3, 0, 2, 4], device=DEV), torch.tensor([20, 2, 0, 13], device=DEV)
+    state = randn(6, C, K - 1, gen=gen).to(state_dtype)
+    x, w = randn(4, T, C, gen=gen).to(dtype), randn(C, K, gen=gen).to(dtype)
+    stepped, before = state.clone(), state.clone()
+    y = ld.conv_steps(x, state, w, slots, lengths)
+    y_steps = torch.zeros_like(y)
+
+    def step(rows, t):
+        y_steps[rows, t] = ld.conv_step(x[rows, t], stepped, w, slots[rows])
+
+    one_token_at_a_time(lengths, T, step)
+    real = torch.arange(T, device=DEV)[None, :] < lengths[:, None]
+    assert torch.equal(y[real], y_steps[real]) and torch.equal(state, stepped)
+    y_ref, window_ref = gd.causal_conv1d(x, before[slots].to(dtype), w, lengths)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (y[real].float() - y_ref[real].float()).abs().max() <= tol * max(1.0, y_ref.abs().max().item())
+    assert torch.equal(state[slots].to(dtype), window_ref)  # the reference carries inputs in x's dtype
+    assert torch.equal(state[[1, 5]], before[[1, 5]])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_recurrent_steps_equal_one_token_steps(dtype):
+    """T tokens at once == T recurrent_step calls bit for bit (outputs, final states, every intermediate state in
+    states_out); padding tokens give 0 and keep the state; agrees with recurrent_gated_delta_rule."""
+    gen = torch.Generator().manual_seed(5)
+    B, T, hk, hv, dk, dv = 3, 6, 2, 4, 16, 64  # two value blocks per head
+    slots, lengths = torch.tensor([1, 4, 0], device=DEV), torch.tensor([6, 3, 0], device=DEV)
+    state = randn(5, hv, dk, dv, gen=gen)
+    qkv = randn(B, T, 2 * hk * dk + hv * dv, gen=gen).to(dtype)  # as the conv output hands them over: strided
+    q, k, v = qkv.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    q, k, v = q.view(B, T, hk, dk), k.view(B, T, hk, dk), v.view(B, T, hv, dv)
+    g = -F.softplus(randn(B, T, hv, gen=gen))
+    beta = randn(B, T, hv, gen=gen).sigmoid()
+    before, stepped = state.clone(), state.clone()
+    states_out = torch.full((B, T, hv, dk, dv), float("nan"), device=DEV)
+    o = ld.recurrent_steps(q, k, v, g, beta, state, slots, lengths, gd.L2_EPS, states_out)
+    o_steps, states_steps = torch.zeros_like(o), torch.zeros_like(states_out)
+
+    def step(rows, t):
+        args = (q[rows, t], k[rows, t], v[rows, t], g[rows, t], beta[rows, t])
+        o_steps[rows, t] = ld.recurrent_step(*args, stepped, slots[rows], gd.L2_EPS)
+
+    def step_and_keep(rows, t):
+        step(rows, t)
+        states_steps[:, t] = stepped[slots]
+
+    one_token_at_a_time(lengths, T, step_and_keep)
+    for t in range(T):  # rows past their length (none left at all, at the end) keep their final state
+        states_steps[:, t] = torch.where((lengths > t).view(B, 1, 1, 1), states_steps[:, t], stepped[slots])
+    assert torch.equal(o, o_steps) and torch.equal(state, stepped) and torch.equal(states_out, states_steps)
+    assert not o[1, 3:].any() and not o[2].any()  # padding
+    group = hv // hk
+    o_ref, s_ref = gd.recurrent_gated_delta_rule(
+        q.repeat_interleave(group, 2), k.repeat_interleave(group, 2), v, g, beta, before[slots], lengths
+    )
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (o.float() - o_ref.float()).abs().max() < tol and (state[slots] - s_ref).abs().max() < 1e-5
+    assert torch.equal(state[[2, 3]], before[[2, 3]])
+
+
 def test_engine_decodes_the_same_either_way(make_engine):
     """Interleaved slots through batch_decode_step: in-place kernels vs the gather / rule / scatter path."""
     from conftest import DTYPE, LOGIT_TOL, random_prompt

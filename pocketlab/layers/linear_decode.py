@@ -1,18 +1,44 @@
-"""One decode token of a Gated DeltaNet layer, each slot's conv window and recurrent state updated in place.
+"""Gated DeltaNet tokens through Triton kernels that update each slot's conv window and recurrent state in place.
 
 Why: the batched torch path gathers every slot's state (the conv window and the fp32 dk x dv matrix per head),
 runs the rule on the copies and scatters them back: three passes over the largest per-slot data of a decode
 step, and a handful of kernels per layer to do it (on the H200 at Qwen3.5-0.8B, batch 32, about half of the
-step). These two Triton kernels read each slot's state where it lives and write it back once. The arithmetic
-is that of `gated_delta.recurrent_gated_delta_rule` and `causal_conv1d` for one token, in float32.
+step). These kernels read each slot's state where it lives and write it back once. The arithmetic is that of
+`gated_delta.recurrent_gated_delta_rule` and `causal_conv1d`, in float32.
+
+The one-token kernels (decode) and the multi-token kernels (prompts, chunks, speculative verify) call the same
+per-token helpers, `_conv_token` and `_delta_rule_token`, with the same tile shapes and warps: T tokens at once
+give bitwise the states and outputs of T one-token steps, which batch-invariant serving relies on.
 """
 
 import torch
 
 from .decode_attention import triton
 
+CONV_BLOCK_C = 256  # channels per conv program
+CONV_BLOCK_T = 16  # tokens per conv tile in conv_steps (tokens are independent given the inputs)
+STATE_BLOCK_V = 32  # value columns of the [dk, dv] state per recurrent program (capped at dv)
+STATE_WARPS = 4  # one- and multi-token recurrent programs alike: the same layout, so the same reduction order
+
 if triton is not None:
     import triton.language as tl
+
+    @triton.jit
+    def _conv_token(x_ptr, stride_xt, window_ptr, w_ptr, t, c, chan, live, K: tl.constexpr):
+        """silu(w[c, K-1] x[t, c] + sum_{j < K-1} w[c, j] full[t + j, c]) in float32 for tokens t [BT] and
+        channels c [BC] (chan: c is a channel; live [BT, BC]: load there) -> [BT, BC], where full = [window (K-1
+        carried inputs) | x (new inputs)] along time and window_ptr + i points at carried input i of channel c.
+        New inputs pass through the window's dtype, as if they had been carried: one token or many, same bits."""
+        x = tl.load(x_ptr + t[:, None] * stride_xt + c[None, :], mask=live, other=0.0)
+        acc = tl.load(w_ptr + c * K + (K - 1), mask=chan, other=0.0).to(tl.float32)[None, :] * x.to(tl.float32)
+        for j in tl.static_range(K - 1):  # taps in a fixed order
+            i = (t + j)[:, None]  # index into full
+            carried = i < K - 1
+            s_old = tl.load(window_ptr + i, mask=live & carried, other=0.0)
+            s_new = tl.load(x_ptr + (i - (K - 1)) * stride_xt + c[None, :], mask=live & ~carried, other=0.0)
+            s = tl.where(carried, s_old, s_new.to(window_ptr.dtype.element_ty)).to(tl.float32)
+            acc += tl.load(w_ptr + c * K + j, mask=chan, other=0.0).to(tl.float32)[None, :] * s
+        return acc / (1.0 + tl.exp(-acc))
 
     @triton.jit
     def _conv_step(
@@ -34,17 +60,86 @@ if triton is not None:
         slot = tl.load(slot_ptr + b).to(tl.int64)
         c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
         live = c < C
+        window = state_ptr + slot * stride_ss + c * stride_sc
+        t = tl.zeros([1], tl.int32)
+        y = _conv_token(x_ptr + b * stride_xb, 0, window[None, :], w_ptr, t, c, live, live[None, :], K)
+        tl.store(y_ptr + b * stride_yb + c[None, :], y.to(y_ptr.dtype.element_ty), mask=live[None, :])
+        tl.debug_barrier()  # every thread has read the window before any shifts it
+        for j in tl.static_range(1, K - 1):  # each cell is read before it is overwritten, by the same thread
+            tl.store(window + (j - 1), tl.load(window + j, mask=live, other=0.0), mask=live)
         x = tl.load(x_ptr + b * stride_xb + c, mask=live, other=0.0)
-        acc = tl.load(w_ptr + c * K + (K - 1), mask=live, other=0.0).to(tl.float32) * x.to(tl.float32)
+        tl.store(window + (K - 2), x.to(state_ptr.dtype.element_ty), mask=live)
+
+    @triton.jit
+    def _conv_steps(
+        x_ptr,
+        state_ptr,
+        w_ptr,
+        slot_ptr,
+        y_ptr,
+        T,
+        C,
+        stride_xb,
+        stride_xt,
+        stride_ss,
+        stride_sc,
+        stride_yb,
+        stride_yt,
+        K: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+    ):
+        """y of BLOCK_T tokens x BLOCK_C channels: given the carried window and the new inputs, tokens are
+        independent, so every tile runs in parallel (the window moves on afterwards, in `_conv_advance`)."""
+        b, cb, tb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+        t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+        live = (t < T)[:, None] & (c < C)[None, :]
+        window = state_ptr + slot * stride_ss + c * stride_sc
+        y = _conv_token(x_ptr + b * stride_xb, stride_xt, window[None, :], w_ptr, t, c, c < C, live, K)
+        tl.store(y_ptr + b * stride_yb + t[:, None] * stride_yt + c[None, :], y.to(y_ptr.dtype.element_ty), mask=live)
+
+    @triton.jit
+    def _conv_advance(
+        x_ptr,
+        state_ptr,
+        slot_ptr,
+        len_ptr,
+        T,
+        C,
+        stride_xb,
+        stride_xt,
+        stride_ss,
+        stride_sc,
+        K: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+    ):
+        """window[j] = full[length + j], full = [window | x]: the last K-1 inputs of the first lengths[b] tokens.
+        Ascending j reads each carried cell before it is overwritten, by the same thread."""
+        b, cb = tl.program_id(0), tl.program_id(1)
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        length = tl.minimum(tl.load(len_ptr + b), T)
+        c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+        live = c < C
         window = state_ptr + slot * stride_ss + c * stride_sc
         for j in tl.static_range(K - 1):
-            s = tl.load(window + j, mask=live, other=0.0)
-            acc += tl.load(w_ptr + c * K + j, mask=live, other=0.0).to(tl.float32) * s.to(tl.float32)
-            if j > 0:
-                tl.store(window + (j - 1), s, mask=live)
-        tl.store(window + (K - 2), x.to(state_ptr.dtype.element_ty), mask=live)
-        y = acc / (1.0 + tl.exp(-acc))
-        tl.store(y_ptr + b * stride_yb + c, y.to(y_ptr.dtype.element_ty), mask=live)
+            i = length + j + tl.zeros_like(c)  # per channel: the interpreter cannot mask with scalar & tensor
+            s_old = tl.load(window + i, mask=live & (i < K - 1), other=0.0)
+            s_new = tl.load(x_ptr + b * stride_xb + (i - (K - 1)) * stride_xt + c, mask=live & (i >= K - 1), other=0.0)
+            s = tl.where(i < K - 1, s_old, s_new.to(state_ptr.dtype.element_ty))
+            tl.store(window + j, s, mask=live)
+
+    @triton.jit
+    def _delta_rule_token(S, q, k, v, g, beta, scale, eps):
+        """One token on the state block S [dk, BLOCK_V] (float32, as are the raw q, k [dk], v [BLOCK_V], g, beta):
+        S = S * exp(g); S += k (beta (v - S^T k))^T; o = S^T q, with q, k L2-normalised (q also scaled)."""
+        q = q * tl.rsqrt(tl.sum(q * q, 0) + eps) * scale
+        k = k * tl.rsqrt(tl.sum(k * k, 0) + eps)
+        S = S * tl.exp(g)
+        delta = beta * (v - tl.sum(S * k[:, None], 0))
+        S = S + k[:, None] * delta[None, :]
+        return S, tl.sum(S * q[:, None], 0)
 
     @triton.jit
     def _recurrent_step(
@@ -75,7 +170,7 @@ if triton is not None:
         DK: tl.constexpr,
         BLOCK_V: tl.constexpr,
     ):
-        """S = S * exp(g); S += k (beta (v - S^T k))^T; o = S^T q, with q, k L2-normalised (q also scaled)."""
+        """One token per row: the state block of (slot, value head, value block) loaded, advanced, stored."""
         b, hv, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         slot = tl.load(slot_ptr + b).to(tl.int64)
         hk = hv // GROUP  # value head hv reads key head hv // GROUP
@@ -83,18 +178,96 @@ if triton is not None:
         vv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
         q = tl.load(q_ptr + b * stride_qb + hk * stride_qh + kk).to(tl.float32)
         k = tl.load(k_ptr + b * stride_kb + hk * stride_kh + kk).to(tl.float32)
-        q = q * tl.rsqrt(tl.sum(q * q, 0) + eps) * scale
-        k = k * tl.rsqrt(tl.sum(k * k, 0) + eps)
         v = tl.load(v_ptr + b * stride_vb + hv * stride_vh + vv).to(tl.float32)
         g = tl.load(g_ptr + b * stride_gb + hv).to(tl.float32)
         beta = tl.load(beta_ptr + b * stride_bb + hv).to(tl.float32)
         cells = state_ptr + slot * stride_ss + hv * stride_sh + kk[:, None] * stride_sk + vv[None, :]
-        S = tl.load(cells) * tl.exp(g)
-        delta = beta * (v - tl.sum(S * k[:, None], 0))
-        S = S + k[:, None] * delta[None, :]
+        S, o = _delta_rule_token(tl.load(cells), q, k, v, g, beta, scale, eps)
         tl.store(cells, S)
-        o = tl.sum(S * q[:, None], 0)
         tl.store(o_ptr + b * stride_ob + hv * stride_oh + vv, o.to(o_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _recurrent_steps(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        g_ptr,
+        beta_ptr,
+        state_ptr,
+        slot_ptr,
+        len_ptr,
+        o_ptr,
+        states_ptr,
+        scale,
+        eps,
+        T,
+        stride_qb,
+        stride_qt,
+        stride_qh,
+        stride_kb,
+        stride_kt,
+        stride_kh,
+        stride_vb,
+        stride_vt,
+        stride_vh,
+        stride_gb,
+        stride_gt,
+        stride_gh,
+        stride_bb,
+        stride_bt,
+        stride_bh,
+        stride_ss,
+        stride_sh,
+        stride_sk,
+        stride_ob,
+        stride_ot,
+        stride_oh,
+        stride_xb,
+        stride_xt,
+        stride_xh,
+        stride_xk,
+        GROUP: tl.constexpr,
+        DK: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+        KEEP_STATES: tl.constexpr,
+    ):
+        """The first lengths[b] tokens of row b with the state block held in registers; padding tokens give o = 0
+        and (KEEP_STATES) repeat the final state."""
+        b, hv, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        length = tl.minimum(tl.load(len_ptr + b), T)
+        hk = hv // GROUP
+        kk = tl.arange(0, DK)
+        vv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+        cells = state_ptr + slot * stride_ss + hv * stride_sh + kk[:, None] * stride_sk + vv[None, :]
+        kept = states_ptr + b * stride_xb + hv * stride_xh + kk[:, None] * stride_xk + vv[None, :]
+        o_row = o_ptr + b * stride_ob + hv * stride_oh + vv
+        q_row = q_ptr + b * stride_qb + hk * stride_qh + kk
+        k_row = k_ptr + b * stride_kb + hk * stride_kh + kk
+        v_row = v_ptr + b * stride_vb + hv * stride_vh + vv
+        g_row = g_ptr + b * stride_gb + hv * stride_gh
+        beta_row = beta_ptr + b * stride_bb + hv * stride_bh
+        S = tl.load(cells)
+        q, k, v = tl.load(q_row), tl.load(k_row), tl.load(v_row)
+        g, beta = tl.load(g_row), tl.load(beta_row)
+        for t in range(0, length):
+            ahead = tl.minimum(t + 1, T - 1)  # the next token's inputs load while this one computes
+            q_next, k_next = tl.load(q_row + ahead * stride_qt), tl.load(k_row + ahead * stride_kt)
+            v_next = tl.load(v_row + ahead * stride_vt)
+            g_next, beta_next = tl.load(g_row + ahead * stride_gt), tl.load(beta_row + ahead * stride_bt)
+            S, o = _delta_rule_token(
+                S, q.to(tl.float32), k.to(tl.float32), v.to(tl.float32), g.to(tl.float32), beta.to(tl.float32),
+                scale, eps,
+            )  # fmt: skip
+            tl.store(o_row + t * stride_ot, o.to(o_ptr.dtype.element_ty))
+            if KEEP_STATES:
+                tl.store(kept + t * stride_xt, S)
+            q, k, v, g, beta = q_next, k_next, v_next, g_next, beta_next
+        tl.store(cells, S)
+        for t in range(length, T):
+            tl.store(o_row + t * stride_ot, tl.zeros([BLOCK_V], tl.float32).to(o_ptr.dtype.element_ty))
+            if KEEP_STATES:
+                tl.store(kept + t * stride_xt, S)
 
 
 def conv_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
@@ -102,8 +275,7 @@ def conv_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, s
     B, C = x.shape
     K = weight.shape[-1]
     y = torch.empty_like(x)
-    block = 256
-    _conv_step[(B, triton.cdiv(C, block))](
+    _conv_step[(B, triton.cdiv(C, CONV_BLOCK_C))](
         x,
         conv_state,
         weight,
@@ -115,7 +287,57 @@ def conv_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, s
         conv_state.stride(1),
         y.stride(0),
         K=K,
-        BLOCK_C=block,
+        BLOCK_C=CONV_BLOCK_C,
+    )
+    return y
+
+
+def conv_steps(
+    x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, slot_ids: torch.Tensor, lengths: torch.Tensor
+) -> torch.Tensor:
+    """x [B, T, C] -> silu(causal conv) [B, T, C], bitwise as T calls of conv_step; conv_state[slot_ids[b]]
+    [C, K-1] moves on by the first lengths[b] tokens of row b (padding tokens leave it alone)."""
+    B, T, C = x.shape
+    K = weight.shape[-1]
+    if weight.shape != (C, K) or conv_state.shape[1:] != (C, K - 1) or K < 2:
+        raise ValueError(f"x [B, T, C], weight [C, K >= 2], conv_state [slots, C, K-1]: {x.shape}, {weight.shape}")
+    if slot_ids.shape != (B,) or lengths.shape != (B,):
+        raise ValueError(f"slot_ids and lengths must each be [{B}]")
+    if x.stride(-1) != 1 or weight.stride(-1) != 1 or conv_state.stride(-1) != 1 or not weight.is_contiguous():
+        raise ValueError("x, weight and conv_state must be contiguous along their last dim (weight entirely)")
+    y = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
+    blocks_c = triton.cdiv(C, CONV_BLOCK_C)
+    _conv_steps[(B, blocks_c, triton.cdiv(T, CONV_BLOCK_T))](
+        x,
+        conv_state,
+        weight,
+        slot_ids,
+        y,
+        T,
+        C,
+        x.stride(0),
+        x.stride(1),
+        conv_state.stride(0),
+        conv_state.stride(1),
+        y.stride(0),
+        y.stride(1),
+        K=K,
+        BLOCK_T=CONV_BLOCK_T,
+        BLOCK_C=CONV_BLOCK_C,
+    )
+    _conv_advance[(B, blocks_c)](
+        x,
+        conv_state,
+        slot_ids,
+        lengths,
+        T,
+        C,
+        x.stride(0),
+        x.stride(1),
+        conv_state.stride(0),
+        conv_state.stride(1),
+        K=K,
+        BLOCK_C=CONV_BLOCK_C,
     )
     return y
 
@@ -136,7 +358,7 @@ def recurrent_step(
     B, Hk, dk = q.shape
     Hv, dv = v.shape[1], v.shape[2]
     o = torch.empty(B, Hv, dv, dtype=v.dtype, device=v.device)
-    block_v = min(dv, 32)
+    block_v = min(dv, STATE_BLOCK_V)
     _recurrent_step[(B, Hv, triton.cdiv(dv, block_v))](
         q,
         k,
@@ -164,5 +386,72 @@ def recurrent_step(
         GROUP=Hv // Hk,
         DK=dk,
         BLOCK_V=block_v,
+        num_warps=STATE_WARPS,
+    )
+    return o
+
+
+def recurrent_steps(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    slot_ids: torch.Tensor,
+    lengths: torch.Tensor,
+    eps: float,
+    states_out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q, k [B, T, Hk, dk] raw; v [B, T, Hv, dv]; g (log-decay), beta [B, T, Hv] -> o [B, T, Hv, dv] in v's
+    dtype, bitwise as T calls of recurrent_step: state[slot_ids[b]] ([Hv, dk, dv] float32) advances in place
+    over the first lengths[b] tokens; padding tokens give o = 0 and leave it alone. states_out ([B, T, Hv, dk,
+    dv] float32, optional) receives the state after each token (after the last real one, on padding): what a
+    speculative verify needs to roll back to any accepted prefix."""
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    B, T, Hk, dk = q.shape
+    Hv, dv = v.shape[2], v.shape[3]
+    if k.shape != q.shape or v.shape[:2] != (B, T) or g.shape != (B, T, Hv) or beta.shape != (B, T, Hv):
+        raise ValueError(f"q, k [B, T, Hk, dk], v [B, T, Hv, dv], g, beta [B, T, Hv]: {q.shape}, {v.shape}, {g.shape}")
+    if Hv % Hk or state.shape[1:] != (Hv, dk, dv) or state.dtype != torch.float32 or state.stride(-1) != 1:
+        raise ValueError(f"state must be float32 [slots, {Hv}, {dk}, {dv}] with value heads a multiple of key heads")
+    if slot_ids.shape != (B,) or lengths.shape != (B,):
+        raise ValueError(f"slot_ids and lengths must each be [{B}]")
+    if states_out is not None and (
+        states_out.shape != (B, T, Hv, dk, dv) or states_out.dtype != torch.float32 or states_out.stride(-1) != 1
+    ):
+        raise ValueError(f"states_out must be float32 [{B}, {T}, {Hv}, {dk}, {dv}]")
+    o = torch.empty(B, T, Hv, dv, dtype=v.dtype, device=v.device)
+    if T == 0:
+        return o
+    kept = states_out if states_out is not None else state  # not touched without states_out
+    block_v = min(dv, STATE_BLOCK_V)
+    _recurrent_steps[(B, Hv, triton.cdiv(dv, block_v))](
+        q,
+        k,
+        v,
+        g,
+        beta,
+        state,
+        slot_ids,
+        lengths,
+        o,
+        kept,
+        dk**-0.5,
+        eps,
+        T,
+        *q.stride()[:3],
+        *k.stride()[:3],
+        *v.stride()[:3],
+        *g.stride(),
+        *beta.stride(),
+        *state.stride()[:3],
+        *o.stride()[:3],
+        *(kept.stride()[:4] if states_out is not None else (0, 0, 0, 0)),
+        GROUP=Hv // Hk,
+        DK=dk,
+        BLOCK_V=block_v,
+        KEEP_STATES=states_out is not None,
+        num_warps=STATE_WARPS,
     )
     return o
