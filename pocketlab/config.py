@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -107,6 +109,7 @@ class EngineOptions:
     decode_attention: str = "auto"  # "triton" (live keys read in place), "sdpa", or "auto": triton on CUDA
     linear_decode: str = "auto"  # Gated DeltaNet decode: "triton" (states updated in place), "torch", "auto"
     graph_batch_sizes: tuple[int, ...] = field(default=(1, 2, 4, 8, 16, 32, 64))
+    batch_invariant: bool = False  # logits bitwise independent of the batch (Triton kernels; CPU: interpreter)
     speculative_tokens: int = 0  # drafts per decode step (MTP head), verified in one forward; 0: off
     speculative_rollback: str = "states"  # GDN state after a rejection: per-token "states" kept, or "replay"
     prefix_cache: bool = True  # reuse K/V and states of shared prompt prefixes (per slot and across slots)
@@ -119,6 +122,8 @@ class EngineOptions:
             raise ValueError(f"speculative_tokens={self.speculative_tokens}: need 0 <= k <= {MAX_SPECULATIVE_TOKENS}")
         if self.speculative_rollback not in ("replay", "states"):
             raise ValueError(f"speculative_rollback {self.speculative_rollback!r} is not one of replay, states")
+        if self.batch_invariant:
+            self._check_batch_invariant()
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {list(DTYPES)}")
         if self.decode_attention not in ("auto", "triton", "sdpa"):
@@ -129,6 +134,17 @@ class EngineOptions:
             raise ValueError("max_slots >= 1, max_seq_len >= 2 and prefill_chunk >= 1 are required")
         if self.prefix_cache_bytes < 0 or self.prefix_block < 1 or self.snapshot_stride < 0:
             raise ValueError("prefix_cache_bytes >= 0, prefix_block >= 1 and snapshot_stride >= 0 are required")
+
+    def _check_batch_invariant(self) -> None:
+        if importlib.util.find_spec("triton") is None:
+            raise ValueError("batch_invariant=True runs Triton kernels: install triton")
+        if torch.device(self.device).type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                "batch_invariant=True on the CPU runs the Triton kernels in Triton's interpreter: set "
+                "TRITON_INTERPRET=1 in the environment before Python starts"
+            )
+        if self.speculative_rollback != "states":
+            raise ValueError("batch_invariant=True rolls speculative drafts back by kept states: use rollback 'states'")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -33,6 +33,7 @@ class AttentionPath(str, enum.Enum):
     DECODE_KERNEL = "decode_kernel"  # one token per row: one kernel norms, rotates, stores K/V and attends
     MASKED = "masked"  # SDPA over each slot's cached keys under `mask`
     CAUSAL = "causal"  # one run with nothing cached before it: SDPA's causal flag, no mask (flash kernels)
+    INVARIANT = "invariant"  # batch-invariant mode: one Triton kernel for every query, decode or prompt
 
 
 @dataclass
@@ -50,7 +51,8 @@ class ForwardContext:
     # hooks, set by the caller
     checkpoints: Sequence[tuple[int, int]] = ()  # (row, offset): hand back each linear layer's state there
     gdn_log: dict[int, tuple] | None = None  # {} to collect, per Gated DeltaNet layer, what a rollback needs
-    delta_rule: Callable | None = None  # runs instead of gated_delta_rule in every Gated DeltaNet layer
+    delta_rule: Callable | None = None  # runs instead of gated_delta_rule where Gated DeltaNet gathers states
+    state_history: list[torch.Tensor] | None = None  # [] to collect per GDN layer the state after every token
 
     # outputs, written by the layers
     checkpoint_states: dict[tuple[int, int], dict] = field(init=False)  # per request: {(kind, layer): state}
@@ -87,24 +89,27 @@ class ForwardContext:
             checkpoints=checkpoints,
         )
 
-    def prepare(self, rotary: Rotary, decode_kernel: bool) -> None:
+    def prepare(self, rotary: Rotary, decode_kernel: bool, invariant: bool = False) -> None:
         """Compute the tensors every layer shares, once per forward (again on every forward: a captured graph
         records this from its static inputs). rotary: the model's Rotary; decode_kernel: the model runs
-        one-token rows through the decode-attention kernel, which writes K/V itself."""
+        one-token rows through the decode-attention kernel, which writes K/V itself; invariant: every forward
+        runs the batch-invariant attention kernel."""
         B, T = self.tokens.shape
         t = torch.arange(T, device=self.tokens.device)
         # padding repeats the last real position, so it stays in range
         self.positions = self.start[:, None] + torch.minimum(t[None, :], self.lengths[:, None] - 1)
         self.rope = rotary.table(self.positions)
         self.kv_targets = self.mask = self.kv_lengths = None
-        if T == 1 and decode_kernel:
+        if T == 1 and decode_kernel and not invariant:
             self.attention = AttentionPath.DECODE_KERNEL
             self.kv_lengths = self.start + 1
             return
         valid = t[None, :] < self.lengths[:, None]
         slots = torch.where(valid, self.slot_ids[:, None], self.scratch_slot)
         self.kv_targets = (slots, torch.where(valid, self.positions, t.expand_as(valid)))
-        if B == 1 and self.kv_len == T:
+        if invariant:
+            self.attention = AttentionPath.INVARIANT
+        elif B == 1 and self.kv_len == T:
             self.attention = AttentionPath.CAUSAL
         else:
             self.attention = AttentionPath.MASKED

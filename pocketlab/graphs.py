@@ -88,7 +88,8 @@ class StepGraphs:
         self.model, self.cache = model, cache
         sizes = sorted({b for b in options.graph_batch_sizes if b < options.max_slots} | {options.max_slots})
         self.batch_sizes, self.key_sizes = sizes, key_buckets(options.max_seq_len)
-        self.device, self.compile = options.device, options.compile
+        # compiled elementwise chains round differently from the eager ones prompts run: not batch invariant
+        self.device, self.compile = options.device, options.compile and not options.batch_invariant
         self.graphs: dict[tuple, Captured] = {}
         self.failed: dict[tuple, str] = {}  # key -> why its capture failed twice (those steps run eagerly)
         self.pool = None  # one memory pool for all of this engine's graphs, made at the first capture

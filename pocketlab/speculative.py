@@ -548,8 +548,14 @@ class Speculator:
         every position is real). shortest: the fewest tokens any run feeds (None: all of them)."""
         eng = self.engine
         shortest = ctx.tokens.shape[1] if shortest is None else shortest
-        states = _StatesRule(shortest, getattr(eng.model, "in_place", False)) if self.rollback == "states" else None
-        ctx = replace(ctx, gdn_log={}, delta_rule=states)
+        if eng.model.kernels.batch_invariant:  # the layers' own per-token kernels keep every state
+            ctx = replace(ctx, gdn_log={}, state_history=[])
+            states = ctx.state_history
+        elif self.rollback == "states":
+            rule = _StatesRule(shortest, getattr(eng.model, "in_place", False))
+            ctx, states = replace(ctx, gdn_log={}, delta_rule=rule), rule.states
+        else:
+            ctx, states = replace(ctx, gdn_log={}), None
         hidden = eng.model.forward(ctx, eng.cache)
         return VerifyRun(ctx, hidden, eng.model.logits(hidden), ctx.gdn_log, states)
 
@@ -595,7 +601,7 @@ class Speculator:
             window = window_at(conv_inputs(conv0[rows], qkv_in[rows]), keep, conv0.shape[-1])
             cache.conv[layer][slots] = window.to(conv0.dtype)
             if states is not None:
-                cache.rec[layer][slots] = states.states[n][rows, keep - 1]
+                cache.rec[layer][slots] = states[n][rows, keep - 1]
             else:
                 q, k, v, g, beta, rec0 = (x[rows] for x in args)
                 cache.rec[layer][slots] = gated_delta_rule(q, k, v, g, beta, rec0, keep)[1]
@@ -609,5 +615,5 @@ class VerifyRun:
     hidden: torch.Tensor  # [B, T, hidden] final-normed
     logits: torch.Tensor  # [B, T, vocab] float32
     log: dict  # per GDN layer: (conv inputs, start window, delta-rule inputs and start state)
-    states: _StatesRule | None
+    states: list[torch.Tensor] | None  # rollback "states": per GDN layer the state after every fed token
     graphed: list | None = None  # replayed graph: [], then [rollback graph, rows, keep] once captured ([None]: failed)

@@ -7,7 +7,7 @@ import torch
 
 from pocketlab.layers import decode_attention as da
 from pocketlab.layers.norm import _rms_norm
-from pocketlab.layers.rotary import _apply_rotary
+from pocketlab.layers.rotary import apply_rotary
 
 on_gpu = torch.cuda.is_available()
 interpreted = os.environ.get("TRITON_INTERPRET") == "1"
@@ -36,8 +36,8 @@ def test_matches_reference_and_stores_the_new_token(heads, kv_heads, dim, max_le
         q_ref, k_ref_new = _rms_norm(q, norms[0], 1e-6, norms[3]), _rms_norm(k_new, norms[1], 1e-6, norms[3])
     else:
         q_ref, k_ref_new = q, k_new
-    q_ref = _apply_rotary(q_ref, cos[:, None], sin[:, None])
-    k_ref_new = _apply_rotary(k_ref_new, cos[:, None], sin[:, None])
+    q_ref = apply_rotary(q_ref, cos[:, None], sin[:, None])
+    k_ref_new = apply_rotary(k_ref_new, cos[:, None], sin[:, None])
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     k_ref[slots, :, lengths - 1], v_ref[slots, :, lengths - 1] = k_ref_new, v_new
     out = da.decode_attention(q, k_new, v_new, k_cache, v_cache, slots, lengths, max_len, dim**-0.5, (cos, sin), norms)

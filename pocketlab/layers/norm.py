@@ -34,13 +34,16 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 
 class RMSNorm:
     """A pre-norm with the residual add before it: (h, None) -> (norm(h), h) for the first layer, then
-    (h, residual) -> (norm(residual + h), residual + h), the add and the norm one kernel on CUDA."""
+    (h, residual) -> (norm(residual + h), residual + h), the add and the norm one kernel on CUDA.
+    `kernels`: the layers.kernels set whose rms_norm / add_rms_norm run (None: these torch ones)."""
 
-    def __init__(self, weight: torch.Tensor, eps: float, offset: bool = False):
+    def __init__(self, weight: torch.Tensor, eps: float, offset: bool = False, kernels=None):
         self.weight, self.eps, self.offset = weight, eps, offset
+        self.norm = kernels.rms_norm if kernels is not None else rms_norm
+        self.add_norm = kernels.add_rms_norm if kernels is not None else add_rms_norm
 
     def __call__(self, h: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
-            return rms_norm(h, self.weight, self.eps, self.offset), h
-        residual, h = add_rms_norm(residual, h, self.weight, self.eps, self.offset)
+            return self.norm(h, self.weight, self.eps, self.offset), h
+        residual, h = self.add_norm(residual, h, self.weight, self.eps, self.offset)
         return h, residual

@@ -20,7 +20,7 @@ class Rotary:
         return self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)
 
 
-def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     rotary_dim = cos.shape[-1]
     rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
     half = rotary_dim // 2
@@ -35,4 +35,4 @@ def norm_and_rotate(
     """Per-head q/k RMSNorm (Qwen3, Qwen3.5; None for Qwen2) then RoPE, as one kernel on CUDA."""
     if q_norm is not None:
         q, k = _rms_norm(q, q_norm, eps, offset), _rms_norm(k, k_norm, eps, offset)
-    return _apply_rotary(q, cos, sin), _apply_rotary(k, cos, sin)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

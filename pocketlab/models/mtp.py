@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from ..cache import SlotCache
 from ..config import ModelConfig
 from ..forward import ForwardContext
-from ..layers.norm import RMSNorm, rms_norm
+from ..layers.norm import RMSNorm
 from .qwen3 import Attention, DecoderLayer
 
 KV_KEY = "mtp"
@@ -50,8 +50,10 @@ class MTPHead:
         self.norm_embed = w.pop("mtp.pre_fc_norm_embedding.weight")
         self.norm_hidden = w.pop("mtp.pre_fc_norm_hidden.weight")
         p = "mtp.layers.0."
-        self.layer = DecoderLayer(w, p, Attention(cfg, w, p + "self_attn.", KV_KEY, gated=True), eps, True)
-        self.norm = RMSNorm(w.pop("mtp.norm.weight"), eps, True)
+        kernels = main.kernels
+        attention = Attention(cfg, w, p + "self_attn.", KV_KEY, kernels, gated=True)
+        self.layer = DecoderLayer(w, p, attention, eps, True, kernels)
+        self.norm = RMSNorm(w.pop("mtp.norm.weight"), eps, True, kernels)
 
     def register(self, cache: SlotCache) -> None:
         """Give every slot a KV region for the MTP layer."""
@@ -63,10 +65,11 @@ class MTPHead:
 
         Writes the MTP KV at index t for each row and returns the normed outputs o_t [B, T, hidden]
         (feed them to `logits`, or back in as the hidden state of the next recursive row)."""
-        eps = self.cfg.rms_norm_eps
-        e = rms_norm(F.embedding(ctx.tokens, self.main.embed), self.norm_embed, eps, True)
-        x = F.linear(torch.cat([e, rms_norm(hidden.to(e.dtype), self.norm_hidden, eps, True)], dim=-1), self.fc)
-        ctx.prepare(self.main.rotary, self.main.decode_kernel)
+        eps, kernels = self.cfg.rms_norm_eps, self.main.kernels
+        e = kernels.rms_norm(F.embedding(ctx.tokens, self.main.embed), self.norm_embed, eps, True)
+        h = kernels.rms_norm(hidden.to(e.dtype), self.norm_hidden, eps, True)
+        x = kernels.linear(torch.cat([e, h], dim=-1), self.fc)
+        self.main.prepare(ctx)
         h, residual = self.layer(x, None, ctx, cache)
         return self.norm(h, residual)[0]
 

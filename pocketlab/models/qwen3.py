@@ -11,33 +11,28 @@ from ..forward import AttentionPath, ForwardContext
 from ..layers.attention import cached_attention, write_kv
 from ..layers.decode_attention import available as decode_attention_available
 from ..layers.decode_attention import decode_attention
-from ..layers.fused import cuda_compiled
+from ..layers.kernels import Kernels, kernels_for
 from ..layers.norm import RMSNorm
-from ..layers.rotary import Rotary, norm_and_rotate
+from ..layers.rotary import Rotary, apply_rotary, norm_and_rotate
 
 
 class MLP:
-    def __init__(self, w: dict, p: str):
+    def __init__(self, w: dict, p: str, kernels: Kernels):
         # gate and up fused into one matmul: one weight read per step instead of two launches
         self.gate_up = torch.cat([w.pop(p + "gate_proj.weight"), w.pop(p + "up_proj.weight")])
         self.down = w.pop(p + "down_proj.weight")
+        self.linear, self.swiglu = kernels.linear, kernels.swiglu
 
     def __call__(self, x):
-        return F.linear(swiglu(F.linear(x, self.gate_up)), self.down)
-
-
-@cuda_compiled
-def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+        return self.linear(self.swiglu(self.linear(x, self.gate_up)), self.down)
 
 
 class Attention:
     """Full attention; `gated` is Qwen3.5's variant (q_proj also emits a sigmoid output gate, (1+w) norms).
     kv_key: where this layer's K/V live in the SlotCache (the layer index, or a name such as the MTP head's)."""
 
-    def __init__(self, cfg: ModelConfig, w: dict, p: str, kv_key: int | str, gated: bool = False):
-        self.cfg, self.kv_key, self.gated = cfg, kv_key, gated
+    def __init__(self, cfg: ModelConfig, w: dict, p: str, kv_key: int | str, kernels: Kernels, gated: bool = False):
+        self.cfg, self.kv_key, self.gated, self.kernels = cfg, kv_key, gated, kernels
         self.nq, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_size = self.nq * self.hd * (2 if gated else 1)
         names = ("q_proj", "k_proj", "v_proj")
@@ -49,7 +44,7 @@ class Attention:
 
     def __call__(self, x, ctx: ForwardContext, cache: SlotCache):
         B, T, _ = x.shape
-        q, k, v = F.linear(x, self.qkv, self.qkv_bias).split(
+        q, k, v = self.kernels.linear(x, self.qkv, self.qkv_bias).split(
             [self.q_size, self.nkv * self.hd, self.nkv * self.hd], dim=-1
         )
         if self.gated:  # per head: [q_h | gate_h]
@@ -73,25 +68,34 @@ class Attention:
                 rope,
                 norms,
             )[:, None]
+        elif ctx.attention is AttentionPath.INVARIANT:  # the q/k norms as batch-invariant row kernels too
+            if self.q_norm is not None:
+                q = self.kernels.rms_norm(q, self.q_norm, eps, self.gated)
+                k = self.kernels.rms_norm(k, self.k_norm, eps, self.gated)
+            q, k = apply_rotary(q, *ctx.rope), apply_rotary(k, *ctx.rope)
+            write_kv(k_cache, v_cache, k, v, ctx.kv_targets)
+            out = self.kernels.attention(
+                q, k_cache, v_cache, ctx.slot_ids, ctx.start, ctx.lengths, self.hd**-0.5, ctx.kv_len
+            )
         else:
             q, k = norm_and_rotate(q, k, self.q_norm, self.k_norm, *ctx.rope, eps, self.gated)
             write_kv(k_cache, v_cache, k, v, ctx.kv_targets)
             out = cached_attention(q, k_cache, v_cache, ctx, self.hd**-0.5)
         out = out.reshape(B, T, self.nq * self.hd)
         if self.gated:
-            out = out * torch.sigmoid(gate)
-        return F.linear(out, self.o)
+            out = self.kernels.sigmoid_gate(out, gate)
+        return self.kernels.linear(out, self.o)
 
 
 class DecoderLayer:
     """One pre-norm decoder block: a token mixer (Attention, or Qwen3.5's GatedDeltaNet) then an MLP, each
     behind a residual add that RMSNorm fuses with the norm after it. residual None: the first block."""
 
-    def __init__(self, w: dict, p: str, mixer, eps: float, offset: bool):
-        self.input_norm = RMSNorm(w.pop(p + "input_layernorm.weight"), eps, offset)
+    def __init__(self, w: dict, p: str, mixer, eps: float, offset: bool, kernels: Kernels):
+        self.input_norm = RMSNorm(w.pop(p + "input_layernorm.weight"), eps, offset, kernels)
         self.mixer = mixer
-        self.post_norm = RMSNorm(w.pop(p + "post_attention_layernorm.weight"), eps, offset)
-        self.mlp = MLP(w, p + "mlp.")
+        self.post_norm = RMSNorm(w.pop(p + "post_attention_layernorm.weight"), eps, offset, kernels)
+        self.mlp = MLP(w, p + "mlp.", kernels)
 
     def __call__(self, h, residual, ctx: ForwardContext, cache: SlotCache):
         h, residual = self.input_norm(h, residual)
@@ -107,11 +111,11 @@ class DecoderModel:
     norm_offset = False
 
     def __init__(self, cfg: ModelConfig, w: dict, opts):
-        self.cfg = cfg
+        self.cfg, self.kernels = cfg, kernels_for(opts)
         eps = cfg.rms_norm_eps
         self.embed = w.pop("model.embed_tokens.weight")
         self.lm_head = self.embed if cfg.tie_word_embeddings else w.pop("lm_head.weight")
-        self.final_norm = RMSNorm(w.pop("model.norm.weight"), eps, self.norm_offset)
+        self.final_norm = RMSNorm(w.pop("model.norm.weight"), eps, self.norm_offset, self.kernels)
         self.decode_kernel = opts.decode_attention == "triton" or (
             opts.decode_attention == "auto" and decode_attention_available(opts.device)
         )
@@ -119,21 +123,24 @@ class DecoderModel:
         self.layers = []
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
-            self.layers.append(DecoderLayer(w, p, self.make_mixer(w, p, i), eps, self.norm_offset))
+            self.layers.append(DecoderLayer(w, p, self.make_mixer(w, p, i), eps, self.norm_offset, self.kernels))
 
     def make_mixer(self, w: dict, p: str, i: int):
-        return Attention(self.cfg, w, p + "self_attn.", i)
+        return Attention(self.cfg, w, p + "self_attn.", i, self.kernels)
 
     def forward(self, ctx: ForwardContext, cache: SlotCache) -> torch.Tensor:
         """Final-normed hidden states [B, T, hidden] for every token of the context's runs."""
-        ctx.prepare(self.rotary, self.decode_kernel)
+        self.prepare(ctx)
         h, residual = F.embedding(ctx.tokens, self.embed), None
         for layer in self.layers:
             h, residual = layer(h, residual, ctx, cache)
         return self.final_norm(h, residual)[0]
 
+    def prepare(self, ctx: ForwardContext) -> None:
+        ctx.prepare(self.rotary, self.decode_kernel, self.kernels.batch_invariant)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return self.kernels.linear(hidden, self.lm_head).float()
 
 
 class DenseModel(DecoderModel):

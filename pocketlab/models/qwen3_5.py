@@ -9,19 +9,19 @@ from ..cache import SlotCache
 from ..config import ModelConfig
 from ..forward import ForwardContext
 from ..layers.decode_attention import available as triton_available
-from ..layers.fused import cuda_compiled
 from ..layers.gated_delta import L2_EPS, causal_conv1d, conv_inputs, gated_delta_rule
-from ..layers.linear_decode import conv_step, recurrent_step
-from ..layers.norm import gated_rms_norm
+from ..layers.kernels import Kernels
+from ..layers.linear_decode import conv_step, conv_steps, recurrent_step, recurrent_steps
 from .qwen3 import Attention, DecoderModel
 
 
 class GatedDeltaNet:
     """Linear attention whose per-slot state (conv window + fp32 delta-rule matrix) lives in the SlotCache.
-    `in_place`: one-token steps run the Triton kernels that update each slot's state where it lives."""
+    `in_place`: one-token steps run the Triton kernels that update each slot's state where it lives; with
+    batch-invariant kernels every token does (see `_run_invariant`)."""
 
-    def __init__(self, cfg: ModelConfig, w: dict, p: str, layer: int, in_place: bool = False):
-        self.cfg, self.layer, self.in_place = cfg, layer, in_place
+    def __init__(self, cfg: ModelConfig, w: dict, p: str, layer: int, kernels: Kernels, in_place: bool = False):
+        self.cfg, self.layer, self.kernels, self.in_place = cfg, layer, kernels, in_place
         self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
@@ -35,14 +35,16 @@ class GatedDeltaNet:
 
     def __call__(self, x, ctx: ForwardContext, cache: SlotCache):
         B, T, _ = x.shape
-        qkv, z, b, a = F.linear(x, self.in_proj).split(self.splits, dim=-1)
+        qkv, z, b, a = self.kernels.linear(x, self.in_proj).split(self.splits, dim=-1)
         conv, rec = cache.conv[self.layer], cache.rec[self.layer]
-        if T == 1 and self.in_place and ctx.delta_rule is None and ctx.gdn_log is None:
+        if self.kernels.batch_invariant:
+            o = self._run_invariant(qkv, b, a, conv, rec, ctx)
+        elif T == 1 and self.in_place and ctx.delta_rule is None and ctx.gdn_log is None:
             o = self._step_in_place(qkv[:, 0], b, a, conv, rec, ctx.slot_ids)[:, None]
         else:
             o = self._run_gathered(qkv, b, a, conv, rec, ctx)
-        o = gated_rms_norm(o, z.reshape(B, T, self.hv, self.dv), self.norm, self.cfg.rms_norm_eps)
-        return F.linear(o.reshape(B, T, self.hv * self.dv), self.out)
+        o = self.kernels.gated_rms_norm(o, z.reshape(B, T, self.hv, self.dv), self.norm, self.cfg.rms_norm_eps)
+        return self.kernels.linear(o.reshape(B, T, self.hv * self.dv), self.out)
 
     def _run_gathered(self, qkv_in, b, a, conv, rec, ctx: ForwardContext) -> torch.Tensor:
         """Any number of tokens: gather the slots' states, run conv and delta rule on the copies, scatter back.
@@ -56,7 +58,7 @@ class GatedDeltaNet:
         q = q.reshape(B, T, self.hk, self.dk).repeat_interleave(group, dim=2)
         k = k.reshape(B, T, self.hk, self.dk).repeat_interleave(group, dim=2)
         v = v.reshape(B, T, self.hv, self.dv)
-        g, beta = decay_and_beta(a, b, self.neg_A, self.dt_bias)
+        g, beta = self.kernels.decay_and_beta(a, b, self.neg_A, self.dt_bias)
         rule = gated_delta_rule if ctx.delta_rule is None else ctx.delta_rule  # verify may keep every state
         if ctx.checkpoints:
             o, rec[ctx.slot_ids] = self._with_checkpoints(
@@ -72,7 +74,7 @@ class GatedDeltaNet:
         """One token per row: [B, Hv, dv] outputs, each slot's conv window and state advanced where they live."""
         y = conv_step(qkv, conv, self.conv_weight, slot_ids)
         q, k, v = y.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
-        g, beta = decay_and_beta(a[:, 0], b[:, 0], self.neg_A, self.dt_bias)
+        g, beta = self.kernels.decay_and_beta(a[:, 0], b[:, 0], self.neg_A, self.dt_bias)
         B = y.shape[0]
         return recurrent_step(
             q.view(B, self.hk, self.dk),
@@ -84,6 +86,37 @@ class GatedDeltaNet:
             slot_ids,
             L2_EPS,
         )
+
+    def _run_invariant(self, qkv_in, b, a, conv, rec, ctx: ForwardContext) -> torch.Tensor:
+        """Every token through the in-place kernels, whose per-token arithmetic is the same for one token or many:
+        a token's output and state are bitwise equal decoded alone, verified, or prefilled whole or in chunks
+        (the chunked delta rule would sum in another order). The rule runs in segments ending at the checkpoint
+        offsets, handing back the state there. Returns [B, T, Hv, dv]."""
+        B, T, _ = qkv_in.shape
+        conv0 = conv[ctx.slot_ids] if ctx.checkpoints or ctx.gdn_log is not None else None  # a gathered copy
+        y = conv_steps(qkv_in, conv, self.conv_weight, ctx.slot_ids, ctx.lengths)
+        q, k, v = y.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
+        q, k = q.view(B, T, self.hk, self.dk), k.view(B, T, self.hk, self.dk)
+        v = v.view(B, T, self.hv, self.dv)
+        g, beta = self.kernels.decay_and_beta(a, b, self.neg_A, self.dt_bias)
+        history = None
+        if ctx.state_history is not None:
+            history = torch.empty(B, T, self.hv, self.dk, self.dv, dtype=torch.float32, device=y.device)
+            ctx.state_history.append(history)
+        if ctx.gdn_log is not None:  # speculative verify: the conv window of any accepted prefix
+            ctx.gdn_log[self.layer] = (qkv_in, conv0, None)
+        bounds, outs = [0, *sorted({t for _, t in ctx.checkpoints}), T], []
+        full = conv_inputs(conv0, qkv_in) if ctx.checkpoints else None
+        for lo, hi in zip(bounds, bounds[1:], strict=False):
+            seg = (ctx.lengths - lo).clamp(0, hi - lo)  # rows that ended stay unchanged
+            part = None if history is None else history[:, lo:hi]
+            args = (x[:, lo:hi] for x in (q, k, v, g, beta))
+            outs.append(recurrent_steps(*args, rec, ctx.slot_ids, seg, L2_EPS, part))
+            for row, t in (c for c in ctx.checkpoints if c[1] == hi):
+                dst = ctx.checkpoint_states[(row, t)]
+                dst[("conv", self.layer)] = full[row, :, t : t + conv0.shape[-1]].to(conv.dtype, copy=True)
+                dst[("rec", self.layer)] = rec[ctx.slot_ids[row]].clone()
+        return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
 
     def _with_checkpoints(
         self, rule, inputs, state, lengths, ctx: ForwardContext, full: torch.Tensor, conv_dtype: torch.dtype
@@ -106,19 +139,20 @@ class GatedDeltaNet:
         return torch.cat(outs, dim=1), state
 
 
-@cuda_compiled
-def decay_and_beta(a: torch.Tensor, b: torch.Tensor, neg_A: torch.Tensor, dt_bias: torch.Tensor):
-    """The delta rule's log-decay g = -exp(A_log) * softplus(a + dt_bias) (float32) and beta = sigmoid(b)."""
-    return neg_A * F.softplus(a.float() + dt_bias), b.sigmoid()
-
-
 class HybridModel(DecoderModel):
     norm_offset = True  # Qwen3.5 norms scale by (1 + w)
 
     def __init__(self, cfg: ModelConfig, w: dict, opts):
         pow2 = all(n & (n - 1) == 0 for n in (cfg.linear_key_head_dim, cfg.linear_value_head_dim))
+        if opts.batch_invariant and not pow2:
+            raise ValueError(
+                "batch_invariant needs power-of-two Gated DeltaNet head dims (its in-place kernels), got "
+                f"linear_key_head_dim={cfg.linear_key_head_dim}, linear_value_head_dim={cfg.linear_value_head_dim}"
+            )
         self.in_place = pow2 and (
-            opts.linear_decode == "triton" or (opts.linear_decode == "auto" and triton_available(opts.device))
+            opts.batch_invariant
+            or opts.linear_decode == "triton"
+            or (opts.linear_decode == "auto" and triton_available(opts.device))
         )
         super().__init__(cfg, w, opts)
         self.mtp = None  # the MTP draft head, built only when speculative decoding is on
@@ -131,5 +165,5 @@ class HybridModel(DecoderModel):
 
     def make_mixer(self, w: dict, p: str, i: int):
         if self.cfg.layer_types[i] == "full_attention":
-            return Attention(self.cfg, w, p + "self_attn.", i, gated=True)
-        return GatedDeltaNet(self.cfg, w, p + "linear_attn.", i, self.in_place)
+            return Attention(self.cfg, w, p + "self_attn.", i, self.kernels, gated=True)
+        return GatedDeltaNet(self.cfg, w, p + "linear_attn.", i, self.kernels, self.in_place)

@@ -1,0 +1,100 @@
+"""The elementwise steps of the batch-invariant mode, computed by the same code for every element.
+
+torch's CPU kernels compute an element in SIMD lanes or in a scalar tail depending on where it falls in the
+tensor, and for softplus, sigmoid and silu the two differ in the last bit, so on the CPU a token's values would
+depend on how many tokens share the call. These kernels compute each row alike wherever it sits, on the GPU and
+in Triton's CPU interpreter; they round where the torch code they replace rounds.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .rounding import cast
+
+BLOCK = 1024  # columns per program
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _swiglu(x_ptr, y_ptr, N, stride_x, stride_y, BLOCK: tl.constexpr):
+    """y = silu(gate) * up over rows [gate | up] of width 2N; silu rounded to the dtype, then the product."""
+    row, cols = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = cols < N
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=live, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + N + cols, mask=live, other=0.0).to(tl.float32)
+    dtype = y_ptr.dtype.element_ty
+    silu = cast(gate * _sigmoid(gate), dtype).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + cols, cast(silu * up, dtype), mask=live)
+
+
+@triton.jit
+def _sigmoid_gate(x_ptr, g_ptr, y_ptr, N, stride_x, stride_g, stride_y, BLOCK: tl.constexpr):
+    """y = x * sigmoid(gate), the sigmoid rounded to the dtype first (Qwen3.5's gated attention output)."""
+    row, cols = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=live, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + row * stride_g + cols, mask=live, other=0.0).to(tl.float32)
+    dtype = y_ptr.dtype.element_ty
+    tl.store(y_ptr + row * stride_y + cols, cast(x * cast(_sigmoid(g), dtype).to(tl.float32), dtype), mask=live)
+
+
+@triton.jit
+def _decay_and_beta(a_ptr, b_ptr, neg_a_ptr, dt_ptr, g_ptr, beta_ptr, N, stride_a, stride_b, BLOCK: tl.constexpr):
+    """g = neg_A * softplus(a + dt_bias) in float32 (softplus linear above 20, as torch's), beta = sigmoid(b)."""
+    row, cols = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = cols < N
+    x = tl.load(a_ptr + row * stride_a + cols, mask=live, other=0.0).to(tl.float32)
+    x += tl.load(dt_ptr + cols, mask=live, other=0.0)
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+    tl.store(g_ptr + row * N + cols, tl.load(neg_a_ptr + cols, mask=live, other=0.0) * softplus, mask=live)
+    b = tl.load(b_ptr + row * stride_b + cols, mask=live, other=0.0).to(tl.float32)
+    tl.store(beta_ptr + row * N + cols, cast(_sigmoid(b), beta_ptr.dtype.element_ty), mask=live)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """[..., N] as a [rows, N] view (copied only if the last dim is strided)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _grid(rows: int, n: int) -> tuple[int, int]:
+    return rows, triton.cdiv(n, BLOCK)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2N] = [gate | up] -> silu(gate) * up [..., N], as layers' swiglu."""
+    x = _rows(gate_up)
+    n = x.shape[1] // 2
+    y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    if y.numel():
+        _swiglu[_grid(x.shape[0], n)](x, y, n, x.stride(0), y.stride(0), BLOCK=BLOCK)
+    return y.view(*gate_up.shape[:-1], n)
+
+
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(gate), both [..., N] of one dtype."""
+    x2, g2 = _rows(x), _rows(gate)
+    y = torch.empty_like(x2)
+    if y.numel():
+        n = x2.shape[1]
+        _sigmoid_gate[_grid(x2.shape[0], n)](x2, g2, y, n, x2.stride(0), g2.stride(0), y.stride(0), BLOCK=BLOCK)
+    return y.view(x.shape)
+
+
+def decay_and_beta(a: torch.Tensor, b: torch.Tensor, neg_A: torch.Tensor, dt_bias: torch.Tensor):
+    """The Gated DeltaNet log-decay (float32) and beta (b's dtype), [..., Hv] each, as qwen3_5.decay_and_beta."""
+    a2, b2 = _rows(a), _rows(b)
+    rows, n = a2.shape
+    g = torch.empty(rows, n, dtype=torch.float32, device=a.device)
+    beta = torch.empty(rows, n, dtype=b.dtype, device=b.device)
+    if rows:
+        _decay_and_beta[_grid(rows, n)](
+            a2, b2, neg_A.float().contiguous(), dt_bias.float().contiguous(), g, beta, n, a2.stride(0),
+            b2.stride(0), BLOCK=BLOCK,
+        )  # fmt: skip
+    return g.view(a.shape), beta.view(b.shape)
