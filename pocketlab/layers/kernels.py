@@ -22,7 +22,7 @@ class Kernels:
     sigmoid_gate: Callable = activations.sigmoid_gate
     decay_and_beta: Callable = activations.decay_and_beta
     attention: Callable | None = None  # over the slot cache for every query; None: SDPA / the decode kernel
-    batch_invariant: bool = False  # the Gated DeltaNet layers take their in-place multi-token path too
+    delta_rule_in_place: bool = False  # Gated DeltaNet: every token through the in-place kernels, no chunked rule
 
 
 DEFAULT = Kernels()
@@ -43,5 +43,5 @@ def kernels_for(options) -> Kernels:
         invariant.sigmoid_gate,
         invariant.decay_and_beta,
         attention,
-        batch_invariant=True,
+        delta_rule_in_place=True,
     )
