@@ -168,8 +168,6 @@ if wants invariant; then
   step "pytest batch-invariant mode + kernels (cuda)" 240 "$reserve" env POCKETLAB_DEVICE=cuda python3 -m pytest -q \
     -p no:cacheprovider --tb=short tests/test_batch_invariant.py tests/test_invariant_kernels.py \
     tests/test_invariant_attention.py tests/test_linear_decode.py
-  step "invariant kernel timings" 120 "$reserve" sh -c \
-    "python3 -m pocketlab.layers.invariant.bench --runs 20 && python3 -m pocketlab.layers.invariant.attention_bench"
   for m in $INVARIANT_MODELS; do
     for bi in False True; do
       step "bench $m batch_invariant=$bi" 150 "$reserve" python3 -m pocketlab.bench --model "$m" --device cuda \
@@ -179,6 +177,8 @@ if wants invariant; then
     step "solo vs batch divergence $m" 150 "$reserve" python3 -m pocketlab.verify.invariance --model "$m" \
       --device cuda --slots 32 --steps "$INVARIANT_STEPS" --cases batched --out "reports/gpu/invariance-$m.csv"
   done
+  step "invariant kernel timings" 120 "$reserve" sh -c \
+    "python3 -m pocketlab.layers.invariant.bench --runs 20 && python3 -m pocketlab.layers.invariant.attention_bench"
 fi
 
 # -- 6. reports at real shape; the perf notebook reuses this run's bench JSON (POCKETLAB_BENCH_DIR) -----
