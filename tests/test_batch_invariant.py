@@ -5,6 +5,7 @@ Each mutant switches ONE kernel of the mode back to a batch-variant one; the inv
 which shows that every kernel on the path is needed and that the check can see the difference.
 """
 
+import copy
 import dataclasses
 
 import pytest
@@ -68,10 +69,8 @@ def split_sum_add_norm(x, update, weight, eps, offset=False):
 MUTANTS = {
     # the default kernels where they are batch-variant on this device, else a stand-in that behaves like them
     "linear: split-K by batch size": ("linear", F.linear if DEVICE == "cuda" else split_k_linear),
-    "add_rms_norm: row split by batch size": (
-        "add_rms_norm",
-        norm.add_rms_norm if DEVICE == "cuda" else split_sum_add_norm,
-    ),
+    # torch's own add+norm happened to reduce hidden size 64 in one order at every batch size on the H200
+    "add_rms_norm: row split by batch size": ("add_rms_norm", split_sum_add_norm),
     "attention: the default SDPA / decode kernel": ("attention", None),
 }
 if DEVICE == "cpu":  # torch's CPU softplus/sigmoid differ between SIMD lanes and the scalar tail
@@ -92,23 +91,26 @@ def test_each_kernel_switched_back_is_caught(pairs, monkeypatch, mutant):
 
 
 def test_delta_rule_switched_back_to_the_chunked_form_is_caught(pairs, monkeypatch):
-    """The default prompt path (chunked delta rule over gathered states) sums in another order than decode."""
+    """The default prompt path (chunked delta rule over gathered states) sums in another order than decode. Prompts
+    longer than its 64-token chunks, so that one piece and pieces of 3 cut the chunks differently."""
     kernels = dataclasses.replace(kernels_for(EngineOptions(batch_invariant=True)), delta_rule_in_place=False)
     monkeypatch.setattr(qwen3, "kernels_for", lambda options: kernels)
-    r = invariance(pairs("tiny-qwen3_5"), num_slots=3, steps=2, prompt_lens=[5, 11, 18], cases=("chunked_prefill",))
+    cases = ("batched", "chunked_prefill")
+    r = invariance(pairs("tiny-qwen3_5"), num_slots=2, steps=1, prompt_lens=[70, 90], cases=cases)
     assert not r.summary.bitwise.all(), r.summary.to_string()
 
 
 def test_batch_invariant_mode_matches_hf(pairs):
-    """The invariant kernels compute the same model: float32 logits within 1e-4 of HF's over prefill and decode."""
+    """The invariant kernels compute the same model: float32 logits within 1e-4 of HF's over prefill and decode.
+    HF runs on the CPU (on CUDA its float32 Qwen3.5 takes fla's TF32 kernels, 1e-2 off)."""
     for model in ("tiny-qwen3", "tiny-qwen3_5"):
         pair = pairs(model)
         eng = pair.engine(max_slots=2, max_seq_len=64, batch_invariant=True)
         prompt = random_prompt(13, seed=4)
         tokens, logits = greedy_run(eng, prompt, 4)
         with torch.inference_mode():
-            ref = pair.hf(input_ids=torch.tensor([prompt + tokens[:-1]], device=pair.hf.device)).logits[0].float()
-        assert (logits.cpu() - ref[len(prompt) - 1 :].cpu()).abs().max() <= 1e-4, model
+            ref = copy.deepcopy(pair.hf).cpu()(input_ids=torch.tensor([prompt + tokens[:-1]])).logits[0].float()
+        assert (logits.cpu() - ref[len(prompt) - 1 :]).abs().max() <= 1e-4, model
 
 
 @pytest.mark.parametrize("drafter", ["oracle", "adversarial"])
@@ -120,7 +122,7 @@ def test_speculative_greedy_output_and_logits_equal_plain_decoding_bitwise(make_
     plain = make_engine("tiny-qwen3_5-mtp", batch_invariant=True)
     ref_tokens, ref_logits = greedy_run(plain, prompt, steps + 3)
     spec = make_engine("tiny-qwen3_5-mtp", batch_invariant=True, speculative_tokens=2)
-    spec.speculator.use(OracleDrafter({0: ref_tokens}) if drafter == "oracle" else AdversarialDrafter(seed=1))
+    spec.speculator.use(OracleDrafter({0: ref_tokens}) if drafter == "oracle" else AdversarialDrafter({0: ref_tokens}))
     r = spec.prefill(prompt)
     got = [r.next_token]
     assert torch.equal(r.logits, ref_logits[0])
