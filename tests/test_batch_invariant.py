@@ -15,7 +15,7 @@ from conftest import DEVICE, greedy_run, random_prompt
 
 import pocketlab.models.qwen3 as qwen3
 from pocketlab import EngineOptions
-from pocketlab.layers import activations, norm
+from pocketlab.layers import activations
 from pocketlab.layers.kernels import kernels_for
 from pocketlab.verify.common import load_pair
 from pocketlab.verify.invariance import CASES, invariance
