@@ -6,6 +6,8 @@ MODELS  ?= tiny-qwen3 tiny-qwen2 tiny-qwen3_5
 MODEL   ?= tiny-qwen3
 ONE_OR_ALL = $(if $(filter command line,$(origin MODEL)),$(MODEL),$(MODELS))
 export PYTHONUNBUFFERED := 1
+# on the CPU our Triton kernels (the batch-invariant mode, test-kernels) run in Triton's interpreter
+export TRITON_INTERPRET := $(if $(filter cuda,$(DEVICE)),0,1)
 
 .PHONY: test test-kernels reports baseline lab bench clean
 
