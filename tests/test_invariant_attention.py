@@ -1,13 +1,16 @@
 """Batch-invariant attention: accuracy against float64 softmax attention, and bitwise invariance of every query
 whatever runs beside it (GPU, or Triton's CPU interpreter)."""
 
+import importlib
 import os
 
 import pytest
 import torch
 
 from pocketlab.layers import decode_attention as da
-from pocketlab.layers.invariant import attention as ia
+
+# the package exports the function `attention`, which hides the submodule of that name from `from ... import`
+ia = importlib.import_module("pocketlab.layers.invariant.attention")
 
 on_gpu = torch.cuda.is_available()
 pytestmark = pytest.mark.skipif(

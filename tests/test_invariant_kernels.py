@@ -13,9 +13,10 @@ if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
 
 from invariance import assert_rows_invariant  # noqa: E402
 
+from pocketlab.layers import activations  # noqa: E402
 from pocketlab.layers import invariant as inv  # noqa: E402
 from pocketlab.layers import norm as torch_norm  # noqa: E402
-from pocketlab.layers.invariant import matmul  # noqa: E402
+from pocketlab.layers.invariant import elementwise, matmul  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6
@@ -165,17 +166,89 @@ def test_norms_check_their_inputs():
         inv.rms_norm(x.double(), weight.double(), EPS)
 
 
-@pytest.mark.parametrize("dtype,N", [(torch.float32, 1000), (torch.bfloat16, 4000), (torch.float16, 2000)])
+@pytest.mark.parametrize(
+    "dtype,N,M",
+    [(torch.float32, 1000, 6), (torch.bfloat16, 4000, 6), (torch.float16, 2000, 6), (torch.float32, 32, 40)],
+)
 @pytest.mark.parametrize("offset", [False, True])
-def test_norm_rows_are_batch_invariant(dtype, N, offset):
+def test_norm_rows_are_batch_invariant(dtype, N, M, offset):
     """float32 is the sharp check: another order of the sum of squares moves most of a row's outputs by an ulp.
     Through 16-bit rounding that shows in only about one output in 10^4, so there the test mainly checks the
-    16-bit loads, casts and garbage rows (long rows give it some chance to see an order change too)."""
-    x, update, gate, weight = norm_inputs(dtype, N)
+    16-bit loads, casts and garbage rows (long rows give it some chance to see an order change too). Rows of
+    32 share programs 32 at a time: 40 rows (and the checker's batches of them) span several programs, so a row
+    moves between programs and between places in a program's tile."""
+    x, update, gate, weight = norm_inputs(dtype, N, M)
     assert_rows_invariant(lambda x: inv.rms_norm(x, weight, EPS, offset), x)
     assert_rows_invariant(lambda x, u: inv.add_rms_norm(x, u, weight, EPS, offset), x, update)
     if not offset:
         assert_rows_invariant(lambda x, g: inv.gated_rms_norm(x, g, weight, EPS), x, gate)
+
+
+class LaunchSpy:
+    """Stands in for a Triton kernel: records each launch's grid and tile constants, then runs the kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **meta):
+            self.launches.append((grid, meta["ROWS"], meta["BLOCK"]))
+            return self.kernel[grid](*args, **meta)
+
+        return launch
+
+
+@pytest.mark.parametrize("N", [32, 100, 3000])
+def test_norm_and_elementwise_tiles_depend_on_the_row_length_only(monkeypatch, N):
+    """Rows per program and block width follow from N alone, never from the row count: the same tile, hence
+    the same layout and reduction order on a GPU, for a decode step of one row and a prefill of hundreds.
+    Short rows share a program; only the grid grows with the rows."""
+    spies = {}
+    for module, name in [(inv.norm, "_rms_norm_rows"), (elementwise, "_swiglu"), (elementwise, "_sigmoid_gate")]:
+        spies[name] = LaunchSpy(getattr(module, name))
+        monkeypatch.setattr(module, name, spies[name])
+    weight, row_counts = torch.ones(N, device=DEV), (1, 7, 300)
+    for M in row_counts:
+        x = randn(M, 2 * N, seed=M)
+        inv.rms_norm(x[:, :N], weight, EPS)
+        inv.swiglu(x)
+        inv.sigmoid_gate(x[:, :N], x[:, N:])
+    for name, spy in spies.items():
+        tiles = {(rows, block) for _, rows, block in spy.launches}
+        assert len(tiles) == 1, (name, tiles)
+        ((rows, block),) = tiles
+        assert [grid[0] for grid, _, _ in spy.launches] == [-(-M // rows) for M in row_counts]
+        assert block >= min(N, 1024) and (rows > 1) == (N <= 100), (name, rows, block)
+
+
+def elementwise_inputs(dtype, M, N, seed=0):
+    """[M, 2N] activations with some large values (softplus's linear branch, saturated sigmoids)."""
+    x = randn(M, 2 * N, scale=4.0, seed=seed)
+    x[:, ::7] *= 8.0
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M,N", [(40, 48), (3, 1500), (300, 4)])
+def test_elementwise_match_torch_and_rows_are_batch_invariant(dtype, M, N):
+    """swiglu, sigmoid_gate and decay_and_beta against the torch steps they replace (a rounding step or two
+    apart: torch's CPU sigmoid differs in the last bit between its SIMD lanes and scalar tail), on strided
+    inputs, with short rows packed many to a program (N = 48, 4) and long ones split over column blocks
+    (N = 1500); then every row bitwise the same in any batch."""
+    x = elementwise_inputs(dtype, M, N)
+    gate_up, left, right = x, x[:, :N], x[:, N:]  # left and right: strided views
+    neg_A, dt_bias = -torch.rand(N, device=DEV) * 4, randn(N, seed=9)
+    close(inv.swiglu(gate_up), activations.swiglu(gate_up.float()), dtype)
+    close(inv.sigmoid_gate(left, right), activations.sigmoid_gate(left.float(), right.float()), dtype)
+    (g, beta), (g_ref, beta_ref) = (
+        f(left, right, neg_A, dt_bias) for f in (inv.decay_and_beta, activations.decay_and_beta)
+    )
+    assert g.dtype == torch.float32 and beta.dtype == dtype
+    close(g, g_ref, torch.float32)
+    close(beta, beta_ref, dtype)
+    assert_rows_invariant(inv.swiglu, gate_up)
+    assert_rows_invariant(lambda x: inv.sigmoid_gate(x[:, :N], x[:, N:]), x)
+    assert_rows_invariant(lambda x: inv.decay_and_beta(x[:, :N], x[:, N:], neg_A, dt_bias), x)
 
 
 def test_the_checker_catches_batch_variant_functions():

@@ -12,7 +12,7 @@ import triton.language as tl
 
 from .rounding import cast
 
-BLOCK = 1024  # columns per program
+TILE = 1024  # elements per program: [TILE // BLOCK rows, BLOCK columns], BLOCK = N up to TILE
 
 
 @triton.jit
@@ -21,39 +21,47 @@ def _sigmoid(x):
 
 
 @triton.jit
-def _swiglu(x_ptr, y_ptr, N, stride_x, stride_y, BLOCK: tl.constexpr):
+def _tile(M, N, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's [ROWS, BLOCK] tile: row indices [ROWS, 1] (int64), column indices [1, BLOCK], and which
+    cells hold data."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)[None, :]
+    return rows.to(tl.int64), cols, (rows < M) & (cols < N)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _swiglu(x_ptr, y_ptr, M, N, stride_x, stride_y, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     """y = silu(gate) * up over rows [gate | up] of width 2N; silu rounded to the dtype, then the product."""
-    row, cols = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    live = cols < N
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=live, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + N + cols, mask=live, other=0.0).to(tl.float32)
+    rows, cols, live = _tile(M, N, ROWS, BLOCK)
+    gate = tl.load(x_ptr + rows * stride_x + cols, mask=live, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + rows * stride_x + N + cols, mask=live, other=0.0).to(tl.float32)
     dtype = y_ptr.dtype.element_ty
     silu = cast(gate * _sigmoid(gate), dtype).to(tl.float32)
-    tl.store(y_ptr + row * stride_y + cols, cast(silu * up, dtype), mask=live)
+    tl.store(y_ptr + rows * stride_y + cols, cast(silu * up, dtype), mask=live)
 
 
-@triton.jit
-def _sigmoid_gate(x_ptr, g_ptr, y_ptr, N, stride_x, stride_g, stride_y, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["M"])
+def _sigmoid_gate(x_ptr, g_ptr, y_ptr, M, N, stride_x, stride_g, stride_y, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     """y = x * sigmoid(gate), the sigmoid rounded to the dtype first (Qwen3.5's gated attention output)."""
-    row, cols = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    live = cols < N
-    x = tl.load(x_ptr + row * stride_x + cols, mask=live, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + row * stride_g + cols, mask=live, other=0.0).to(tl.float32)
+    rows, cols, live = _tile(M, N, ROWS, BLOCK)
+    x = tl.load(x_ptr + rows * stride_x + cols, mask=live, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + rows * stride_g + cols, mask=live, other=0.0).to(tl.float32)
     dtype = y_ptr.dtype.element_ty
-    tl.store(y_ptr + row * stride_y + cols, cast(x * cast(_sigmoid(g), dtype).to(tl.float32), dtype), mask=live)
+    tl.store(y_ptr + rows * stride_y + cols, cast(x * cast(_sigmoid(g), dtype).to(tl.float32), dtype), mask=live)
 
 
-@triton.jit
-def _decay_and_beta(a_ptr, b_ptr, neg_a_ptr, dt_ptr, g_ptr, beta_ptr, N, stride_a, stride_b, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["M"])
+def _decay_and_beta(
+    a_ptr, b_ptr, neg_a_ptr, dt_ptr, g_ptr, beta_ptr, M, N, stride_a, stride_b, ROWS: tl.constexpr, BLOCK: tl.constexpr
+):
     """g = neg_A * softplus(a + dt_bias) in float32 (softplus linear above 20, as torch's), beta = sigmoid(b)."""
-    row, cols = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    live = cols < N
-    x = tl.load(a_ptr + row * stride_a + cols, mask=live, other=0.0).to(tl.float32)
-    x += tl.load(dt_ptr + cols, mask=live, other=0.0)
+    rows, cols, live = _tile(M, N, ROWS, BLOCK)
+    x = tl.load(a_ptr + rows * stride_a + cols, mask=live, other=0.0).to(tl.float32)
+    x += tl.load(dt_ptr + cols, mask=cols < N, other=0.0)
     softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
-    tl.store(g_ptr + row * N + cols, tl.load(neg_a_ptr + cols, mask=live, other=0.0) * softplus, mask=live)
-    b = tl.load(b_ptr + row * stride_b + cols, mask=live, other=0.0).to(tl.float32)
-    tl.store(beta_ptr + row * N + cols, cast(_sigmoid(b), beta_ptr.dtype.element_ty), mask=live)
+    tl.store(g_ptr + rows * N + cols, tl.load(neg_a_ptr + cols, mask=cols < N, other=0.0) * softplus, mask=live)
+    b = tl.load(b_ptr + rows * stride_b + cols, mask=live, other=0.0).to(tl.float32)
+    tl.store(beta_ptr + rows * N + cols, cast(_sigmoid(b), beta_ptr.dtype.element_ty), mask=live)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -62,8 +70,14 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def _grid(rows: int, n: int) -> tuple[int, int]:
-    return rows, triton.cdiv(n, BLOCK)
+def _launch(kernel, pointers, rows: int, n: int, strides):
+    """kernel(*pointers, rows, n, *strides) over [rows, n] in tiles of TILE elements shaped by n alone: short rows
+    share a program. Elementwise steps never mix rows, so any tiling gives the same bits; a fixed one keeps
+    every call's instructions alike."""
+    block = min(triton.next_power_of_2(n), TILE)
+    per_program = TILE // block
+    grid = (triton.cdiv(rows, per_program), triton.cdiv(n, block))
+    kernel[grid](*pointers, rows, n, *strides, ROWS=per_program, BLOCK=block)
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
@@ -72,7 +86,7 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     n = x.shape[1] // 2
     y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     if y.numel():
-        _swiglu[_grid(x.shape[0], n)](x, y, n, x.stride(0), y.stride(0), BLOCK=BLOCK)
+        _launch(_swiglu, (x, y), x.shape[0], n, (x.stride(0), y.stride(0)))
     return y.view(*gate_up.shape[:-1], n)
 
 
@@ -81,8 +95,8 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     x2, g2 = _rows(x), _rows(gate)
     y = torch.empty_like(x2)
     if y.numel():
-        n = x2.shape[1]
-        _sigmoid_gate[_grid(x2.shape[0], n)](x2, g2, y, n, x2.stride(0), g2.stride(0), y.stride(0), BLOCK=BLOCK)
+        rows, n = x2.shape
+        _launch(_sigmoid_gate, (x2, g2, y), rows, n, (x2.stride(0), g2.stride(0), y.stride(0)))
     return y.view(x.shape)
 
 
@@ -93,8 +107,6 @@ def decay_and_beta(a: torch.Tensor, b: torch.Tensor, neg_A: torch.Tensor, dt_bia
     g = torch.empty(rows, n, dtype=torch.float32, device=a.device)
     beta = torch.empty(rows, n, dtype=b.dtype, device=b.device)
     if rows:
-        _decay_and_beta[_grid(rows, n)](
-            a2, b2, neg_A.float().contiguous(), dt_bias.float().contiguous(), g, beta, n, a2.stride(0),
-            b2.stride(0), BLOCK=BLOCK,
-        )  # fmt: skip
+        pointers = (a2, b2, neg_A.float().contiguous(), dt_bias.float().contiguous(), g, beta)
+        _launch(_decay_and_beta, pointers, rows, n, (a2.stride(0), b2.stride(0)))
     return g.view(a.shape), beta.view(b.shape)

@@ -1,11 +1,12 @@
-"""RMSNorms whose rows do not depend on one another: one program reduces one whole row, in an order fixed by
-the row length alone.
+"""RMSNorms whose rows do not depend on one another: each row is reduced on its own, in an order fixed by the
+row length alone.
 
 torch's row reductions split a row over several blocks when rows are few and keep it in one when they are
-many, so the sum of squares (and the output) of a row changes with the batch. Here each row's squares are
-summed by one program, over column blocks of a width fixed by N, in the same order for any number of rows.
-Everything else rounds where `pocketlab.layers.norm` rounds (to the input dtype at the same points), so the
-results match those functions to a few ulps: only the order of the sum of squares differs.
+many, so the sum of squares (and the output) of a row changes with the batch. Here a program holds a tile of
+`rows_per_program(BLOCK)` rows x BLOCK columns (both set by N alone) and sums each row's squares along the
+tile's columns, over column blocks of width BLOCK, in the same order for any number of rows; rows past the
+end are masked. Everything else rounds where `pocketlab.layers.norm` rounds (to the input dtype at the same
+points), so the results match those functions to a few ulps: only the order of the sum of squares differs.
 """
 
 import torch
@@ -15,18 +16,26 @@ import triton.language as tl
 from .rounding import cast
 
 MAX_BLOCK = 8192  # the widest column block; longer rows loop over blocks of this width
+TILE = 1024  # elements per program: short rows (head_dim, the tiny models' hidden size) share a program
+
+
+def rows_per_program(block: int) -> int:
+    """Rows per program for column blocks of `block`: a function of the row length only, never of the row
+    count, so a row's tile, layout and reduction order are the same in every call. Long rows (the hidden size
+    of real models) keep a program each, as their tile already fills the registers."""
+    return max(1, TILE // block)
 
 
 @triton.jit
-def _row(x_ptr, u_ptr, cols, live, ADD: tl.constexpr, H_DTYPE: tl.constexpr):
-    """The row's values as the torch code sees them: x, or x + update rounded to their common dtype."""
-    x = tl.load(x_ptr + cols, mask=live, other=0.0).to(tl.float32)
+def _tile(x_ptrs, u_ptrs, live, ADD: tl.constexpr, H_DTYPE: tl.constexpr):
+    """The tile's values as the torch code sees them: x, or x + update rounded to their common dtype."""
+    x = tl.load(x_ptrs, mask=live, other=0.0).to(tl.float32)
     if ADD:
-        x = cast(x + tl.load(u_ptr + cols, mask=live, other=0.0).to(tl.float32), H_DTYPE).to(tl.float32)
+        x = cast(x + tl.load(u_ptrs, mask=live, other=0.0).to(tl.float32), H_DTYPE).to(tl.float32)
     return x
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _rms_norm_rows(
     x_ptr,
     u_ptr,
@@ -34,6 +43,7 @@ def _rms_norm_rows(
     g_ptr,
     h_ptr,
     y_ptr,
+    M,
     N,
     stride_x,
     stride_u,
@@ -46,34 +56,38 @@ def _rms_norm_rows(
     GATED: tl.constexpr,
     H_DTYPE: tl.constexpr,
     WX_DTYPE: tl.constexpr,
+    ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Row program_id(0): [h = x + u, stored;] y = norm(h) in the flavour the flags pick (see the wrappers).
-    H_DTYPE is the dtype torch rounds h (x, or x + u) to; WX_DTYPE that of `w * h` (the two promoted)."""
-    row = tl.program_id(0).to(tl.int64)
-    x_row, u_row = x_ptr + row * stride_x, u_ptr + row * stride_u
-    squares = tl.zeros((BLOCK,), dtype=tl.float32)
+    """Rows program_id(0) * ROWS + [0, ROWS): [h = x + u, stored;] y = norm(h) in the flavour the flags pick
+    (see the wrappers). H_DTYPE is the dtype torch rounds h (x, or x + u) to; WX_DTYPE that of `w * h` (the two
+    promoted)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    real = (rows < M)[:, None]
+    rows = rows.to(tl.int64)[:, None]
+    x_rows, u_rows = x_ptr + rows * stride_x, u_ptr + rows * stride_u
+    squares = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
     for c0 in range(0, N, BLOCK):
-        cols = c0 + tl.arange(0, BLOCK)
-        live = cols < N
-        h = _row(x_row, u_row, cols, live, ADD, H_DTYPE)
+        cols = c0 + tl.arange(0, BLOCK)[None, :]
+        live = real & (cols < N)
+        h = _tile(x_rows + cols, u_rows + cols, live, ADD, H_DTYPE)
         if ADD:
-            tl.store(h_ptr + row * stride_h + cols, cast(h, H_DTYPE), mask=live)
+            tl.store(h_ptr + rows * stride_h + cols, cast(h, H_DTYPE), mask=live)
         squares += h * h
-    inv_rms = tl.rsqrt(tl.sum(squares, 0) / N + eps)
+    inv_rms = tl.rsqrt(tl.sum(squares, 1) / N + eps)[:, None]
     for c0 in range(0, N, BLOCK):
-        cols = c0 + tl.arange(0, BLOCK)
-        live = cols < N
-        normed = _row(x_row, u_row, cols, live, ADD, H_DTYPE) * inv_rms
-        w = tl.load(w_ptr + cols, mask=live, other=0.0).to(tl.float32)
+        cols = c0 + tl.arange(0, BLOCK)[None, :]
+        live = real & (cols < N)
+        normed = _tile(x_rows + cols, u_rows + cols, live, ADD, H_DTYPE) * inv_rms
+        w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
         if OFFSET:  # Qwen3.5: (x * (1 + w)) in float32, rounded once
             y = normed * (1.0 + w)
         else:  # w * x rounded to h's dtype, the product rounded to the common dtype of w and x
             y = cast(w * cast(normed, H_DTYPE).to(tl.float32), WX_DTYPE).to(tl.float32)
             if GATED:  # that times silu(gate) in float32
-                g = tl.load(g_ptr + row * stride_g + cols, mask=live, other=0.0).to(tl.float32)
+                g = tl.load(g_ptr + rows * stride_g + cols, mask=live, other=0.0).to(tl.float32)
                 y = y * (g / (1.0 + tl.exp(-g)))
-        tl.store(y_ptr + row * stride_y + cols, cast(y, y_ptr.dtype.element_ty), mask=live)
+        tl.store(y_ptr + rows * stride_y + cols, cast(y, y_ptr.dtype.element_ty), mask=live)
 
 
 _TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -101,14 +115,16 @@ def _launch(x, update, weight, gate, eps, offset, out_dtype, h_dtype):
     g2 = _rows(gate, N) if gate is not None else x2
     if rows:
         block = min(triton.next_power_of_2(N), MAX_BLOCK)
-        _rms_norm_rows[(rows,)](
-            x2, u2, weight.contiguous(), g2, h, y, N,
+        per_program = rows_per_program(block)
+        _rms_norm_rows[(triton.cdiv(rows, per_program),)](
+            x2, u2, weight.contiguous(), g2, h, y, rows, N,
             x2.stride(0), u2.stride(0), g2.stride(0), h.stride(0), y.stride(0), float(eps),
             ADD=update is not None,
             OFFSET=offset,
             GATED=gate is not None,
             H_DTYPE=_TL[h_dtype],
             WX_DTYPE=_TL[torch.promote_types(weight.dtype, h_dtype)],
+            ROWS=per_program,
             BLOCK=block,
             num_warps=4 if block <= 2048 else 8,
         )  # fmt: skip
