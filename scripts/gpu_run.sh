@@ -29,6 +29,7 @@
 #   REPORT_MODELS    [qwen3-0.6b]       `make reports DEVICE=cuda MODEL=m` for each
 #   TTFT_MODELS      [qwen3-8b qwen3.5-9b]  MTP_MODELS [qwen3.5-9b]   the extras step's models
 #   INVARIANT_MODELS [qwen3-8b qwen3.5-9b]  INVARIANT_STEPS [64]   the invariant step's shapes and decode steps
+#   INVARIANT_TESTS  [the mode's and its kernels' test files]  INVARIANT_TIMINGS [1]   (empty / 0: skip)
 #   REPORT_NOTEBOOKS []                 only these notebooks in the reports step (e.g. 02,03; empty: all)
 #   TTFT_STRIDES     [512]              snapshot strides the TTFT table is measured at, comma-separated
 #   PEER_MODES       [eager,static]     HF peers (static = static cache + HF's compiled decode step)
@@ -49,6 +50,8 @@ TTFT_MODELS=${TTFT_MODELS-qwen3-8b qwen3.5-9b}  # set empty for none
 MTP_MODELS=${MTP_MODELS-qwen3.5-9b}
 INVARIANT_MODELS=${INVARIANT_MODELS-qwen3-8b qwen3.5-9b}
 INVARIANT_STEPS=${INVARIANT_STEPS:-64}
+INVARIANT_TESTS=${INVARIANT_TESTS-tests/test_batch_invariant.py tests/test_invariant_kernels.py tests/test_invariant_attention.py tests/test_linear_decode.py}
+INVARIANT_TIMINGS=${INVARIANT_TIMINGS:-1}
 REPORT_NOTEBOOKS=${REPORT_NOTEBOOKS:-}
 TTFT_STRIDES=${TTFT_STRIDES:-512}
 PEER_MODES=${PEER_MODES:-eager,static}
@@ -165,9 +168,6 @@ fi
 #       no HF peer) and solo vs batch-32 divergence per shape -> reports/bench/invariant-*, reports/gpu/ ----
 if wants invariant; then
   mkdir -p reports/gpu
-  step "pytest batch-invariant mode + kernels (cuda)" 240 "$reserve" env POCKETLAB_DEVICE=cuda python3 -m pytest -q \
-    -p no:cacheprovider --tb=short tests/test_batch_invariant.py tests/test_invariant_kernels.py \
-    tests/test_invariant_attention.py tests/test_linear_decode.py
   for m in $INVARIANT_MODELS; do
     for bi in False True; do
       step "bench $m batch_invariant=$bi" 150 "$reserve" python3 -m pocketlab.bench --model "$m" --device cuda \
@@ -177,7 +177,10 @@ if wants invariant; then
     step "solo vs batch divergence $m" 150 "$reserve" python3 -m pocketlab.verify.invariance --model "$m" \
       --device cuda --slots 32 --steps "$INVARIANT_STEPS" --cases batched --out "reports/gpu/invariance-$m.csv"
   done
-  step "invariant kernel timings" 120 "$reserve" sh -c \
+  # shellcheck disable=SC2086
+  [ -n "$INVARIANT_TESTS" ] && step "pytest batch-invariant mode + kernels (cuda)" 240 "$reserve" \
+    env POCKETLAB_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider --tb=short $INVARIANT_TESTS
+  [ "$INVARIANT_TIMINGS" = 1 ] && step "invariant kernel timings" 120 "$reserve" sh -c \
     "python3 -m pocketlab.layers.invariant.bench --runs 20 && python3 -m pocketlab.layers.invariant.attention_bench"
 fi
 
