@@ -252,8 +252,10 @@ class QwenEngine:
         for s, tok, _ in items:
             self._check_tokens([tok], f"decode token for slot {s}")
         self._check_plan([s for s, _, _ in items], [(s, [t]) for s, t, _ in items], prefill=False)
-        if self.speculator is not None:  # tokens per item: accepted drafts + one; eager, one verify forward
-            return self.speculator.step(items)
+        if self.speculator is not None:  # tokens per item: accepted drafts + one, from one verify forward
+            out = self.speculator.step(items)
+            self.forward_count += 1
+            return out
         runs = [Run(s, self.cache.slots[s].position, [tok]) for s, tok, _ in items]
         logits = self._decode_logits(runs)
         for s, tok, _ in items:

@@ -8,8 +8,9 @@ from conftest import DEVICE, DTYPE, KERNELS, random_prompt
 from test_graphs import FailingGraphs, RerunGraphs
 
 from pocketlab import BatchedRequest, EngineOptions, QwenEngine, SamplingParams
-from pocketlab.speculative import AdversarialDrafter, Drafter, Drafts, OracleDrafter
+from pocketlab.speculative import Drafter, Drafts
 from pocketlab.verify import mtp as vmtp
+from pocketlab.verify.drafters import AdversarialDrafter, OracleDrafter
 
 PRESET = "tiny-qwen3_5-mtp"
 PROMPTS = [random_prompt(5, seed=31), random_prompt(9, seed=32), random_prompt(14, seed=33)]

@@ -20,9 +20,10 @@ import torch
 from ..config import DTYPES, EngineOptions, ModelConfig
 from ..engine import BatchedRequest, QwenEngine
 from ..sampling import SamplingParams, filtered_probs
-from ..speculative import AdversarialDrafter, OracleDrafter
+from ..speculative import MTPDrafter
 from ..synthetic import PRESETS, build_hf_model, ensure_checkpoint, mtp_weights
 from .common import Report, checkpoint_root, random_prompts, single_thread_on_cpu, solo_run
+from .drafters import AdversarialDrafter, OracleDrafter
 
 DEFAULT_MODEL = "tiny-qwen3_5-mtp"
 DRAFTERS = ("mtp", "oracle", "adversarial", "oracle@0.5")
@@ -50,8 +51,6 @@ def use_drafter(eng: QwenEngine, name: str, references: dict[int, list[int]] | N
     """Point the engine's speculator at a drafter by name; returns it."""
     spec = eng.speculator
     if name == "mtp":
-        from ..speculative import MTPDrafter
-
         return spec.use(MTPDrafter())
     if name == "adversarial":
         return spec.use(AdversarialDrafter(references))
