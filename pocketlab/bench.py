@@ -28,8 +28,9 @@ from tqdm import tqdm
 from transformers.generation.streamers import BaseStreamer
 
 from .config import DTYPES, EngineOptions, ModelConfig
-from .engine import BatchedRequest, QwenEngine
+from .engine import QwenEngine
 from .loader import expected_shapes
+from .requests import BatchedRequest
 from .synthetic import build_hf_model
 
 

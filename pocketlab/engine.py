@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -16,54 +15,9 @@ from .graphs import StepGraphs
 from .loader import load_weights, validate_weights
 from .models import build_model
 from .prefix_cache import PrefixCache, plan_pieces
+from .requests import BatchDecodeResult, BatchedRequest, BatchPrefillResult, ForwardResult
 from .sampling import GREEDY, SamplingParams, sample
 from .speculative import Speculator
-
-
-@dataclass
-class ForwardResult:
-    next_token: int
-    logits: torch.Tensor  # [vocab] float32, at the last position
-    position: int  # tokens now cached in the slot
-    reused_tokens: int = 0  # prompt tokens taken from the prefix cache instead of computed
-    computed_tokens: int = 0  # prompt tokens run through the model (prefill: len(prompt) - reused_tokens)
-    tokens: list[int] = field(default_factory=list)  # every token this call produced (speculative: 1 + accepted)
-
-    def __post_init__(self):
-        self.tokens = self.tokens or [self.next_token]
-
-
-@dataclass
-class BatchedRequest:
-    request_id: int
-    prompt_tokens: list[int]
-    slot_id: int | None = None  # None: batch_prefill allocates one
-    sampling: SamplingParams = GREEDY
-    generated_tokens: list[int] = field(default_factory=list)
-
-    @property
-    def last_token(self) -> int | None:
-        return self.generated_tokens[-1] if self.generated_tokens else None
-
-
-@dataclass
-class BatchPrefillResult:
-    results: list[ForwardResult]
-
-    @property
-    def next_tokens(self) -> list[int]:
-        return [r.next_token for r in self.results]
-
-
-@dataclass
-class BatchDecodeResult:
-    next_tokens: list[int]  # the last token produced per request
-    logits: torch.Tensor  # [B, vocab] float32, at the position that produced it
-    positions: list[int]
-    tokens: list[list[int]] = field(default_factory=list)  # all tokens produced per request (speculative: 1 + accepted)
-
-    def __post_init__(self):
-        self.tokens = self.tokens or [[t] for t in self.next_tokens]
 
 
 class QwenEngine:

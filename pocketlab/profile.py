@@ -18,7 +18,8 @@ import torch
 from torch.autograd import DeviceType
 
 from .bench import BenchConfig, build, ints, random_tokens
-from .engine import BatchedRequest, QwenEngine
+from .engine import QwenEngine
+from .requests import BatchedRequest
 
 
 def _self_us(event, cuda: bool) -> float:

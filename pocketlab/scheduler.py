@@ -9,7 +9,8 @@ from collections import deque
 
 from tqdm.auto import tqdm
 
-from .engine import BatchedRequest, QwenEngine
+from .engine import QwenEngine
+from .requests import BatchedRequest
 from .sampling import GREEDY, SamplingParams
 
 

@@ -9,7 +9,7 @@ import math
 import pandas as pd
 import torch
 
-from ..engine import BatchedRequest
+from ..requests import BatchedRequest
 from .common import (
     Report,
     Run,

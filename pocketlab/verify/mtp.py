@@ -18,7 +18,8 @@ import pandas as pd
 import torch
 
 from ..config import DTYPES, EngineOptions, ModelConfig
-from ..engine import BatchedRequest, QwenEngine
+from ..engine import QwenEngine
+from ..requests import BatchedRequest
 from ..sampling import SamplingParams, filtered_probs
 from ..speculative import MTPDrafter
 from ..synthetic import PRESETS, build_hf_model, ensure_checkpoint, mtp_weights
