@@ -36,7 +36,7 @@ baseline: .venv/.installed
 		$(PY) -m pocketlab.verify.perf --write-baseline --device $(DEVICE) --dtype $(DTYPE) --model $$m || exit 1; done
 
 bench: .venv/.installed
-	$(PY) -m pocketlab.bench --model $(MODEL)
+	$(PY) -m pocketlab.tools.bench --model $(MODEL)
 
 lab: .venv/.installed
 	$(PY) -m pip install -q jupyterlab

@@ -14,10 +14,23 @@ from .forward import ForwardContext, Run
 from .graphs import StepGraphs
 from .loader import load_weights, validate_weights
 from .models import build_model
-from .prefix_cache import PrefixCache, plan_pieces
+from .prefix_cache import PrefixCache
 from .requests import BatchDecodeResult, BatchedRequest, BatchPrefillResult, ForwardResult
 from .sampling import GREEDY, SamplingParams, sample
 from .speculative import Speculator
+
+
+def plan_pieces(start: int, end: int, chunk: int, stride: int = 0) -> list[tuple[int, int]]:
+    """[lo, hi) prefill pieces covering start..end, at most `chunk` tokens each and, when stride > 0, never
+    crossing a multiple of `stride` (so the state at every stride multiple exists between two pieces)."""
+    pieces, lo = [], start
+    while lo < end:
+        hi = min(lo + chunk, end)
+        if stride:
+            hi = min(hi, (lo // stride + 1) * stride)
+        pieces.append((lo, hi))
+        lo = hi
+    return pieces
 
 
 class QwenEngine:

@@ -43,19 +43,6 @@ if TYPE_CHECKING:
 _SEED = 0x5EED
 
 
-def plan_pieces(start: int, end: int, chunk: int, stride: int = 0) -> list[tuple[int, int]]:
-    """[lo, hi) prefill pieces covering start..end, at most `chunk` tokens each and, when stride > 0, never
-    crossing a multiple of `stride` (so the state at every stride multiple exists between two pieces)."""
-    pieces, lo = [], start
-    while lo < end:
-        hi = min(lo + chunk, end)
-        if stride:
-            hi = min(hi, (lo // stride + 1) * stride)
-        pieces.append((lo, hi))
-        lo = hi
-    return pieces
-
-
 def common_len(a, b, limit: int | None = None, known: int = 0) -> int:
     """Length of the common prefix of token lists a and b, at most `limit`. `known` is a length the block
     hashes say is equal: confirmed with one comparison (a collision just falls back to a full compare)."""

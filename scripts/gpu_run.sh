@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole GPU run in one script, from the repo root on the H200 machine (DESIGN §6-7):
-#   kernel profile -> tests on CUDA (float32) -> pocketlab.bench per model -> perf baselines (only where
+#   kernel profile -> tests on CUDA (float32) -> pocketlab.tools.bench per model -> perf baselines (only where
 #   missing) -> prefix-cache TTFT and MTP cost -> make reports -> reports/ tarred into $OUT.
 # Why one script: the GPU machine has no network and a short lease; one call does everything, each step
 # bounded by what is left of the time budget, and a failing step never stops the next one.
@@ -32,7 +32,7 @@
 #   PEER_MODES       [eager,static]     HF peers (static = static cache + HF's compiled decode step)
 #   EAGER_NEW_TOKENS [32]               HF eager decodes ~14 tok/s at batch 1: capped (recorded in the JSON)
 #   PEER_REPEATS     [2]
-#   BENCH_ARGS       []                 extra `python -m pocketlab.bench` arguments for every model
+#   BENCH_ARGS       []                 extra `python -m pocketlab.tools.bench` arguments for every model
 #   WRITE_BASELINE   [0]                1: overwrite reports/baseline/cuda-<model>.json from this run's bench
 #   BUDGET_S         [480]              wall-clock budget; a step gets min(its cap, what is left)
 #   BENCH_CAP_S      [200]  TESTS_CAP_S [240]  REPORTS_CAP_S [150]  (reports' time is reserved while benching)
@@ -104,7 +104,7 @@ wants reports && reserve=$REPORTS_CAP_S
 # -- 0. where a decode step's GPU time goes (kernel table, graphs on and off), per model -------------
 if wants profile; then
   for m in $MODELS; do
-    step "profile $m" 120 "$reserve" python3 -m pocketlab.profile --model "$m" --batch-sizes 1,32
+    step "profile $m" 120 "$reserve" python3 -m pocketlab.tools.profile --model "$m" --batch-sizes 1,32
   done
 fi
 
@@ -117,7 +117,7 @@ wants tests && step "pytest tests (POCKETLAB_DEVICE=cuda)" "$TESTS_CAP_S" "$rese
 if wants bench; then
   for m in $MODELS; do
     # shellcheck disable=SC2086
-    step "bench $m" "$BENCH_CAP_S" "$reserve" python3 -m pocketlab.bench --model "$m" --device cuda \
+    step "bench $m" "$BENCH_CAP_S" "$reserve" python3 -m pocketlab.tools.bench --model "$m" --device cuda \
       --peer-modes "$PEER_MODES" --peer-eager-new-tokens "$EAGER_NEW_TOKENS" --peer-repeats "$PEER_REPEATS" \
       --out "reports/bench/cuda-$m.json" $BENCH_ARGS
   done

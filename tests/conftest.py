@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from pocketlab import EngineOptions, QwenEngine  # noqa: E402
-from pocketlab.synthetic import write_checkpoint  # noqa: E402
+from pocketlab.tools.synthetic import write_checkpoint  # noqa: E402
 
 DEVICE = os.environ.get("POCKETLAB_DEVICE", "cpu")
 DTYPE = os.environ.get("POCKETLAB_DTYPE", "float32")

@@ -9,6 +9,7 @@ from conftest import DTYPE, LOGIT_TOL, greedy_continue, greedy_run, random_promp
 from pocketlab import BatchedRequest, verify
 from pocketlab import prefix_cache as pc
 from pocketlab.cache import SlotState
+from pocketlab.engine import plan_pieces
 from pocketlab.verify import prefix as vprefix
 
 PRESETS = ["tiny-qwen3", "tiny-qwen3_5"]
@@ -256,10 +257,10 @@ def test_zero_budget_still_reuses_live_slots(make_engine, engines):
 
 # -- pieces -----------------------------------------------------------------------------------------
 def test_pieces_end_on_stride_multiples():
-    assert pc.plan_pieces(0, 40, 16) == [(0, 16), (16, 32), (32, 40)]
-    assert pc.plan_pieces(5, 40, 16, stride=8) == [(5, 8), (8, 16), (16, 24), (24, 32), (32, 40)]
-    assert pc.plan_pieces(3, 70, 32, stride=64) == [(3, 35), (35, 64), (64, 70)]
-    assert pc.plan_pieces(7, 7, 16) == []
+    assert plan_pieces(0, 40, 16) == [(0, 16), (16, 32), (32, 40)]
+    assert plan_pieces(5, 40, 16, stride=8) == [(5, 8), (8, 16), (16, 24), (24, 32), (32, 40)]
+    assert plan_pieces(3, 70, 32, stride=64) == [(3, 35), (35, 64), (64, 70)]
+    assert plan_pieces(7, 7, 16) == []
 
 
 def test_common_len_matches_a_plain_loop():

@@ -18,7 +18,7 @@ import torch
 
 from ..config import DTYPES, EngineOptions, ModelConfig
 from ..engine import QwenEngine
-from ..synthetic import PRESETS, build_hf_model, ensure_checkpoint
+from ..tools.synthetic import PRESETS, build_hf_model, ensure_checkpoint
 
 
 # -- the model pair ------------------------------------------------------------------------------

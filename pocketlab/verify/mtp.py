@@ -22,7 +22,8 @@ from ..engine import QwenEngine
 from ..requests import BatchedRequest
 from ..sampling import SamplingParams, filtered_probs
 from ..speculative import MTPDrafter
-from ..synthetic import PRESETS, build_hf_model, ensure_checkpoint, mtp_weights
+from ..tools.synthetic import PRESETS, build_hf_model, ensure_checkpoint, mtp_weights
+from ..tools.timing import Clock
 from .common import Report, checkpoint_root, random_prompts, single_thread_on_cpu, solo_run
 from .drafters import AdversarialDrafter, OracleDrafter
 
@@ -475,8 +476,6 @@ def verify_cost(
     head's drafting time, and the break-even per-draft acceptance rate of the MTP step (alpha where
     (1 - alpha^(k+1)) / (1 - alpha) = t_mtp / t_plain).
     Real-shape presets are built in memory with random weights plus random MTP weights."""
-    from ..bench import Clock
-
     clock = Clock(device, quantile)
     B_max, k_max = max(batch_sizes), max(ks)
     total = (steps + warmup) * (k_max + 1) + k_max + 2

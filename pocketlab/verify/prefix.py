@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-from ..bench import Clock
 from ..sampling import SamplingParams
+from ..tools.timing import Clock
 from .common import Report, Run, as_pair, compare_runs, random_prompts, single_thread_on_cpu, tolerance
 
 

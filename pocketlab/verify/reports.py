@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..bench import option
+from ..tools.cli import option
 from .common import RECORD_ENV
 
 DEFAULT_MODELS = ["tiny-qwen3", "tiny-qwen2", "tiny-qwen3_5"]  # a new model family is one more name here
