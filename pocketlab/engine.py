@@ -11,6 +11,7 @@ import torch
 from .cache import SlotCache, Snapshot
 from .config import EngineOptions, ModelConfig
 from .forward import ForwardContext, Run
+from .generate import generate as continuous_batching
 from .graphs import StepGraphs
 from .loader import load_weights, validate_weights
 from .models import build_model
@@ -69,12 +70,12 @@ class QwenEngine:
     def batch_prefill(self, requests: list[BatchedRequest]) -> BatchPrefillResult:
         """Prefill every request in ONE ragged forward (per prefill chunk); allocates missing slots."""
         taken = {r.slot_id for r in requests if r.slot_id is not None}
-        free = iter(s for s in self._free_slots() if s not in taken)
+        free = iter(s for s in self.free_slots() if s not in taken)
         chosen = [r.slot_id if r.slot_id is not None else next(free, None) for r in requests]
         if None in chosen:
             raise ValueError(
                 f"{chosen.count(None)} request(s) need a slot but only "
-                f"{len(self._free_slots())} of {self.num_slots} are free"
+                f"{len(self.free_slots())} of {self.num_slots} are free"
             )
         items = [(s, r.prompt_tokens, r.sampling) for s, r in zip(chosen, requests)]
         self._check_prefill(items, [f"request {r.request_id} prompt" for r in requests])
@@ -99,10 +100,8 @@ class QwenEngine:
     def generate(
         self, prompts: list[list[int]], sampling: SamplingParams | list = GREEDY, progress: bool = False
     ) -> list[list[int]]:
-        """Continuous batching over the free slots; see scheduler.generate."""
-        from .scheduler import generate
-
-        return generate(self, prompts, sampling, progress)
+        """Continuous batching over the free slots; see pocketlab.generate."""
+        return continuous_batching(self, prompts, sampling, progress)
 
     # -- slots ---------------------------------------------------------------------------------
     def allocate_batch_slots(self, n: int) -> None:
@@ -113,8 +112,12 @@ class QwenEngine:
             self.release_slot(s)
         self.num_slots = n
 
+    def free_slots(self) -> list[int]:
+        """Slots no request owns, in order."""
+        return [s for s in range(self.num_slots) if self.cache.slots[s].owner is None]
+
     def allocate_slot(self, request_id: int) -> int:
-        free = self._free_slots()
+        free = self.free_slots()
         if not free:
             raise ValueError(f"all {self.num_slots} slots are taken; release one before allocating")
         self.cache.slots[free[0]].owner = request_id
@@ -145,18 +148,17 @@ class QwenEngine:
     def restore(self, snapshot: Snapshot, slot_id: int = 0) -> None:
         self._check_slot(slot_id)
         self.cache.check_snapshot(snapshot)
-        self._check_tokens(snapshot.tokens, "snapshot history", allow_empty=True)
+        self.check_tokens(snapshot.tokens, "snapshot history", allow_empty=True)
         self.cache.restore(snapshot, slot_id)
 
     # -- validation: every check runs before any state changes --------------------------------
-    def _free_slots(self) -> list[int]:
-        return [s for s in range(self.num_slots) if self.cache.slots[s].owner is None]
-
     def _check_slot(self, slot_id) -> None:
         if not isinstance(slot_id, int) or not 0 <= slot_id < self.num_slots:
             raise IndexError(f"slot {slot_id!r} does not exist: allocated slots are 0..{self.num_slots - 1}")
 
-    def _check_tokens(self, tokens, what: str, allow_empty: bool = False) -> None:
+    def check_tokens(self, tokens, what: str, allow_empty: bool = False) -> None:
+        """ValueError naming `what` unless every token is an int in the vocabulary (and, unless allow_empty, one is
+        there)."""
         if not tokens and not allow_empty:
             raise ValueError(f"{what} is empty: at least one token is needed")
         bad = [t for t in tokens if not isinstance(t, int) or not 0 <= t < self.cfg.vocab_size]
@@ -179,7 +181,7 @@ class QwenEngine:
     # -- forward -------------------------------------------------------------------------------
     def _check_prefill(self, items: list[tuple[int, list[int], SamplingParams]], names: list[str]) -> None:
         for (_, toks, _), name in zip(items, names):
-            self._check_tokens(toks, name)
+            self.check_tokens(toks, name)
         self._check_plan([s for s, _, _ in items], [(s, t) for s, t, _ in items], prefill=True)
 
     def _run_prefill(self, items: list[tuple[int, list[int], SamplingParams]]) -> list[ForwardResult]:
@@ -217,7 +219,7 @@ class QwenEngine:
 
     def _decode(self, items: list[tuple[int, int, SamplingParams]]):
         for s, tok, _ in items:
-            self._check_tokens([tok], f"decode token for slot {s}")
+            self.check_tokens([tok], f"decode token for slot {s}")
         self._check_plan([s for s, _, _ in items], [(s, [t]) for s, t, _ in items], prefill=False)
         if self.speculator is not None:  # tokens per item: accepted drafts + one, from one verify forward
             out = self.speculator.step(items)

@@ -18,7 +18,7 @@ def test_generate_equals_solo_runs(make_engine):
     before = engine.forward_count
     assert engine.generate(prompts, params) == expected
     assert engine.forward_count - before < sum(lengths)  # slots advanced together, not one by one
-    assert engine._free_slots() == [0, 1]
+    assert engine.free_slots() == [0, 1]
 
 
 def test_stop_tokens_end_a_request(make_engine):
