@@ -10,8 +10,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "pocketlab"
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -99,12 +99,7 @@ def test_the_cycle_finder_finds_a_cycle(tmp_path):
     (pkg / "a.py").write_text("from .b import f\n")
     (pkg / "b.py").write_text("def f():\n    from . import a\n")
     (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import f\n")
-    known = {module_name_in(p, tmp_path): p for p in sorted(pkg.rglob("*.py"))}
+    known = {module_name(p, tmp_path): p for p in sorted(pkg.rglob("*.py"))}
     graph = {n: imports(n, p, known) for n, p in known.items()}
     assert graph["pocketlab.c"] == set()
     assert find_cycle(graph) == ["pocketlab.a", "pocketlab.b", "pocketlab.a"]
-
-
-def module_name_in(path: Path, root: Path) -> str:
-    parts = path.relative_to(root).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
