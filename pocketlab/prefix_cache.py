@@ -7,7 +7,7 @@ Where reusable prefixes live (each is a `Record`: token ids plus where their K/V
     still found, at no copy cost.
   * state checkpoints (hybrid models only): Gated DeltaNet state cannot be rewound, so prefill keeps copies
     of every linear layer's conv + recurrent state at the end of each prompt and at every multiple of
-    `snapshot_stride` (the layers hand those back from inside the prefill forward: `marks`). A shared prefix
+    `checkpoint_stride` (the layers hand those back from inside the prefill forward: `marks`). A shared prefix
     resumes from the nearest checkpoint at or below the shared length, never from a block boundary hundreds of
     tokens back.
   * retained entries: just before a slot's rows are overwritten, what they held beyond the part that stays
@@ -113,7 +113,11 @@ class Record:
 class PrefixCache:
     def __init__(self, cache, options):
         self.cache = cache
-        self.block, self.stride, self.budget = options.prefix_block, options.snapshot_stride, options.prefix_cache_bytes
+        self.block, self.stride, self.budget = (
+            options.prefix_block,
+            options.checkpoint_stride,
+            options.prefix_cache_bytes,
+        )
         self.slots = [Record(slot=s, history=cache.slots[s]) for s in range(cache.num_slots)]
         self.entries: list[Record] = []  # retained entries
         self.index: dict[int, set[Record]] = {}  # chain hash -> records holding that block chain

@@ -28,7 +28,7 @@
 #   MODELS           [qwen3-0.6b qwen3-8b qwen3.5-0.8b qwen3.5-9b]  benched, one after the other
 #   REPORT_MODELS    [qwen3-0.6b]       `make reports DEVICE=cuda MODEL=m` for each
 #   TTFT_MODELS      [qwen3-8b qwen3.5-9b]  MTP_MODELS [qwen3.5-9b]   the extras step's models
-#   TTFT_STRIDES     [512]              snapshot strides the TTFT table is measured at, comma-separated
+#   TTFT_STRIDES     [512]              checkpoint strides the TTFT table is measured at, comma-separated
 #   PEER_MODES       [eager,static]     HF peers (static = static cache + HF's compiled decode step)
 #   EAGER_NEW_TOKENS [32]               HF eager decodes ~14 tok/s at batch 1: capped (recorded in the JSON)
 #   PEER_REPEATS     [2]
@@ -136,11 +136,11 @@ fi
 # -- 4. prefix-cache time to first token and MTP verify cost at real shapes (issues 6 and 7) -----------
 if wants extras; then
   mkdir -p reports/gpu
-  for m in $TTFT_MODELS; do   # one table per snapshot stride (hybrid models checkpoint their state at multiples)
+  for m in $TTFT_MODELS; do   # one table per checkpoint stride (hybrid models checkpoint their state at multiples)
     step "prefix-cache TTFT $m (strides $TTFT_STRIDES)" 200 "$reserve" python3 -c "
 import pandas as pd
 from pocketlab.verify.prefix import ttft
-df = pd.concat([ttft(model='$m', snapshot_stride=s).assign(snapshot_stride=s) for s in ($TTFT_STRIDES,)])
+df = pd.concat([ttft(model='$m', checkpoint_stride=s).assign(checkpoint_stride=s) for s in ($TTFT_STRIDES,)])
 print(df.to_string()); df.to_csv('reports/gpu/ttft-$m.csv', index=False)"
   done
   for m in $MTP_MODELS; do   # a failing verify graph is reported, then the same figures come eagerly

@@ -14,7 +14,7 @@ from pocketlab.verify import prefix as vprefix
 
 PRESETS = ["tiny-qwen3", "tiny-qwen3_5"]
 STRIDE, BLOCK, CHUNK = 8, 4, 16
-OPTS = dict(snapshot_stride=STRIDE, prefix_block=BLOCK, prefill_chunk=CHUNK)
+OPTS = dict(checkpoint_stride=STRIDE, prefix_block=BLOCK, prefill_chunk=CHUNK)
 V = 512
 
 
@@ -74,7 +74,7 @@ def other(tok):
 # -- hits equal cold runs, counts exact ------------------------------------------------------------
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("where", ["same slot", "other slot"])
-@pytest.mark.parametrize("shared", [32, 37])  # on / off the snapshot stride
+@pytest.mark.parametrize("shared", [32, 37])  # on / off the checkpoint stride
 def test_hit_equals_cold_run(preset, where, shared, engines):
     eng, cold = engines(preset)
     A = random_prompt(40, seed=1)

@@ -5,7 +5,7 @@ The reference is an engine built from the same weights with `prefix_cache=False`
 full. Each prompt below runs prefill + greedy decode on both; tokens must be equal and logits within the
 parity tolerance, and `reused_tokens` / `computed_tokens` must equal what the cache design promises: the
 whole shared prefix for dense models; for hybrid models the nearest state checkpoint at or below it
-(checkpoints sit at prompt ends, released slots' ends and multiples of `snapshot_stride`).
+(checkpoints sit at prompt ends, released slots' ends and multiples of `checkpoint_stride`).
 
     from pocketlab.verify.prefix import prefix_cache, ttft
     r = prefix_cache(model="tiny-qwen3_5")      # Report: summary, tables cases/stale/eviction/workloads
@@ -91,7 +91,7 @@ def prefix_cache(
     prompt_len: int = 40,
     decode_steps: int = 4,
     prefill_chunk: int = 16,
-    snapshot_stride: int = 8,
+    checkpoint_stride: int = 8,
     prefix_block: int = 4,
     requests: int = 8,
     system_len: int = 48,
@@ -101,8 +101,8 @@ def prefix_cache(
     """Tables: `cases` (hits in the same slot, another slot, a released slot, a retained entry, on and off the
     stride, with another slot decoding in between), `stale` (prompts diverging at every position of a block),
     `eviction` (a tiny budget: bounded, LRU, live slots untouched), `workloads` (hit rates, tokens saved)."""
-    if prompt_len < 2 * snapshot_stride + 4 or prompt_len < 2 * prefix_block + 4:
-        raise ValueError(f"prompt_len={prompt_len} is too short for stride {snapshot_stride} / block {prefix_block}")
+    if prompt_len < 2 * checkpoint_stride + 4 or prompt_len < 2 * prefix_block + 4:
+        raise ValueError(f"prompt_len={prompt_len} is too short for stride {checkpoint_stride} / block {prefix_block}")
     if requests <= 4:
         raise ValueError(f"requests={requests}: need more than the 4 slots, or the first batch takes them all")
     pair = as_pair(model, device, dtype, seed)
@@ -113,7 +113,7 @@ def prefix_cache(
             256, system_len + turns * (question_len + decode_steps + 2) + 8, 2 * prompt_len + 4 * decode_steps + 32
         ),
         prefill_chunk=prefill_chunk,
-        snapshot_stride=snapshot_stride,
+        checkpoint_stride=checkpoint_stride,
         prefix_block=prefix_block,
     )
     cold = _Cold(pair.engine(**opts, prefix_cache=False))
@@ -121,8 +121,8 @@ def prefix_cache(
     hybrid = eng.prefix.stateful
     V = pair.vocab_size
     texts = random_prompts(V, [prompt_len, 12, 16, 16, 16, 16], seed + 1)
-    cases = _cases(eng, cold, texts, decode_steps, snapshot_stride, hybrid, tol, V)
-    stale = _stale(eng, cold, texts[0], snapshot_stride, prefix_block, hybrid, tol, V)
+    cases = _cases(eng, cold, texts, decode_steps, checkpoint_stride, hybrid, tol, V)
+    stale = _stale(eng, cold, texts[0], checkpoint_stride, prefix_block, hybrid, tol, V)
     eviction = _eviction(pair, opts, cold, decode_steps, prompt_len, hybrid, tol, seed)
     workloads = _workloads(pair, opts, requests, system_len, question_len, turns, decode_steps, seed)
     cases, stale = pd.DataFrame(cases), pd.DataFrame(stale)
@@ -368,7 +368,7 @@ def ttft(
     cached_len: int = 3968,
     repeats: int = 5,
     warmup: int = 1,
-    snapshot_stride: int | None = None,
+    checkpoint_stride: int | None = None,
     prefill_chunk: int | None = None,
 ) -> pd.DataFrame:
     """Time to first token of a `prompt_len`-token prompt whose first `cached_len` tokens are cached (prefilled
@@ -380,8 +380,8 @@ def ttft(
     pair = as_pair(model, device, dtype, seed)
     name = pair.name
     opts = dict(max_slots=2, max_seq_len=prompt_len + 8, cuda_graphs=False)
-    if snapshot_stride is not None:
-        opts["snapshot_stride"] = snapshot_stride
+    if checkpoint_stride is not None:
+        opts["checkpoint_stride"] = checkpoint_stride
     if prefill_chunk is not None:
         opts["prefill_chunk"] = prefill_chunk
     prompt = random_prompts(pair.vocab_size, [prompt_len], seed + 21)[0]
