@@ -322,13 +322,13 @@ def test_truncation_drops_stale_blocks_and_checkpoints_at_once(preset, engines):
     A = random_prompt(40, seed=32)
     eng.prefill(A, slot_id=0)
     eng.prefill(random_prompt(5, seed=33), slot_id=1)  # a lookup: slot 0's blocks are hashed
-    rec = eng.prefix.slots[0]
-    assert len(rec.hashes) == 40 // BLOCK and (not hybrid(eng) or max(rec.states) == 40)
-    assert rec.tokens is eng.cache.slots[0].tokens  # a live record reads the slot's history, holds no copy
+    prefix = eng.prefix.slots[0]
+    assert len(prefix.hashes) == 40 // BLOCK and (not hybrid(eng) or max(prefix.states) == 40)
+    assert prefix.tokens is eng.cache.slots[0].tokens  # a live slot prefix reads the slot's history, holds no copy
     eng.cache.slots[0].truncate(30)
-    assert len(rec.hashes) == 30 // BLOCK and all(p <= 30 for p in rec.states)
+    assert len(prefix.hashes) == 30 // BLOCK and all(p <= 30 for p in prefix.states)
     if hybrid(eng):
-        assert sorted(rec.states) == [8, 16, 24]
+        assert sorted(prefix.states) == [8, 16, 24]
 
 
 # -- the verify check and the TTFT measurement --------------------------------------------------------

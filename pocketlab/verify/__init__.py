@@ -3,12 +3,12 @@
 from pocketlab import verify
 r = verify.parity(model="tiny-qwen3")      # or isolation(...), batch_api(...)
 r.summary; r.tables; r.figures; assert r.passed
-verify.record(r)                           # key figures for `make reports` (no-op elsewhere)
+verify.write_verdict(r)                    # key figures for `make reports` (no-op elsewhere)
 """
 
 from .batch_api import batch_api
-from .common import Pair, Report, Tolerance, load_pair, record, tolerance
+from .common import Pair, Report, Tolerance, load_pair, tolerance, write_verdict
 from .isolation import isolation
 from .parity import parity
 
-__all__ = ["parity", "isolation", "batch_api", "record", "load_pair", "Pair", "Report", "Tolerance", "tolerance"]
+__all__ = ["parity", "isolation", "batch_api", "write_verdict", "load_pair", "Pair", "Report", "Tolerance", "tolerance"]

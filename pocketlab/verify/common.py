@@ -232,7 +232,7 @@ def seq_len_for(prompt_lens, decode_steps: int) -> int:
     return max(64, max(prompt_lens) + decode_steps + 8)
 
 
-# -- running and recording ---------------------------------------------------------------------
+# -- running and the verdict ---------------------------------------------------------------------
 @contextmanager
 def _threads(n: int):
     before = torch.get_num_threads()
@@ -261,11 +261,11 @@ def single_thread_on_cpu(check):
     return run
 
 
-RECORD_ENV = "POCKETLAB_RECORD"  # set by `python -m pocketlab.verify.reports` for each notebook it runs
+VERDICT_ENV = "POCKETLAB_VERDICT"  # set by `python -m pocketlab.verify.reports` for each notebook it runs
 
 
-def record(*reports: Report, passed: bool | None = None, path: str | Path | None = None, **figures) -> dict:
-    """Write a notebook's verdict and key figures where the reports runner asked ($POCKETLAB_RECORD, or
+def write_verdict(*reports: Report, passed: bool | None = None, path: str | Path | None = None, **figures) -> dict:
+    """Write a notebook's verdict and key figures where the reports runner asked ($POCKETLAB_VERDICT, or
     `path`). Call it just before the notebook's final assert, so a failing check keeps its figures.
     Takes verify Reports and/or plain figures; with no destination it only returns the dict."""
     entries = [
@@ -283,7 +283,7 @@ def record(*reports: Report, passed: bool | None = None, path: str | Path | None
     merged.update(figures)
     ok = all(r.passed for r in reports) and (passed if passed is not None else True)
     data = dict(passed=bool(ok), figures=merged, reports=entries)
-    dest = path or os.environ.get(RECORD_ENV)
+    dest = path or os.environ.get(VERDICT_ENV)
     if dest:
         Path(dest).parent.mkdir(parents=True, exist_ok=True)
         Path(dest).write_text(json.dumps(data, indent=1, default=str))
