@@ -140,8 +140,8 @@ class StepGraphs:
         return graph, out
 
     def _capture_with_retry(self, key: tuple, step) -> bool:
-        """A capture that fails (seen once in the CUDA test run, verify step, cause not yet known) is reported and
-        tried once more; after a second failure the shape runs eagerly from then on (`failed` says why)."""
+        """A capture that fails is reported and tried once more; after a second failure the shape runs eagerly
+        from then on (`failed` says why)."""
         for attempt in ("retrying", "that shape runs eagerly"):
             try:
                 self._capture(key, step)

@@ -82,7 +82,7 @@ class MTPDrafter(Drafter):
     name = "mtp"
 
     def __init__(self):
-        self.trace: list | None = None  # set to [] to record each step's draft logits (tests, notebooks)
+        self.trace: list | None = None  # set to [] to keep each draft's logits and tokens (tests, notebooks)
 
     def bind(self, spec):
         eng = spec.engine

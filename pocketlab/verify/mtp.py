@@ -88,7 +88,7 @@ def interleaved(
 ) -> tuple[list[BatchedRequest], list[dict]]:
     """Slot 0 is prefilled and decoded alone first; the others are prefilled in one batch; then rounds of
     (all live slots in one batch_decode_step), (the last one alone via decode_step), (all but the first, in
-    reverse order), until every slot has new_tokens + 1 tokens. Returns the requests and one record per call."""
+    reverse order), until every slot has new_tokens + 1 tokens. Returns the requests and, per call, its kind, slots and forwards run."""
     sampling = sampling or [SamplingParams()] * len(prompts)
     reqs = [
         BatchedRequest(100 + i, list(p), slot_id=i, sampling=sp) for i, (p, sp) in enumerate(zip(prompts, sampling))
@@ -395,7 +395,7 @@ def mtp_speculative(
 ) -> Report:
     """Notebook 06: greedy equality for every drafter and k, the acceptance sweep, the sampling check."""
     model, note = checked_model(model)
-    if dtype != "float32":  # token identity is a float32 contract (DESIGN 5); bf16 ties may flip either way
+    if dtype != "float32":  # token identity is a float32 contract; bf16 ties may flip either way
         note, dtype = (note + "; " if note else "") + f"checked in float32, not {dtype}", "float32"
     eq = greedy_equality(model, device, dtype, seed, ks=ks, drafters=drafters, new_tokens=new_tokens)
     sweep = acceptance_sweep(model, device, dtype, seed, ks=ks)
