@@ -7,21 +7,24 @@ MODEL   ?= tiny-qwen3
 ONE_OR_ALL = $(if $(filter command line,$(origin MODEL)),$(MODEL),$(MODELS))
 export PYTHONUNBUFFERED := 1
 
-.PHONY: test test-kernels reports baseline lab bench clean
+.PHONY: lint test test-kernels reports baseline lab bench clean
 
+# pocketlab (editable) with every extra of pyproject.toml, at the versions requirements.txt pins
 .venv/.installed: requirements.txt pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q -r requirements.txt
-	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 
-test: .venv/.installed
+lint: .venv/.installed
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+test: lint
 	$(PY) -m pytest tests
 	$(PY) -m pytest -p no:cacheprovider --nbval-lax notebooks/
 
 # every engine test once more through our Triton kernels, run by Triton's CPU interpreter (about 10 minutes)
 test-kernels: .venv/.installed
-	$(PY) -c "import triton" 2>/dev/null || $(PY) -m pip install -q triton
 	POCKETLAB_KERNELS=triton TRITON_INTERPRET=1 $(PY) -m pytest -q tests/test_decode_attention.py \
 		tests/test_linear_decode.py tests/test_slots.py tests/test_snapshot.py tests/test_prefix_cache.py \
 		tests/test_parity.py tests/test_errors.py tests/test_generate.py tests/test_graphs.py

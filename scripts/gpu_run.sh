@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole GPU run in one script, from the repo root on the H200 machine (DESIGN §6-7):
+# The whole GPU run in one script, from the repo root on the H200 machine:
 #   kernel profile -> tests on CUDA (float32) -> pocketlab.tools.bench per model -> perf baselines (only where
 #   missing) -> prefix-cache TTFT and MTP cost -> make reports -> reports/ tarred into $OUT.
 # Why one script: the GPU machine has no network and a short lease; one call does everything, each step
