@@ -1,6 +1,6 @@
-"""The reductions (and elementwise steps) every layer calls, as one set chosen per engine: the default (cuBLAS and torch, the fastest)
-or the batch-invariant Triton kernels (every row reduced in an order fixed by the shapes of the weights, never
-by the number of rows), so a request's logits do not depend on what else the batch holds."""
+"""The reductions (and elementwise steps) every layer calls, as one set chosen per engine: the default (cuBLAS
+and torch, the fastest) or the batch-invariant Triton kernels (every row reduced in an order fixed by the shapes
+of the weights, never by the number of rows), so a request's logits do not depend on what else the batch holds."""
 
 from __future__ import annotations
 
