@@ -44,7 +44,7 @@ def drafter(name, refs):
 
 
 def check_equal(reqs, reference):
-    for r, ref in zip(reqs, reference):
+    for r, ref in zip(reqs, reference, strict=True):
         assert r.generated_tokens[: NEW + 1] == ref[len(r.prompt_tokens) :][: NEW + 1], f"slot {r.slot_id}"
         assert len(r.generated_tokens) >= NEW + 1
 
@@ -101,7 +101,7 @@ class Ragged(Drafter):
 
     def draft(self, spec, rows):
         drafts = self.oracle.draft(spec, rows)
-        for r, d in zip(rows, drafts.tokens):
+        for r, d in zip(rows, drafts.tokens, strict=True):
             if r.slot == 1 and r.position % 2:
                 del d[-1:]
         return drafts
@@ -119,7 +119,7 @@ def test_graphed_verify_step_equals_plain(path, reference, name, k):
     elif name != "mtp":
         eng.speculator.use(drafter(name, reference))
     reqs, _ = vmtp.interleaved(eng, PROMPTS, 24)
-    for r, ref in zip(reqs, reference):
+    for r, ref in zip(reqs, reference, strict=True):
         assert r.generated_tokens[:25] == ref[len(r.prompt_tokens) :][:25], f"slot {r.slot_id}"
     verify = [key for key in eng.graphs.graphs if key[0] == "verify"]
     assert verify and max(key[2] for key in verify) == k + 1  # the steps were replays over the longest run
@@ -142,7 +142,7 @@ def test_graphed_mtp_drafts_equal_eager_drafts(path):
     assert [(t["draft"], t["slots"], t["positions"], t["tokens"]) for t in graphed] == [
         (t["draft"], t["slots"], t["positions"], t["tokens"]) for t in eager
     ]
-    for g, e in zip(graphed, eager):
+    for g, e in zip(graphed, eager, strict=True):
         torch.testing.assert_close(g["logits"], e["logits"], atol=1e-5, rtol=1e-5)
 
 
@@ -168,7 +168,7 @@ def test_batch_result_lists_and_requests(path, reference):
     eng.batch_prefill(reqs)
     before = [list(r.generated_tokens) for r in reqs]
     res = eng.batch_decode_step(reqs)
-    for r, b, toks, last, pos in zip(reqs, before, res.tokens, res.next_tokens, res.positions):
+    for r, b, toks, last, pos in zip(reqs, before, res.tokens, res.next_tokens, res.positions, strict=True):
         assert r.generated_tokens == b + toks and last == toks[-1] == r.last_token
         assert pos == eng.position(r.slot_id) == len(r.prompt_tokens) + len(r.generated_tokens) - 1
     assert res.logits.shape == (3, eng.cfg.vocab_size)
@@ -219,6 +219,15 @@ def test_bad_drafts_are_refused(path):
         eng.decode_step(1)
     assert eng.position() == len(PROMPTS[0])
 
+    class Short(Drafter):  # drafts for fewer rows than asked
+        def draft(self, spec, rows):
+            return Drafts([], [])
+
+    eng.speculator.use(Short())
+    with pytest.raises(ValueError, match="drafted for 0 rows, not 1"):
+        eng.decode_step(1)
+    assert eng.position() == len(PROMPTS[0])
+
 
 def test_generate_with_speculation(path, reference):
     eng = engine(path, 2)
@@ -261,6 +270,6 @@ def test_a_failing_capture_falls_back_to_eager_steps(path, reference):
     eng.speculator.use(drafter("half", reference))
     with pytest.warns(RuntimeWarning, match="runs eagerly"):
         reqs, _ = vmtp.interleaved(eng, PROMPTS, 12)
-    for r, ref in zip(reqs, reference):
+    for r, ref in zip(reqs, reference, strict=True):
         assert r.generated_tokens[:13] == ref[len(r.prompt_tokens) :][:13]
     assert eng.graphs.failed and not eng.graphs.graphs

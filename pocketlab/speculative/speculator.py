@@ -114,12 +114,14 @@ class Speculator:
             for s, tok, sp in items
         ]
         drafts = self.drafter.draft(self, rows)
-        for r, d in zip(rows, drafts.tokens):
+        if len(drafts.tokens) != len(rows):
+            raise ValueError(f"drafter {self.drafter.name!r} drafted for {len(drafts.tokens)} rows, not {len(rows)}")
+        for r, d in zip(rows, drafts.tokens, strict=True):
             del d[r.k :]
             bad = [t for t in d if not isinstance(t, int) or not 0 <= t < eng.cfg.vocab_size]
             if bad:
                 raise ValueError(f"drafter {self.drafter.name!r} proposed token(s) outside the vocabulary: {bad[:5]}")
-        runs = [Run(r.slot, r.position, [r.token] + d) for r, d in zip(rows, drafts.tokens)]
+        runs = [Run(r.slot, r.position, [r.token] + d) for r, d in zip(rows, drafts.tokens, strict=True)]
         run = eng.graphs.replay("verify", self._verify_step, runs) if self._graphed(runs) else None
         if run is not None:
             run.graphed = [] if run.graphed is None else run.graphed
@@ -130,7 +132,7 @@ class Speculator:
             hidden, logits = run.hidden, run.logits
         emitted, kept = accept(logits, rows, drafts)
         self._roll_back(run, runs, kept)
-        for r, (_, _, fed), c in zip(rows, runs, kept):
+        for r, (_, _, fed), c in zip(rows, runs, kept, strict=True):
             slots[r.slot].extend(fed[:c])
         self.drafter.commit(self, rows, kept, hidden)
         self.stats.steps += 1
@@ -139,7 +141,7 @@ class Speculator:
         self.stats.accepted += sum(c - 1 for c in kept)
         self.stats.emitted += sum(kept)
         last = logits[torch.arange(len(rows), device=logits.device), torch.tensor(kept, device=logits.device) - 1]
-        return emitted, last, [r.position + c for r, c in zip(rows, kept)]
+        return emitted, last, [r.position + c for r, c in zip(rows, kept, strict=True)]
 
     def _graphed(self, runs: list[Run]) -> bool:
         """The verify step replays a CUDA graph when the engine captures graphs, its per-token delta rule is
@@ -175,7 +177,9 @@ class Speculator:
         A replayed verify graph ran every row over T tokens, so there every row short of T is restored, by a
         second graph captured with it (eagerly should that capture fail)."""
         T, graphed = run.ctx.tokens.shape[1], run.graphed is not None
-        short = [b for b, ((_, _, fed), c) in enumerate(zip(runs, kept)) if c < (T if graphed else len(fed))]
+        short = [
+            b for b, ((_, _, fed), c) in enumerate(zip(runs, kept, strict=True)) if c < (T if graphed else len(fed))
+        ]
         if not short or not run.gdn_log:
             return
         if graphed and self._restore_graph(run):
