@@ -77,13 +77,13 @@ class QwenEngine:
                 f"{chosen.count(None)} request(s) need a slot but only "
                 f"{len(self.free_slots())} of {self.num_slots} are free"
             )
-        items = [(s, r.prompt_tokens, r.sampling) for s, r in zip(chosen, requests)]
+        items = [(s, r.prompt_tokens, r.sampling) for s, r in zip(chosen, requests, strict=True)]
         self._check_prefill(items, [f"request {r.request_id} prompt" for r in requests])
         for r in requests:
             if r.slot_id is None:
                 r.slot_id = self.allocate_slot(r.request_id)
         results = self._run_prefill(items)
-        for r, res in zip(requests, results):
+        for r, res in zip(requests, results, strict=True):
             r.generated_tokens = [res.next_token]
         return BatchPrefillResult(results)
 
@@ -93,7 +93,7 @@ class QwenEngine:
             if r.last_token is None:
                 raise ValueError(f"request {r.request_id} has no token to decode; run batch_prefill first")
         tokens, logits, positions = self._decode([(r.slot_id, r.last_token, r.sampling) for r in requests])
-        for r, t in zip(requests, tokens):
+        for r, t in zip(requests, tokens, strict=True):
             r.generated_tokens.extend(t)
         return BatchDecodeResult([t[-1] for t in tokens], logits, positions, tokens)
 
@@ -180,14 +180,17 @@ class QwenEngine:
 
     # -- forward -------------------------------------------------------------------------------
     def _check_prefill(self, items: list[tuple[int, list[int], SamplingParams]], names: list[str]) -> None:
-        for (_, toks, _), name in zip(items, names):
+        for (_, toks, _), name in zip(items, names, strict=True):
             self.check_tokens(toks, name)
         self._check_plan([s for s, _, _ in items], [(s, t) for s, t, _ in items], prefill=True)
 
     def _run_prefill(self, items: list[tuple[int, list[int], SamplingParams]]) -> list[ForwardResult]:
         starts = [self._reuse_prefix(s, toks) for s, toks, _ in items]
         stride = self.prefix.stride_for_pieces() if self.prefix is not None else 0
-        pieces = [plan_pieces(p, len(t), self.options.prefill_chunk, stride) for (_, t, _), p in zip(items, starts)]
+        pieces = [
+            plan_pieces(p, len(t), self.options.prefill_chunk, stride)
+            for (_, t, _), p in zip(items, starts, strict=True)
+        ]
         last_hidden = [None] * len(items)
         for c in range(max(map(len, pieces))):
             rows = [b for b in range(len(items)) if c < len(pieces[b])]
@@ -195,7 +198,7 @@ class QwenEngine:
             # hybrid models: the layers hand back their state at stride multiples inside each piece
             marks = [self.prefix.marks(lo, lo + len(piece)) if self.prefix is not None else [] for _, lo, piece in runs]
             hidden, ctx = self._forward(runs, [(i, t) for i, ts in enumerate(marks) for t in ts])
-            for i, (b, (s, lo, piece)) in enumerate(zip(rows, runs)):
+            for i, (b, (s, lo, piece)) in enumerate(zip(rows, runs, strict=True)):
                 last_hidden[b] = hidden[i, len(piece) - 1]
                 self.cache.slots[s].extend(piece)
                 if self.prefix is not None:

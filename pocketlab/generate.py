@@ -30,7 +30,9 @@ def generate(
             raise ValueError(
                 f"prompt {i} has {len(p)} tokens; max_seq_len={engine.options.max_seq_len} leaves no room to generate"
             )
-    waiting = deque(BatchedRequest(i, list(p), sampling=sp) for i, (p, sp) in enumerate(zip(prompts, params)))
+    waiting = deque(
+        BatchedRequest(i, list(p), sampling=sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+    )
     running: list[BatchedRequest] = []
     outputs: dict[int, list[int]] = {}
     bar = tqdm(total=len(prompts), desc="generate", disable=not progress)

@@ -61,7 +61,9 @@ class StaticInputs:
         slots = [run.slot for run in runs] + [scratch_slot] * pad
         start = [run.start for run in runs] + [0] * pad
         lengths = [len(run.tokens) if real_lengths else T for run in runs] + [T] * pad
-        self.buffer.copy_(torch.tensor([list(column) for column in zip(*tokens)] + [slots, start, lengths]))
+        self.buffer.copy_(
+            torch.tensor([list(column) for column in zip(*tokens, strict=True)] + [slots, start, lengths])
+        )
 
     def context(self, kv_len: int, scratch_slot: int) -> ForwardContext:
         """A context over these buffers (hooks off); kv_len: the key bucket the graph attends over."""
@@ -148,7 +150,7 @@ class StepGraphs:
                 return True
             except RuntimeError as e:  # torch.AcceleratorError is a RuntimeError
                 why = f"{type(e).__name__}: {str(e).splitlines()[0]}"
-                warnings.warn(f"CUDA graph capture of {key} failed ({why}); {attempt}", RuntimeWarning)
+                warnings.warn(f"CUDA graph capture of {key} failed ({why}); {attempt}", RuntimeWarning, stacklevel=2)
         self.failed[key] = why
         return False
 

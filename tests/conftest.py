@@ -85,7 +85,7 @@ def engine_state(engine: QwenEngine) -> list:
 
 def assert_same_state(a, b):
     assert a[-1] == b[-1]
-    for (ta, oa, xa), (tb, ob, xb) in zip(a[:-1], b[:-1]):
+    for (ta, oa, xa), (tb, ob, xb) in zip(a[:-1], b[:-1], strict=True):
         assert ta == tb and oa == ob
         assert xa.keys() == xb.keys()
         for k in xa:

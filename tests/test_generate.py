@@ -11,7 +11,7 @@ def test_generate_equals_solo_runs(make_engine):
     lengths = [6, 2, 9, 4, 1]
     params = [SamplingParams(max_new_tokens=n) for n in lengths]
     expected = []
-    for p, n in zip(prompts, lengths):
+    for p, n in zip(prompts, lengths, strict=True):
         engine.reset()
         expected.append(greedy_run(engine, p, n - 1)[0])
     engine.reset()

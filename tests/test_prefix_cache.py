@@ -136,7 +136,7 @@ def test_batch_prefill_reuses_per_request(preset, engines):
     res = eng.batch_prefill(reqs)
     assert eng.forward_count == before + 1
     assert [r.reused_tokens for r in res.results] == [32] * 3
-    for r, req in zip(res.results, reqs):
+    for r, req in zip(res.results, reqs, strict=True):
         assert r.next_token == cold_run(cold, req.prompt_tokens, 0)[0][0]
 
 
@@ -270,7 +270,7 @@ def test_common_len_matches_a_plain_loop():
         a = [rng.randrange(3) for _ in range(n)]
         cut = rng.randrange(0, n + 1)
         b = a[:cut] + [rng.randrange(3) for _ in range(rng.randrange(0, 50))]
-        want = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        want = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
         limit = rng.choice([None, rng.randrange(0, 300)])
         known = rng.randrange(0, 300)
         assert pc.common_len(a, b, limit, known) == (want if limit is None else min(want, limit))

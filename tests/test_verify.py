@@ -135,7 +135,7 @@ class LoopEngine(QwenEngine):
 
     def batch_decode_step(self, requests):
         outs = [self.decode_step(r.last_token, slot_id=r.slot_id) for r in requests]
-        for r, o in zip(requests, outs):
+        for r, o in zip(requests, outs, strict=True):
             r.generated_tokens.append(o.next_token)
         return BatchDecodeResult(
             [o.next_token for o in outs], torch.stack([o.logits for o in outs]), [o.position for o in outs]

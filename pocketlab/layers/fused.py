@@ -3,8 +3,9 @@
 A decode step is hundreds of tiny kernels and each costs microseconds even inside a CUDA graph;
 compiling the elementwise chains (norms, rotary, SwiGLU, the split-softmax merge) makes each one kernel.
 Outside a graph the opposite holds: a compiled call costs far more host time than the few eager kernels
-it replaces, so everything else, and the CPU, runs eagerly. Each call site (dtype, strides, batch of one or more) is its own compiled variant: the
-recompile limit is raised for that, and past it dynamo runs the function eagerly instead of failing.
+it replaces, so everything else, and the CPU, runs eagerly. Each call site (dtype, strides, batch of one or
+more) is its own compiled variant: the recompile limit is raised for that, and past it dynamo runs the
+function eagerly instead of failing.
 """
 
 import contextlib

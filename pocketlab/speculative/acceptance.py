@@ -36,7 +36,7 @@ def accept(logits: torch.Tensor, rows: list[Row], drafts: Drafts) -> tuple[list[
         T, V = logits.shape[1], logits.shape[2]
         params = [rows[b].sampling for b in samp for _ in range(T)]
         p_all = filtered_probs(logits[samp].reshape(-1, V), params).view(len(samp), T, V)
-    for b, (r, d) in enumerate(zip(rows, drafts.tokens)):
+    for b, (r, d) in enumerate(zip(rows, drafts.tokens, strict=True)):
         if r.sampling.greedy:
             a = 0
             while a < len(d) and d[a] == greedy[b][a]:

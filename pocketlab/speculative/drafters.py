@@ -107,7 +107,7 @@ class MTPDrafter(Drafter):
     def _queues(self, spec, slots: list[int], ends: list[int]) -> list[int]:
         """Usable queue length per slot: 0 unless the queue ends where the slot's sequence does."""
         state = self.queue[torch.tensor(slots, device=self.queue.device)].tolist()
-        return [c if e == end and c > 0 else 0 for (c, e), end in zip(state, ends)]
+        return [c if e == end and c > 0 else 0 for (c, e), end in zip(state, ends, strict=True)]
 
     def _write_rows(self, spec, runs: list[Run], hidden: torch.Tensor) -> torch.Tensor:
         ctx = ForwardContext.build(runs, spec.engine.cache.scratch, spec.engine.options.device)
@@ -123,7 +123,9 @@ class MTPDrafter(Drafter):
             self.hidden[torch.tensor(slot_idx, device=dev), torch.tensor(cols, device=dev)] = src[
                 torch.tensor(b_idx, device=src.device), torch.tensor(cols, device=src.device)
             ].to(self.hidden.dtype)
-        self.queue[torch.tensor(slots, device=dev)] = torch.tensor([[c, e] for c, e in zip(counts, ends)], device=dev)
+        self.queue[torch.tensor(slots, device=dev)] = torch.tensor(
+            [[c, e] for c, e in zip(counts, ends, strict=True)], device=dev
+        )
 
     def _pending(self, spec, slot: int, start: int, count: int, next_token: int):
         """(first row position, tokens x_{t+1}) of the queued rows of `slot`, whose sequence holds `start` tokens."""
@@ -134,7 +136,7 @@ class MTPDrafter(Drafter):
         slots = [run.slot for run in runs]
         counts = self._queues(spec, slots, [run.start for run in runs])
         rows, parts = [], []
-        for b, ((s, start, toks), m) in enumerate(zip(runs, counts)):
+        for b, ((s, start, toks), m) in enumerate(zip(runs, counts, strict=True)):
             if len(spec.engine.cache.slots[s].tokens) != start:
                 m = 0
             first, toks_q = self._pending(spec, s, start, m, toks[0]) if m else (start, [])
@@ -152,7 +154,7 @@ class MTPDrafter(Drafter):
             self._write_rows(spec, [rows[i] for i in live], hid)
         lengths = [len(run.tokens) for run in runs]
         last = torch.stack([hidden[b, n - 1] for b, n in enumerate(lengths)])[:, None]
-        self._set_queue(slots, last, [1] * len(runs), [run.start + n for run, n in zip(runs, lengths)])
+        self._set_queue(slots, last, [1] * len(runs), [run.start + n for run, n in zip(runs, lengths, strict=True)])
 
     def draft(self, spec, rows):
         slots = [r.slot for r in rows]
@@ -214,7 +216,9 @@ class MTPDrafter(Drafter):
     def _draft_graphed(self, spec, rows, counts) -> Drafts | None:
         """The draft replayed from a CUDA graph (None: it could not be captured, draft eagerly)."""
         k = spec.k
-        runs = [Run(r.slot, *self._pending(spec, r.slot, r.position, c, r.token)) for r, c in zip(rows, counts)]
+        runs = [
+            Run(r.slot, *self._pending(spec, r.slot, r.position, c, r.token)) for r, c in zip(rows, counts, strict=True)
+        ]
         out = spec.engine.graphs.replay(
             f"draft{k}", lambda ctx: self._draft_step(spec, k, ctx), runs, real_lengths=True, beyond=k - 1
         )
@@ -263,4 +267,4 @@ class MTPDrafter(Drafter):
         return choose(logits, rows, [r.position + i for r in rows])
 
     def commit(self, spec, rows, kept, hidden):
-        self._set_queue([r.slot for r in rows], hidden, kept, [r.position + c for r, c in zip(rows, kept)])
+        self._set_queue([r.slot for r in rows], hidden, kept, [r.position + c for r, c in zip(rows, kept, strict=True)])

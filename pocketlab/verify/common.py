@@ -192,7 +192,7 @@ def step_metrics(
 def compare_runs(ref: Run, test: Run, tol: Tolerance) -> dict:
     """Judge a run against its reference; steps after the first token divergence are not comparable."""
     n = min(len(ref.tokens), len(test.tokens))
-    equal = [a == b for a, b in zip(ref.tokens[:n], test.tokens[:n])]
+    equal = [a == b for a, b in zip(ref.tokens[:n], test.tokens[:n], strict=True)]
     first = equal.index(False) if False in equal else -1
     upto = n if first < 0 else first + 1
     steps = [step_metrics(ref.logits[k], test.logits[k], ref.tokens[k], test.tokens[k], tol) for k in range(upto)]

@@ -13,6 +13,7 @@ Drafters: "mtp" (the checkpoint's head), "oracle" (the known greedy continuation
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import pandas as pd
 import torch
@@ -88,10 +89,12 @@ def interleaved(
 ) -> tuple[list[BatchedRequest], list[dict]]:
     """Slot 0 is prefilled and decoded alone first; the others are prefilled in one batch; then rounds of
     (all live slots in one batch_decode_step), (the last one alone via decode_step), (all but the first, in
-    reverse order), until every slot has new_tokens + 1 tokens. Returns the requests and, per call, its kind, slots and forwards run."""
+    reverse order), until every slot has new_tokens + 1 tokens. Returns the requests and, per call, its kind,
+    slots and forwards run."""
     sampling = sampling or [SamplingParams()] * len(prompts)
     reqs = [
-        BatchedRequest(100 + i, list(p), slot_id=i, sampling=sp) for i, (p, sp) in enumerate(zip(prompts, sampling))
+        BatchedRequest(100 + i, list(p), slot_id=i, sampling=sp)
+        for i, (p, sp) in enumerate(zip(prompts, sampling, strict=True))
     ]
     need, calls = new_tokens + 1, []
 
@@ -112,11 +115,13 @@ def interleaved(
             break
         if rnd % 3 == 1 or len(live) == 1:
             one = live[-1]
-            res = call("decode_step", [one], lambda: eng.decode_step(one.last_token, one.slot_id, one.sampling))
+            res = call(
+                "decode_step", [one], functools.partial(eng.decode_step, one.last_token, one.slot_id, one.sampling)
+            )
             one.generated_tokens.extend(res.tokens)
         else:
             group = live if rnd % 3 == 0 else live[::-1][:-1]
-            call("batch_decode_step", group, lambda: eng.batch_decode_step(group))
+            call("batch_decode_step", group, functools.partial(eng.batch_decode_step, group))
         rnd += 1
     return reqs, calls
 
@@ -169,9 +174,9 @@ def greedy_equality(
             use_drafter(eng, name, dict(enumerate(refs)))
             reqs, calls = interleaved(eng, prompts, new_tokens)
             firsts = []
-            for r, ref in zip(reqs, refs):
+            for r, ref in zip(reqs, refs, strict=True):
                 got, want = r.generated_tokens[: new_tokens + 1], ref[len(r.prompt_tokens) :][: new_tokens + 1]
-                firsts.append(next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), -1))
+                firsts.append(next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), -1))
             st = eng.speculator.stats
             decodes = [c for c in calls if "decode" in c["call"]]
             rows.append(
@@ -269,7 +274,7 @@ def chi_square(counts: dict[tuple, int], probs: dict[tuple, float], min_expected
     if small:
         obs.append(sum(counts.get(c, 0) for c in small))
         exp.append(sum(probs[c] for c in small) * n)
-    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp) if e > 0)
+    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp, strict=True) if e > 0)
     dof = len(obs) - 1
     p = (
         float(
@@ -453,6 +458,24 @@ def mtp_speculative(
 
 
 # -- cost ----------------------------------------------------------------------------------------
+def _back_to_prefill(eng: QwenEngine, reqs: list[BatchedRequest], snaps: list) -> None:
+    """Every slot as right after the batch prefill (slot i = request i): its snapshot, its first token."""
+    for i, (r, snap) in enumerate(zip(reqs, snaps, strict=True)):
+        eng.restore(snap, i)
+        r.generated_tokens = r.generated_tokens[:1]
+
+
+def _timed_steps(eng: QwenEngine, clock, reqs: list[BatchedRequest], warmup: int, n_steps: int):
+    """(times of n_steps batch decode steps after `warmup` untimed ones, tokens all of them produced)."""
+    times, before = [], sum(len(r.generated_tokens) for r in reqs)
+    step = functools.partial(eng.batch_decode_step, reqs)
+    for i in range(warmup + n_steps):
+        t = clock.time(step)
+        if i >= warmup:
+            times.append(t)
+    return times, sum(len(r.generated_tokens) for r in reqs) - before
+
+
 @single_thread_on_cpu
 def verify_cost(
     model: str = "qwen3.5-9b",
@@ -499,21 +522,8 @@ def verify_cost(
         prompts = [torch.randint(0, vocab, (prompt_len,), generator=gen).tolist() for _ in range(B)]
         reqs = [BatchedRequest(i, p, slot_id=i) for i, p in enumerate(prompts)]
         eng.batch_prefill(reqs)
-        snaps = [eng.snapshot(i) for i in range(B)]
-        first = [r.generated_tokens[0] for r in reqs]
-
-        def restore():
-            for i, s in enumerate(snaps):
-                eng.restore(s, i)
-                reqs[i].generated_tokens = [first[i]]
-
-        def timed(n_steps) -> tuple[list[float], int]:
-            times, before = [], sum(len(r.generated_tokens) for r in reqs)
-            for i in range(warmup + n_steps):
-                t = clock.time(lambda: eng.batch_decode_step(reqs))
-                if i >= warmup:
-                    times.append(t)
-            return times, sum(len(r.generated_tokens) for r in reqs) - before
+        restore = functools.partial(_back_to_prefill, eng, reqs, [eng.snapshot(i) for i in range(B)])
+        timed = functools.partial(_timed_steps, eng, clock, reqs, warmup)
 
         with plain(eng):  # plain greedy: the reference continuation and the plain step time
             restore()

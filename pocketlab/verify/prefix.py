@@ -14,6 +14,8 @@ whole shared prefix for dense models; for hybrid models the nearest state checkp
 
 from __future__ import annotations
 
+import functools
+
 import pandas as pd
 
 from ..sampling import SamplingParams
@@ -358,6 +360,19 @@ def _chats(eng, V, question_len, turns, steps, seed) -> list[list[int]]:
 
 
 # -- time to first token -------------------------------------------------------------------------
+def _cache_prefix(eng, prefix: list[int], cached_in) -> None:
+    """A fresh engine, then (cached_in 0 or "released") `prefix` prefilled in slot 0, released for "released"."""
+    eng.reset()
+    if cached_in is not None:
+        eng.prefill(prefix, slot_id=0)
+        if cached_in == "released":
+            eng.release_slot(0)
+
+
+def _prefill_into(result: dict, eng, prompt: list[int], slot: int) -> None:
+    result["r"] = eng.prefill(prompt, slot_id=slot)
+
+
 @single_thread_on_cpu
 def ttft(
     model="qwen3-8b",
@@ -398,19 +413,9 @@ def ttft(
         "hit: released slot": ("on", "released", 1),
     }
     for mode, (which, cached_in, slot) in modes.items():
-        eng = engines[which]
-        result = {}
-
-        def setup():
-            eng.reset()
-            if cached_in is not None:
-                eng.prefill(prefix, slot_id=0)
-                if cached_in == "released":
-                    eng.release_slot(0)
-
-        def call():
-            result["r"] = eng.prefill(prompt, slot_id=slot)
-
+        eng, result = engines[which], {}
+        setup = functools.partial(_cache_prefix, eng, prefix, cached_in)
+        call = functools.partial(_prefill_into, result, eng, prompt, slot)
         samples = []
         for k in range(warmup + repeats):
             t = clock.time(call, setup=setup)
