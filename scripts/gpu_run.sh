@@ -139,14 +139,14 @@ if wants extras; then
   for m in $TTFT_MODELS; do   # one table per checkpoint stride (hybrid models checkpoint their state at multiples)
     step "prefix-cache TTFT $m (strides $TTFT_STRIDES)" 200 "$reserve" python3 -c "
 import pandas as pd
-from pocketlab.verify.prefix import ttft
+from pocketlab.verify.ttft import ttft
 df = pd.concat([ttft(model='$m', checkpoint_stride=s).assign(checkpoint_stride=s) for s in ($TTFT_STRIDES,)])
 print(df.to_string()); df.to_csv('reports/gpu/ttft-$m.csv', index=False)"
   done
   for m in $MTP_MODELS; do   # a failing verify graph is reported, then the same figures come eagerly
     step "MTP verify cost $m" 300 "$reserve" python3 -c "
 import traceback
-from pocketlab.verify.mtp import verify_cost
+from pocketlab.verify.mtp_cost import verify_cost
 try:
     df = verify_cost('$m', batch_sizes=(1, 8))
 except Exception:

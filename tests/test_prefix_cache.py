@@ -11,6 +11,7 @@ from pocketlab import prefix_cache as pc
 from pocketlab.cache import SlotState
 from pocketlab.engine import plan_pieces
 from pocketlab.verify import prefix as vprefix
+from pocketlab.verify.ttft import ttft
 
 PRESETS = ["tiny-qwen3", "tiny-qwen3_5"]
 STRIDE, BLOCK, CHUNK = 8, 4, 16
@@ -351,9 +352,7 @@ def test_verify_check_passes_and_fails_on_a_broken_cache(pairs, monkeypatch):
 
 
 def test_ttft_table(pairs):
-    df = vprefix.ttft(
-        pairs["tiny-qwen3"], device="cpu", dtype="float32", prompt_len=48, cached_len=40, repeats=1, warmup=0
-    )
+    df = ttft(pairs["tiny-qwen3"], device="cpu", dtype="float32", prompt_len=48, cached_len=40, repeats=1, warmup=0)
     assert list(df["mode"]) == [
         "cold, cache off",
         "cold, cache on (miss)",

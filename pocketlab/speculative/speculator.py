@@ -8,7 +8,7 @@ is the last K-1 inputs of [start window | kept inputs]. The recurrent state (Eng
            and keeps every intermediate state ([B, k+1, H, dk, dv] fp32 per layer); rollback is an index.
   "replay": the verify forward runs the usual chunked rule; slots that rejected something re-run it from the
            saved start state over their kept tokens: fewer state bytes, more launches.
-`verify.mtp.verify_cost` measures both on a device.
+`verify.mtp_cost.verify_cost` measures both on a device.
 
 CUDA graphs (rollback "states"): the verify forward replays a graph per (batch bucket, k+1, key bucket), every
 row running the longest run's k+1 tokens (what padding writes lies past the slot's tokens and is never kept);
