@@ -1,9 +1,10 @@
-"""The package's shape: no import cycle between pocketlab's modules.
+"""The package's shape: no import cycle between pocketlab's modules, and the README's layout lists every module.
 
 Imports are read from the source (ast), not by importing: a cycle hidden behind an import inside a function
 counts too, since it ties the two modules together just the same."""
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,3 +104,17 @@ def test_the_cycle_finder_finds_a_cycle(tmp_path):
     graph = {n: imports(n, p, known) for n, p in known.items()}
     assert graph["pocketlab.c"] == set()
     assert find_cycle(graph) == ["pocketlab.a", "pocketlab.b", "pocketlab.a"]
+
+
+def test_readme_layout_lists_every_module():
+    """The README's Layout block has one line per module (a package by its folder, its __init__ aside), no more."""
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"## Layout.*?```\n(.*?)```", text, re.S).group(1)
+    listed = [line.split()[0] for line in block.splitlines() if line.strip()]
+    files = {p.relative_to(ROOT).as_posix() for p in PACKAGE.rglob("*.py")}
+    wanted = {f for f in files if not f.endswith("/__init__.py")} | {"pocketlab/__init__.py"}
+    wanted |= {f.removesuffix("__init__.py") for f in files if f.endswith("/__init__.py") and f.count("/") > 1}
+    assert sorted(listed) == sorted(wanted), (
+        f"missing: {sorted(wanted - set(listed))}; not in the tree: {sorted(set(listed) - wanted)}; "
+        f"twice: {sorted({e for e in listed if listed.count(e) > 1})}"
+    )
