@@ -30,6 +30,8 @@ class Row:
 
 @dataclass
 class Drafts:
+    """A drafter's proposals for a step, one entry per row."""
+
     tokens: list[list[int]]  # per row, at most row.k
     probs: list[torch.Tensor | None]  # per row: q [len, vocab] the drafts were drawn from; None: fixed drafts
 

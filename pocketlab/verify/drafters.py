@@ -8,6 +8,7 @@ from ..speculative import Drafter, Drafts
 
 
 def _continuation(references, slot: int):
+    """The reference sequence of `slot` ({slot: tokens} or a list by slot), or None."""
     if references is None:
         return None
     return (
