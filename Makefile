@@ -32,7 +32,7 @@ test-kernels: .venv/.installed
 
 reports: .venv/.installed
 	$(PY) -m pocketlab.verify.reports --device $(DEVICE) --dtype $(DTYPE) \
-		--models $(ONE_OR_ALL)
+		--models $(ONE_OR_ALL) $(if $(NOTEBOOKS),--only $(NOTEBOOKS))
 
 baseline: .venv/.installed
 	for m in $(ONE_OR_ALL); do \

@@ -24,10 +24,12 @@
 # bench JSONs only once they are committed.
 #
 # Knobs (env vars, defaults in brackets):
-#   STEPS            [profile tests bench baseline extras reports]  which steps run, in this order
+#   STEPS            [profile tests bench baseline extras invariant reports]  which steps run, in this order
 #   MODELS           [qwen3-0.6b qwen3-8b qwen3.5-0.8b qwen3.5-9b]  benched, one after the other
 #   REPORT_MODELS    [qwen3-0.6b]       `make reports DEVICE=cuda MODEL=m` for each
 #   TTFT_MODELS      [qwen3-8b qwen3.5-9b]  MTP_MODELS [qwen3.5-9b]   the extras step's models
+#   INVARIANT_MODELS [qwen3-8b qwen3.5-9b]  INVARIANT_STEPS [64]   the invariant step's shapes and decode steps
+#   REPORT_NOTEBOOKS []                 only these notebooks in the reports step (e.g. 02,03; empty: all)
 #   TTFT_STRIDES     [512]              checkpoint strides the TTFT table is measured at, comma-separated
 #   PEER_MODES       [eager,static]     HF peers (static = static cache + HF's compiled decode step)
 #   EAGER_NEW_TOKENS [32]               HF eager decodes ~14 tok/s at batch 1: capped (recorded in the JSON)
@@ -40,11 +42,14 @@
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
-STEPS=${STEPS:-profile tests bench baseline extras reports}
+STEPS=${STEPS:-profile tests bench baseline extras invariant reports}
 MODELS=${MODELS:-qwen3-0.6b qwen3-8b qwen3.5-0.8b qwen3.5-9b}
 REPORT_MODELS=${REPORT_MODELS:-qwen3-0.6b}
 TTFT_MODELS=${TTFT_MODELS-qwen3-8b qwen3.5-9b}  # set empty for none
 MTP_MODELS=${MTP_MODELS-qwen3.5-9b}
+INVARIANT_MODELS=${INVARIANT_MODELS-qwen3-8b qwen3.5-9b}
+INVARIANT_STEPS=${INVARIANT_STEPS:-64}
+REPORT_NOTEBOOKS=${REPORT_NOTEBOOKS:-}
 TTFT_STRIDES=${TTFT_STRIDES:-512}
 PEER_MODES=${PEER_MODES:-eager,static}
 EAGER_NEW_TOKENS=${EAGER_NEW_TOKENS:-32}
@@ -156,14 +161,34 @@ print(df.to_string()); df.to_csv('reports/gpu/mtp-cost-$m.csv', index=False)"
   done
 fi
 
-# -- 5. reports at real shape; the perf notebook reuses this run's bench JSON (POCKETLAB_BENCH_DIR) -----
+# -- 5. batch-invariant mode: its CUDA tests, kernel timings, the cost (both modes in one bench run per shape,
+#       no HF peer) and solo vs batch-32 divergence per shape -> reports/bench/invariant-*, reports/gpu/ ----
+if wants invariant; then
+  mkdir -p reports/gpu
+  step "pytest batch-invariant mode + kernels (cuda)" 240 "$reserve" env POCKETLAB_DEVICE=cuda python3 -m pytest -q \
+    -p no:cacheprovider --tb=short tests/test_batch_invariant.py tests/test_invariant_kernels.py \
+    tests/test_invariant_attention.py tests/test_linear_decode.py
+  for m in $INVARIANT_MODELS; do
+    for bi in False True; do
+      step "bench $m batch_invariant=$bi" 150 "$reserve" python3 -m pocketlab.tools.bench --model "$m" --device cuda \
+        --no-peer --batch-sizes 1,8,32 --prompt-lens 4096 --new-tokens 64 --repeats 2 --ragged 2 \
+        --engine-option batch_invariant=$bi --out "reports/bench/invariant-$bi-cuda-$m.json"
+    done
+    step "solo vs batch divergence $m" 150 "$reserve" python3 -m pocketlab.verify.invariance --model "$m" \
+      --device cuda --slots 32 --steps "$INVARIANT_STEPS" --cases batched --out "reports/gpu/invariance-$m.csv"
+  done
+  step "invariant kernel timings" 120 "$reserve" sh -c \
+    "python3 -m pocketlab.layers.invariant.bench --runs 20 && python3 -m pocketlab.layers.invariant.attention_bench"
+fi
+
+# -- 6. reports at real shape; the perf notebook reuses this run's bench JSON (POCKETLAB_BENCH_DIR) -----
 if wants reports; then
   for m in $REPORT_MODELS; do
     # -o: the machine brings its own packages, so never (re)build the CPU venv the target depends on
     if command -v make >/dev/null; then
-      cmd=(make -o .venv/.installed reports PY=python3 DEVICE=cuda MODEL="$m")
+      cmd=(make -o .venv/.installed reports PY=python3 DEVICE=cuda MODEL="$m" NOTEBOOKS="$REPORT_NOTEBOOKS")
     else
-      cmd=(python3 -m pocketlab.verify.reports --device cuda --dtype bfloat16 --model "$m")
+      cmd=(python3 -m pocketlab.verify.reports --device cuda --dtype bfloat16 --model "$m" --only "$REPORT_NOTEBOOKS")
     fi
     step "make reports DEVICE=cuda MODEL=$m" "$REPORTS_CAP_S" 0 env POCKETLAB_BENCH_DIR="$PWD/reports/bench" "${cmd[@]}"
   done

@@ -1,6 +1,6 @@
-"""The reductions (and elementwise steps) every layer calls, as one set chosen per engine: the default (cuBLAS
-and torch, the fastest) or the batch-invariant Triton kernels (every row reduced in an order fixed by the shapes
-of the weights, never by the number of rows), so a request's logits do not depend on what else the batch holds."""
+"""The reductions and elementwise steps every layer calls, as one set chosen per engine: the default (cuBLAS,
+torch; the fastest) or the batch-invariant Triton kernels (every row reduced in an order fixed by the weights'
+shapes, never by the number of rows), so a request's logits do not depend on what else the batch holds."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ class Kernels:
     sigmoid_gate: Callable = activations.sigmoid_gate
     decay_and_beta: Callable = activations.decay_and_beta
     attention: Callable | None = None  # over the slot cache for every query; None: SDPA / the decode kernel
-    batch_invariant: bool = False  # the Gated DeltaNet layers take their in-place multi-token path too
+    delta_rule_in_place: bool = False  # Gated DeltaNet: every token through the in-place kernels, no chunked rule
 
 
 DEFAULT = Kernels()
@@ -32,6 +32,7 @@ def kernels_for(options) -> Kernels:
     if not options.batch_invariant:
         return DEFAULT
     from . import invariant
+    from .invariant.attention import attention
 
     return Kernels(
         invariant.linear,
@@ -41,6 +42,6 @@ def kernels_for(options) -> Kernels:
         invariant.swiglu,
         invariant.sigmoid_gate,
         invariant.decay_and_beta,
-        invariant.attention,
-        batch_invariant=True,
+        attention,
+        delta_rule_in_place=True,
     )

@@ -137,7 +137,7 @@ class DecoderModel:
         return self.final_norm(h, residual)[0]
 
     def prepare(self, ctx: ForwardContext) -> None:
-        ctx.prepare(self.rotary, self.decode_kernel, self.kernels.batch_invariant)
+        ctx.prepare(self.rotary, self.decode_kernel, invariant=self.kernels.attention is not None)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.kernels.linear(hidden, self.lm_head).float()

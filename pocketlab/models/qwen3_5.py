@@ -38,7 +38,7 @@ class GatedDeltaNet:
         B, T, _ = x.shape
         qkv, z, b, a = self.kernels.linear(x, self.in_proj).split(self.splits, dim=-1)
         conv, rec = cache.conv[self.layer], cache.rec[self.layer]
-        if self.kernels.batch_invariant:
+        if self.kernels.delta_rule_in_place:
             o = self._run_invariant(qkv, b, a, conv, rec, ctx)
         elif T == 1 and self.in_place and ctx.delta_rule is None and ctx.gdn_log is None:
             o = self._step_in_place(qkv[:, 0], b, a, conv, rec, ctx.slot_ids)[:, None]

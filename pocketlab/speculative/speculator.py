@@ -161,7 +161,7 @@ class Speculator:
         every position is real). shortest: the fewest tokens any run feeds (None: all of them)."""
         eng = self.engine
         shortest = ctx.tokens.shape[1] if shortest is None else shortest
-        if eng.model.kernels.batch_invariant:  # the layers' own per-token kernels keep every state
+        if eng.model.kernels.delta_rule_in_place:  # the layers' own per-token kernels keep every state
             ctx = replace(ctx, gdn_log={}, state_history=[])
             states = ctx.state_history
         elif self.rollback == "states":

@@ -230,3 +230,39 @@ def invariance(
         differing_logit_steps=int((table.first_bitwise_difference >= 0).sum()),
     )
     return Report(f"invariance[{mode}]", summary, {"sequences": table}, figures)
+
+
+def main(argv=None) -> int:
+    """Both modes for one model: the per-sequence table (CSV) and the summary; exit 1 if the batch-invariant
+    mode differs anywhere."""
+    import argparse
+    from pathlib import Path
+
+    ap = argparse.ArgumentParser(prog="python -m pocketlab.verify.invariance", description=main.__doc__)
+    ap.add_argument("--model", default="tiny-qwen3")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="", help="default: bfloat16 on cuda, float32 on cpu")
+    ap.add_argument("--slots", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--out", type=Path, default=None, help="CSV of every (mode, case, sequence)")
+    a = ap.parse_args(argv)
+    from .common import load_pair
+
+    dtype = a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32")
+    pair = load_pair(a.model, a.device, dtype)
+    cases = tuple(c for c in a.cases.split(",") if c)
+    reports = {
+        mode: invariance(pair, num_slots=a.slots, steps=a.steps, batch_invariant=mode == "batch_invariant", cases=cases)
+        for mode in ("default", "batch_invariant")
+    }
+    table = pd.concat([r.tables["sequences"].assign(mode=m, model=a.model, dtype=dtype) for m, r in reports.items()])
+    print(pd.concat([r.summary.assign(mode=m) for m, r in reports.items()]).to_string())
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        table.to_csv(a.out, index=False)
+    return 0 if reports["batch_invariant"].passed else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

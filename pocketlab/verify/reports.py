@@ -237,6 +237,7 @@ def main(argv=None) -> int:
         help="extra notebook parameter (Python literal), e.g. -p decode_steps=32",
     )
     ap.add_argument("--notebooks", default="notebooks", help="folder holding NN_*.ipynb")
+    ap.add_argument("--only", default="", help="run these notebooks only: comma-separated numbers, e.g. 02,03")
     ap.add_argument("--out", default="reports")
     ap.add_argument(
         "--index-only",
@@ -250,6 +251,8 @@ def main(argv=None) -> int:
     models = args.models if args.models else (DEFAULT_MODELS if args.models is not None else [args.model])
     models = list(dict.fromkeys(models))
     books = find_notebooks(args.notebooks)
+    if args.only:
+        books = [b for b in books if b.name[:2] in args.only.split(",")]
     if not books:
         print(f"no notebooks matching {PATTERN} in {args.notebooks}", file=sys.stderr)
         return 2

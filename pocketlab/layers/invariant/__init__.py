@@ -5,7 +5,6 @@ number of rows, so batch size, padding buckets, prefill chunking and multi-token
 request's logits. Needs Triton (a GPU, or TRITON_INTERPRET=1 on the CPU).
 """
 
-from .attention import attention
 from .elementwise import decay_and_beta, sigmoid_gate, swiglu
 from .matmul import Tiles, config, linear
 from .norm import add_rms_norm, gated_rms_norm, rms_norm
