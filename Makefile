@@ -9,21 +9,24 @@ export PYTHONUNBUFFERED := 1
 # on the CPU our Triton kernels (the batch-invariant mode, test-kernels) run in Triton's interpreter
 export TRITON_INTERPRET := $(if $(filter cuda,$(DEVICE)),0,1)
 
-.PHONY: test test-kernels reports baseline lab bench clean
+.PHONY: lint test test-kernels reports baseline lab bench clean
 
+# pocketlab (editable) with every extra of pyproject.toml, at the versions requirements.txt pins
 .venv/.installed: requirements.txt pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q -r requirements.txt
-	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 
-test: .venv/.installed
+lint: .venv/.installed
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+test: lint
 	$(PY) -m pytest tests
 	$(PY) -m pytest -p no:cacheprovider --nbval-lax notebooks/
 
 # every engine test once more through our Triton kernels, run by Triton's CPU interpreter (about 10 minutes)
 test-kernels: .venv/.installed
-	$(PY) -c "import triton" 2>/dev/null || $(PY) -m pip install -q triton
 	POCKETLAB_KERNELS=triton TRITON_INTERPRET=1 $(PY) -m pytest -q tests/test_decode_attention.py \
 		tests/test_linear_decode.py tests/test_slots.py tests/test_snapshot.py tests/test_prefix_cache.py \
 		tests/test_parity.py tests/test_errors.py tests/test_generate.py tests/test_graphs.py
@@ -38,7 +41,7 @@ baseline: .venv/.installed
 		$(PY) -m pocketlab.verify.perf --write-baseline --device $(DEVICE) --dtype $(DTYPE) --model $$m || exit 1; done
 
 bench: .venv/.installed
-	$(PY) -m pocketlab.bench --model $(MODEL)
+	$(PY) -m pocketlab.tools.bench --model $(MODEL)
 
 lab: .venv/.installed
 	$(PY) -m pip install -q jupyterlab

@@ -2,7 +2,8 @@
 
 from .cache import Snapshot
 from .config import EngineOptions, ModelConfig
-from .engine import BatchDecodeResult, BatchedRequest, BatchPrefillResult, ForwardResult, QwenEngine
+from .engine import QwenEngine
+from .requests import BatchDecodeResult, BatchedRequest, BatchPrefillResult, ForwardResult
 from .sampling import SamplingParams
 
 __all__ = [

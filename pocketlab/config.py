@@ -115,7 +115,7 @@ class EngineOptions:
     prefix_cache: bool = True  # reuse K/V and states of shared prompt prefixes (per slot and across slots)
     prefix_cache_bytes: int = 1 << 30  # budget for retained prefixes and state checkpoints (live slots never count)
     prefix_block: int = 16  # tokens per hashed block in the cross-slot lookup
-    snapshot_stride: int = 512  # hybrid: also checkpoint the recurrent state at multiples of this (0: prompt ends)
+    checkpoint_stride: int = 512  # hybrid: also checkpoint the recurrent state at multiples of this (0: prompt ends)
 
     def __post_init__(self):
         if not 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
@@ -132,8 +132,8 @@ class EngineOptions:
             raise ValueError(f"linear_decode {self.linear_decode!r} is not one of auto, triton, torch")
         if self.max_slots < 1 or self.max_seq_len < 2 or self.prefill_chunk < 1:
             raise ValueError("max_slots >= 1, max_seq_len >= 2 and prefill_chunk >= 1 are required")
-        if self.prefix_cache_bytes < 0 or self.prefix_block < 1 or self.snapshot_stride < 0:
-            raise ValueError("prefix_cache_bytes >= 0, prefix_block >= 1 and snapshot_stride >= 0 are required")
+        if self.prefix_cache_bytes < 0 or self.prefix_block < 1 or self.checkpoint_stride < 0:
+            raise ValueError("prefix_cache_bytes >= 0, prefix_block >= 1 and checkpoint_stride >= 0 are required")
 
     def _check_batch_invariant(self) -> None:
         if importlib.util.find_spec("triton") is None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -12,58 +11,27 @@ import torch
 from .cache import SlotCache, Snapshot
 from .config import EngineOptions, ModelConfig
 from .forward import ForwardContext, Run
+from .generate import generate as continuous_batching
 from .graphs import StepGraphs
 from .loader import load_weights, validate_weights
 from .models import build_model
-from .prefix_cache import PrefixCache, plan_pieces
+from .prefix_cache import PrefixCache
+from .requests import BatchDecodeResult, BatchedRequest, BatchPrefillResult, ForwardResult
 from .sampling import GREEDY, SamplingParams, sample
 from .speculative import Speculator
 
 
-@dataclass
-class ForwardResult:
-    next_token: int
-    logits: torch.Tensor  # [vocab] float32, at the last position
-    position: int  # tokens now cached in the slot
-    reused_tokens: int = 0  # prompt tokens taken from the prefix cache instead of computed
-    computed_tokens: int = 0  # prompt tokens run through the model (prefill: len(prompt) - reused_tokens)
-    tokens: list[int] = field(default_factory=list)  # every token this call produced (speculative: 1 + accepted)
-
-    def __post_init__(self):
-        self.tokens = self.tokens or [self.next_token]
-
-
-@dataclass
-class BatchedRequest:
-    request_id: int
-    prompt_tokens: list[int]
-    slot_id: int | None = None  # None: batch_prefill allocates one
-    sampling: SamplingParams = GREEDY
-    generated_tokens: list[int] = field(default_factory=list)
-
-    @property
-    def last_token(self) -> int | None:
-        return self.generated_tokens[-1] if self.generated_tokens else None
-
-
-@dataclass
-class BatchPrefillResult:
-    results: list[ForwardResult]
-
-    @property
-    def next_tokens(self) -> list[int]:
-        return [r.next_token for r in self.results]
-
-
-@dataclass
-class BatchDecodeResult:
-    next_tokens: list[int]  # the last token produced per request
-    logits: torch.Tensor  # [B, vocab] float32, at the position that produced it
-    positions: list[int]
-    tokens: list[list[int]] = field(default_factory=list)  # all tokens produced per request (speculative: 1 + accepted)
-
-    def __post_init__(self):
-        self.tokens = self.tokens or [[t] for t in self.next_tokens]
+def plan_pieces(start: int, end: int, chunk: int, stride: int = 0) -> list[tuple[int, int]]:
+    """[lo, hi) prefill pieces covering start..end, at most `chunk` tokens each and, when stride > 0, never
+    crossing a multiple of `stride` (so the state at every stride multiple exists between two pieces)."""
+    pieces, lo = [], start
+    while lo < end:
+        hi = min(lo + chunk, end)
+        if stride:
+            hi = min(hi, (lo // stride + 1) * stride)
+        pieces.append((lo, hi))
+        lo = hi
+    return pieces
 
 
 class QwenEngine:
@@ -102,20 +70,20 @@ class QwenEngine:
     def batch_prefill(self, requests: list[BatchedRequest]) -> BatchPrefillResult:
         """Prefill every request in ONE ragged forward (per prefill chunk); allocates missing slots."""
         taken = {r.slot_id for r in requests if r.slot_id is not None}
-        free = iter(s for s in self._free_slots() if s not in taken)
+        free = iter(s for s in self.free_slots() if s not in taken)
         chosen = [r.slot_id if r.slot_id is not None else next(free, None) for r in requests]
         if None in chosen:
             raise ValueError(
                 f"{chosen.count(None)} request(s) need a slot but only "
-                f"{len(self._free_slots())} of {self.num_slots} are free"
+                f"{len(self.free_slots())} of {self.num_slots} are free"
             )
-        items = [(s, r.prompt_tokens, r.sampling) for s, r in zip(chosen, requests)]
+        items = [(s, r.prompt_tokens, r.sampling) for s, r in zip(chosen, requests, strict=True)]
         self._check_prefill(items, [f"request {r.request_id} prompt" for r in requests])
         for r in requests:
             if r.slot_id is None:
                 r.slot_id = self.allocate_slot(r.request_id)
         results = self._run_prefill(items)
-        for r, res in zip(requests, results):
+        for r, res in zip(requests, results, strict=True):
             r.generated_tokens = [res.next_token]
         return BatchPrefillResult(results)
 
@@ -125,17 +93,15 @@ class QwenEngine:
             if r.last_token is None:
                 raise ValueError(f"request {r.request_id} has no token to decode; run batch_prefill first")
         tokens, logits, positions = self._decode([(r.slot_id, r.last_token, r.sampling) for r in requests])
-        for r, t in zip(requests, tokens):
+        for r, t in zip(requests, tokens, strict=True):
             r.generated_tokens.extend(t)
         return BatchDecodeResult([t[-1] for t in tokens], logits, positions, tokens)
 
     def generate(
         self, prompts: list[list[int]], sampling: SamplingParams | list = GREEDY, progress: bool = False
     ) -> list[list[int]]:
-        """Continuous batching over the free slots; see scheduler.generate."""
-        from .scheduler import generate
-
-        return generate(self, prompts, sampling, progress)
+        """Continuous batching over the free slots; see pocketlab.generate."""
+        return continuous_batching(self, prompts, sampling, progress)
 
     # -- slots ---------------------------------------------------------------------------------
     def allocate_batch_slots(self, n: int) -> None:
@@ -146,8 +112,12 @@ class QwenEngine:
             self.release_slot(s)
         self.num_slots = n
 
+    def free_slots(self) -> list[int]:
+        """Slots no request owns, in order."""
+        return [s for s in range(self.num_slots) if self.cache.slots[s].owner is None]
+
     def allocate_slot(self, request_id: int) -> int:
-        free = self._free_slots()
+        free = self.free_slots()
         if not free:
             raise ValueError(f"all {self.num_slots} slots are taken; release one before allocating")
         self.cache.slots[free[0]].owner = request_id
@@ -178,18 +148,17 @@ class QwenEngine:
     def restore(self, snapshot: Snapshot, slot_id: int = 0) -> None:
         self._check_slot(slot_id)
         self.cache.check_snapshot(snapshot)
-        self._check_tokens(snapshot.tokens, "snapshot history", allow_empty=True)
+        self.check_tokens(snapshot.tokens, "snapshot history", allow_empty=True)
         self.cache.restore(snapshot, slot_id)
 
     # -- validation: every check runs before any state changes --------------------------------
-    def _free_slots(self) -> list[int]:
-        return [s for s in range(self.num_slots) if self.cache.slots[s].owner is None]
-
     def _check_slot(self, slot_id) -> None:
         if not isinstance(slot_id, int) or not 0 <= slot_id < self.num_slots:
             raise IndexError(f"slot {slot_id!r} does not exist: allocated slots are 0..{self.num_slots - 1}")
 
-    def _check_tokens(self, tokens, what: str, allow_empty: bool = False) -> None:
+    def check_tokens(self, tokens, what: str, allow_empty: bool = False) -> None:
+        """ValueError naming `what` unless every token is an int in the vocabulary (and, unless allow_empty, one is
+        there)."""
         if not tokens and not allow_empty:
             raise ValueError(f"{what} is empty: at least one token is needed")
         bad = [t for t in tokens if not isinstance(t, int) or not 0 <= t < self.cfg.vocab_size]
@@ -211,14 +180,17 @@ class QwenEngine:
 
     # -- forward -------------------------------------------------------------------------------
     def _check_prefill(self, items: list[tuple[int, list[int], SamplingParams]], names: list[str]) -> None:
-        for (_, toks, _), name in zip(items, names):
-            self._check_tokens(toks, name)
+        for (_, toks, _), name in zip(items, names, strict=True):
+            self.check_tokens(toks, name)
         self._check_plan([s for s, _, _ in items], [(s, t) for s, t, _ in items], prefill=True)
 
     def _run_prefill(self, items: list[tuple[int, list[int], SamplingParams]]) -> list[ForwardResult]:
         starts = [self._reuse_prefix(s, toks) for s, toks, _ in items]
         stride = self.prefix.stride_for_pieces() if self.prefix is not None else 0
-        pieces = [plan_pieces(p, len(t), self.options.prefill_chunk, stride) for (_, t, _), p in zip(items, starts)]
+        pieces = [
+            plan_pieces(p, len(t), self.options.prefill_chunk, stride)
+            for (_, t, _), p in zip(items, starts, strict=True)
+        ]
         last_hidden = [None] * len(items)
         for c in range(max(map(len, pieces))):
             rows = [b for b in range(len(items)) if c < len(pieces[b])]
@@ -226,7 +198,7 @@ class QwenEngine:
             # hybrid models: the layers hand back their state at stride multiples inside each piece
             marks = [self.prefix.marks(lo, lo + len(piece)) if self.prefix is not None else [] for _, lo, piece in runs]
             hidden, ctx = self._forward(runs, [(i, t) for i, ts in enumerate(marks) for t in ts])
-            for i, (b, (s, lo, piece)) in enumerate(zip(rows, runs)):
+            for i, (b, (s, lo, piece)) in enumerate(zip(rows, runs, strict=True)):
                 last_hidden[b] = hidden[i, len(piece) - 1]
                 self.cache.slots[s].extend(piece)
                 if self.prefix is not None:
@@ -250,10 +222,12 @@ class QwenEngine:
 
     def _decode(self, items: list[tuple[int, int, SamplingParams]]):
         for s, tok, _ in items:
-            self._check_tokens([tok], f"decode token for slot {s}")
+            self.check_tokens([tok], f"decode token for slot {s}")
         self._check_plan([s for s, _, _ in items], [(s, [t]) for s, t, _ in items], prefill=False)
-        if self.speculator is not None:  # tokens per item: accepted drafts + one; eager, one verify forward
-            return self.speculator.step(items)
+        if self.speculator is not None:  # tokens per item: accepted drafts + one, from one verify forward
+            out = self.speculator.step(items)
+            self.forward_count += 1
+            return out
         runs = [Run(s, self.cache.slots[s].position, [tok]) for s, tok, _ in items]
         logits = self._decode_logits(runs)
         for s, tok, _ in items:

@@ -61,7 +61,9 @@ class StaticInputs:
         slots = [run.slot for run in runs] + [scratch_slot] * pad
         start = [run.start for run in runs] + [0] * pad
         lengths = [len(run.tokens) if real_lengths else T for run in runs] + [T] * pad
-        self.buffer.copy_(torch.tensor([list(column) for column in zip(*tokens)] + [slots, start, lengths]))
+        self.buffer.copy_(
+            torch.tensor([list(column) for column in zip(*tokens, strict=True)] + [slots, start, lengths])
+        )
 
     def context(self, kv_len: int, scratch_slot: int) -> ForwardContext:
         """A context over these buffers (hooks off); kv_len: the key bucket the graph attends over."""
@@ -140,15 +142,15 @@ class StepGraphs:
         return graph, out
 
     def _capture_with_retry(self, key: tuple, step) -> bool:
-        """A capture that fails (seen once in the CUDA test run, verify step, cause not yet known) is reported and
-        tried once more; after a second failure the shape runs eagerly from then on (`failed` says why)."""
+        """A capture that fails is reported and tried once more; after a second failure the shape runs eagerly
+        from then on (`failed` says why)."""
         for attempt in ("retrying", "that shape runs eagerly"):
             try:
                 self._capture(key, step)
                 return True
             except RuntimeError as e:  # torch.AcceleratorError is a RuntimeError
                 why = f"{type(e).__name__}: {str(e).splitlines()[0]}"
-                warnings.warn(f"CUDA graph capture of {key} failed ({why}); {attempt}", RuntimeWarning)
+                warnings.warn(f"CUDA graph capture of {key} failed ({why}); {attempt}", RuntimeWarning, stacklevel=2)
         self.failed[key] = why
         return False
 

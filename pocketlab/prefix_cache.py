@@ -1,20 +1,20 @@
 """Prefix cache: a prompt reuses whatever any slot already computed for its prefix, exactly, dense or hybrid.
 
-Where reusable prefixes live (each is a `Record`: token ids plus where their K/V and states are):
-  * slot records, one per slot: the slot's own rows. Attention K/V serve any prefix of the slot's history,
+Where reusable prefixes live (each is a `CachedPrefix`: token ids plus where their K/V and states are):
+  * slot prefixes, one per slot: the slot's own rows. Attention K/V serve any prefix of the slot's history,
     to the token; the slot's live conv/recurrent state serves exactly its end. A cleared (released) slot's
-    rows still hold its old history until the slot is written again: the record becomes a *ghost* and is
+    rows still hold its old history until the slot is written again: the slot's prefix becomes a *ghost* and is
     still found, at no copy cost.
   * state checkpoints (hybrid models only): Gated DeltaNet state cannot be rewound, so prefill keeps copies
     of every linear layer's conv + recurrent state at the end of each prompt and at every multiple of
-    `snapshot_stride` (the layers hand those back from inside the prefill forward: `marks`). A shared prefix
+    `checkpoint_stride` (the layers hand those back from inside the prefill forward: `marks`). A shared prefix
     resumes from the nearest checkpoint at or below the shared length, never from a block boundary hundreds of
     tokens back.
   * retained entries: just before a slot's rows are overwritten, what they held beyond the part that stays
     (its history for dense models; up to its last checkpoint for hybrid ones) is copied out into an entry of
-    its own, checkpoints moved along, unless another record already serves it.
+    its own, checkpoints moved along, unless another cached prefix already serves it.
 
-Lookup (`prepare`): chain hashes of `prefix_block`-token blocks index every record. The prompt's block
+Lookup (`prepare`): chain hashes of `prefix_block`-token blocks index every cached prefix. The prompt's block
 hashes find the candidates in one dict probe per block; a token comparison then confirms each match (ruling
 out collisions) and extends it to the exact token inside the next block. The target slot's own history is
 always compared directly, so it is reused to the token even below one block. Cost: O(prompt / block) hashing
@@ -26,7 +26,7 @@ first (a hit refreshes what it used). Live slot rows and states are never counte
 Staleness: this cache is the slot cache's listener (`cache.HistoryListener`). A slot's history is read-only
 outside `SlotState.extend/truncate/replace`, and each of those reports the first index it changed
 (`history_changed`), so the hashed blocks and checkpoints above it are dropped at once, whoever made the edit
-(prefill, decode, a speculative rollback). A live slot record reads its tokens through the slot; only entries
+(prefill, decode, a speculative rollback). A live slot prefix reads its tokens through the slot; only entries
 and ghosts keep a list of their own. Clearing or restoring a slot calls this cache first (`before_clear`,
 `before_restore`); `reset` forgets everything, so a run after it is computed exactly as on a fresh engine.
 """
@@ -41,19 +41,6 @@ if TYPE_CHECKING:
     from .cache import SlotState
 
 _SEED = 0x5EED
-
-
-def plan_pieces(start: int, end: int, chunk: int, stride: int = 0) -> list[tuple[int, int]]:
-    """[lo, hi) prefill pieces covering start..end, at most `chunk` tokens each and, when stride > 0, never
-    crossing a multiple of `stride` (so the state at every stride multiple exists between two pieces)."""
-    pieces, lo = [], start
-    while lo < end:
-        hi = min(lo + chunk, end)
-        if stride:
-            hi = min(hi, (lo // stride + 1) * stride)
-        pieces.append((lo, hi))
-        lo = hi
-    return pieces
 
 
 def common_len(a, b, limit: int | None = None, known: int = 0) -> int:
@@ -92,7 +79,7 @@ def chain_hashes(tokens, block: int, n_blocks: int, first: int = 0, prev: int = 
 
 
 @dataclass(eq=False)
-class Record:
+class CachedPrefix:
     """A reusable prefix: `tokens` and where the K/V for them lives, plus hybrid state checkpoints."""
 
     held: list[int] = field(default_factory=list)  # the tokens of an entry or a ghost (unused while live)
@@ -109,11 +96,11 @@ class Record:
 
     @property
     def tokens(self):
-        """The tokens whose K/V this record offers: read through the slot while live, else its own list."""
+        """The tokens whose K/V this prefix offers: read through the slot while live, else its own list."""
         return self.history.tokens if self.history is not None else self.held
 
     def resume_point(self, shared: int, stateful: bool) -> int:
-        """The longest prefix (<= shared tokens) this record can hand over: any length for K/V alone; for
+        """The longest prefix (<= shared tokens) this prefix can hand over: any length for K/V alone; for
         hybrid models only where a state is known (a checkpoint, or the live state at the end)."""
         if not stateful:
             return shared
@@ -126,11 +113,15 @@ class Record:
 class PrefixCache:
     def __init__(self, cache, options):
         self.cache = cache
-        self.block, self.stride, self.budget = options.prefix_block, options.snapshot_stride, options.prefix_cache_bytes
-        self.slots = [Record(slot=s, history=cache.slots[s]) for s in range(cache.num_slots)]
-        self.entries: list[Record] = []  # retained entries
-        self.index: dict[int, set[Record]] = {}  # chain hash -> records holding that block chain
-        self.lru: OrderedDict[tuple[Record, int | None], int] = OrderedDict()  # (record, position|None) -> bytes
+        self.block, self.stride, self.budget = (
+            options.prefix_block,
+            options.checkpoint_stride,
+            options.prefix_cache_bytes,
+        )
+        self.slots = [CachedPrefix(slot=s, history=cache.slots[s]) for s in range(cache.num_slots)]
+        self.entries: list[CachedPrefix] = []  # retained entries
+        self.index: dict[int, set[CachedPrefix]] = {}  # chain hash -> cached prefixes holding that block chain
+        self.lru: OrderedDict[tuple[CachedPrefix, int | None], int] = OrderedDict()  # (prefix, position|None) -> bytes
         self.used = 0
         self.stats = dict(prefills=0, hits=0, reused_tokens=0, computed_tokens=0, checkpoints=0, retained=0, evicted=0)
         cache.listen(self)
@@ -139,8 +130,8 @@ class PrefixCache:
     def prepare(self, slot: int, prompt: list[int]) -> int:
         """Bring `slot` to the longest reusable prefix of `prompt` (at most len-1 tokens: the last is always
         computed) by truncation or device copy; returns its length, the position prefill starts from."""
-        for rec in self.slots:
-            self._sync(rec)
+        for prefix in self.slots:
+            self._sync(prefix)
         own, limit = self.slots[slot], len(prompt) - 1
         m_own = common_len(own.tokens, prompt, limit)
         src, r = own, own.resume_point(m_own, self.stateful)
@@ -191,50 +182,50 @@ class PrefixCache:
         (the slot's live state, or `state` captured inside the forward at that position)."""
         if not self.stateful or not (final or (self.stride and position % self.stride == 0)):
             return
-        rec = self.slots[slot]
-        self._sync(rec)  # the tokens up to `position` are now seen: what is added next is valid for them
-        if position in rec.states:
-            self._touch(rec, position)
+        prefix = self.slots[slot]
+        self._sync(prefix)  # the tokens up to `position` are now seen: what is added next is valid for them
+        if position in prefix.states:
+            self._touch(prefix, position)
             return
         nbytes = self.state_bytes()
         if self._make_room(nbytes):
-            rec.states[position] = state if state is not None else self._live_state(slot, clone=True)
-            self._add((rec, position), nbytes)
+            prefix.states[position] = state if state is not None else self._live_state(slot, clone=True)
+            self._add((prefix, position), nbytes)
             self.stats["checkpoints"] += 1
 
     # -- the slot cache's listener (cache.HistoryListener) -------------------------------------------
     def history_changed(self, slot: int, first_changed: int) -> None:
         """The slot's tokens changed from `first_changed` on: drop the hashed blocks and checkpoints above it."""
-        rec = self.slots[slot]
-        if rec.history is None:
+        prefix = self.slots[slot]
+        if prefix.history is None:
             history = self.cache.slots[slot]
             if not history.tokens:  # still empty: the rows hold the ghost's tokens
                 return
             # the slot is written again: its rows still agree with the ghost's tokens up to the common prefix
-            first_changed = common_len(rec.held, history.tokens)
-            rec.held, rec.history = [], history
-        self._truncate(rec, first_changed)
+            first_changed = common_len(prefix.held, history.tokens)
+            prefix.held, prefix.history = [], history
+        self._truncate(prefix, first_changed)
 
     def before_clear(self, slot: int) -> None:
         """SlotCache.clear is about to forget the slot's sequence: its K/V rows stay (a ghost, still
         reusable); its live state is zeroed, so checkpoint it first."""
-        rec = self.slots[slot]
-        self._sync(rec)
-        if rec.live and self.stateful and rec.tokens:
-            self.reached(slot, len(rec.tokens), final=True)
-        rec.held, rec.history = rec.tokens[:], None
+        prefix = self.slots[slot]
+        self._sync(prefix)
+        if prefix.live and self.stateful and prefix.tokens:
+            self.reached(slot, len(prefix.tokens), final=True)
+        prefix.held, prefix.history = prefix.tokens[:], None
 
     def before_restore(self, slot: int) -> None:
         """SlotCache.restore is about to overwrite the slot: keep what it held, if worth it, and start over."""
-        rec = self.slots[slot]
-        self._sync(rec)
-        self._retire(rec, 0)
+        prefix = self.slots[slot]
+        self._sync(prefix)
+        self._retire(prefix, 0)
 
     def forget(self, slot: int | None = None) -> None:
         """Drop what was learned about one slot (or everything, retained entries included)."""
-        for rec in self.slots if slot is None else [self.slots[slot]]:
-            self._truncate(rec, 0)
-            rec.held, rec.history = [], self.cache.slots[rec.slot]
+        for prefix in self.slots if slot is None else [self.slots[slot]]:
+            self._truncate(prefix, 0)
+            prefix.held, prefix.history = [], self.cache.slots[prefix.slot]
         if slot is None:
             for entry in list(self.entries):
                 self._evict((entry, None), count=False)
@@ -252,12 +243,12 @@ class PrefixCache:
         return [
             dict(
                 kind="entry" if pos is None else "checkpoint",
-                slot=rec.slot,
-                tokens=len(rec.tokens),
-                position=len(rec.tokens) if pos is None else pos,
+                slot=prefix.slot,
+                tokens=len(prefix.tokens),
+                position=len(prefix.tokens) if pos is None else pos,
                 bytes=nbytes,
             )
-            for (rec, pos), nbytes in self.lru.items()
+            for (prefix, pos), nbytes in self.lru.items()
         ]
 
     def describe(self) -> dict:
@@ -270,9 +261,11 @@ class PrefixCache:
         )
 
     # -- lookup ------------------------------------------------------------------------------------
-    def _search(self, prompt: list[int], limit: int, skip: Record | None = None) -> tuple[Record | None, int]:
-        """The record (other than `skip`) that hands over the longest prefix of prompt[:limit], via block hashes."""
-        depth: dict[Record, int] = {}
+    def _search(
+        self, prompt: list[int], limit: int, skip: CachedPrefix | None = None
+    ) -> tuple[CachedPrefix | None, int]:
+        """The cached prefix (not `skip`) that hands over the longest prefix of prompt[:limit], via block hashes."""
+        depth: dict[CachedPrefix, int] = {}
         if not self.index:
             return None, 0
         prev = _SEED
@@ -281,76 +274,76 @@ class PrefixCache:
             holders = self.index.get(prev)
             if not holders:
                 break
-            for rec in holders:
-                depth[rec] = k + 1
+            for prefix in holders:
+                depth[prefix] = k + 1
         best, best_r = None, 0
-        for rec, d in depth.items():
-            if rec is skip:
+        for prefix, d in depth.items():
+            if prefix is skip:
                 continue
-            r = rec.resume_point(common_len(rec.tokens, prompt, limit, known=d * self.block), self.stateful)
-            if r > best_r or (r == best_r and best is not None and rec.slot is not None and best.slot is None):
-                best, best_r = rec, r
+            r = prefix.resume_point(common_len(prefix.tokens, prompt, limit, known=d * self.block), self.stateful)
+            if r > best_r or (r == best_r and best is not None and prefix.slot is not None and best.slot is None):
+                best, best_r = prefix, r
         return best, best_r
 
-    def _sync(self, rec: Record) -> None:
-        """Hash the blocks the record's tokens completed since the last look (stale ones are already dropped:
+    def _sync(self, prefix: CachedPrefix) -> None:
+        """Hash the blocks the prefix's tokens completed since the last look (stale ones are already dropped:
         `history_changed`), so lookups find them."""
-        tokens = rec.tokens
+        tokens = prefix.tokens
         n = len(tokens) // self.block
-        if n > len(rec.hashes):
-            new = chain_hashes(tokens, self.block, n, len(rec.hashes), rec.hashes[-1] if rec.hashes else _SEED)
-            self._index(rec, new)
+        if n > len(prefix.hashes):
+            new = chain_hashes(tokens, self.block, n, len(prefix.hashes), prefix.hashes[-1] if prefix.hashes else _SEED)
+            self._index(prefix, new)
 
-    def _index(self, rec: Record, hashes: list[int]) -> None:
+    def _index(self, prefix: CachedPrefix, hashes: list[int]) -> None:
         for h in hashes:
-            self.index.setdefault(h, set()).add(rec)
-        rec.hashes.extend(hashes)
+            self.index.setdefault(h, set()).add(prefix)
+        prefix.hashes.extend(hashes)
 
-    def _truncate(self, rec: Record, n: int) -> None:
-        """Forget everything the record claims beyond its first n tokens (hashed blocks, checkpoints, and for
+    def _truncate(self, prefix: CachedPrefix, n: int) -> None:
+        """Forget everything the prefix claims beyond its first n tokens (hashed blocks, checkpoints, and for
         an entry or a ghost the tokens themselves: their rows are about to be overwritten or dropped)."""
-        if rec.history is None:
-            del rec.held[n:]
+        if prefix.history is None:
+            del prefix.held[n:]
         nb = n // self.block
-        if nb >= len(rec.hashes) and (not rec.states or max(rec.states) <= n):  # e.g. an append: nothing stale
+        if nb >= len(prefix.hashes) and (not prefix.states or max(prefix.states) <= n):  # e.g. an append: nothing stale
             return
-        for h in rec.hashes[nb:]:
+        for h in prefix.hashes[nb:]:
             holders = self.index.get(h)
             if holders is not None:
-                holders.discard(rec)
+                holders.discard(prefix)
                 if not holders:
                     del self.index[h]
-        del rec.hashes[nb:]
-        for p in [p for p in rec.states if p > n]:
-            self._evict((rec, p), count=False)
+        del prefix.hashes[nb:]
+        for p in [p for p in prefix.states if p > n]:
+            self._evict((prefix, p), count=False)
 
     # -- keeping what is about to be overwritten ---------------------------------------------------
-    def _retire(self, rec: Record, keep: int, pin: Record | None = None) -> None:
+    def _retire(self, prefix: CachedPrefix, keep: int, pin: CachedPrefix | None = None) -> None:
         """The slot's rows beyond `keep` are about to be overwritten: copy out what is worth keeping."""
-        ends = list(rec.states) + ([len(rec.tokens)] if rec.live and rec.tokens else [])
-        end = max(ends, default=0) if self.stateful else len(rec.tokens)
-        if end - keep >= self.block and self._search(rec.tokens[:end], end, skip=rec)[1] < end:
-            self._retain(rec, keep, end, pin)
-        self._truncate(rec, keep)
+        ends = list(prefix.states) + ([len(prefix.tokens)] if prefix.live and prefix.tokens else [])
+        end = max(ends, default=0) if self.stateful else len(prefix.tokens)
+        if end - keep >= self.block and self._search(prefix.tokens[:end], end, skip=prefix)[1] < end:
+            self._retain(prefix, keep, end, pin)
+        self._truncate(prefix, keep)
 
-    def _retain(self, rec: Record, keep: int, end: int, pin: Record | None) -> None:
-        slot, banks = rec.slot, self._kv_banks()
+    def _retain(self, prefix: CachedPrefix, keep: int, end: int, pin: CachedPrefix | None) -> None:
+        slot, banks = prefix.slot, self._kv_banks()
         kv_bytes = sum(t[slot, :, :end].numel() * t.element_size() for _, _, t in banks)
-        copy_live = self.stateful and rec.live and end == len(rec.tokens) and end not in rec.states
-        if not self._make_room(kv_bytes + (self.state_bytes() if copy_live else 0), pinned={rec, pin}):
+        copy_live = self.stateful and prefix.live and end == len(prefix.tokens) and end not in prefix.states
+        if not self._make_room(kv_bytes + (self.state_bytes() if copy_live else 0), pinned={prefix, pin}):
             return
         states = {}
-        for p in [p for p in rec.states if keep < p <= end]:
-            states[p] = rec.states.pop(p)
-            self.used -= self.lru.pop((rec, p))
+        for p in [p for p in prefix.states if keep < p <= end]:
+            states[p] = prefix.states.pop(p)
+            self.used -= self.lru.pop((prefix, p))
         if copy_live:
             states[end] = self._live_state(slot, clone=True)
-        entry = Record(
-            rec.tokens[:end],
+        entry = CachedPrefix(
+            prefix.tokens[:end],
             kv={(kind, name): t[slot, :, :end].clone() for kind, name, t in banks},
             states=states,
         )
-        self._index(entry, rec.hashes[: end // self.block])
+        self._index(entry, prefix.hashes[: end // self.block])
         self.entries.append(entry)
         self._add((entry, None), kv_bytes + len(states) * self.state_bytes())
         self.stats["retained"] += 1
@@ -360,13 +353,13 @@ class PrefixCache:
         self.lru[key] = nbytes
         self.used += nbytes
 
-    def _touch(self, rec: Record | None, position: int) -> None:
-        key = (rec, None) if rec is not None and rec.slot is None else (rec, position)
+    def _touch(self, prefix: CachedPrefix | None, position: int) -> None:
+        key = (prefix, None) if prefix is not None and prefix.slot is None else (prefix, position)
         if key in self.lru:
             self.lru.move_to_end(key)
 
     def _make_room(self, nbytes: int, pinned=()) -> bool:
-        """Evict least recently used checkpoints/entries (never `pinned` records') until nbytes fit."""
+        """Evict least recently used checkpoints/entries (never `pinned` prefixes') until nbytes fit."""
         if nbytes > self.budget:
             return False
         for key in list(self.lru):
@@ -377,15 +370,15 @@ class PrefixCache:
         return self.used + nbytes <= self.budget
 
     def _evict(self, key, count: bool = True) -> None:
-        rec, position = key
+        prefix, position = key
         self.used -= self.lru.pop(key, 0)
         self.stats["evicted"] += count
         if position is None:
-            self._truncate(rec, 0)
-            rec.kv = None
-            self.entries.remove(rec)
+            self._truncate(prefix, 0)
+            prefix.kv = None
+            self.entries.remove(prefix)
         else:
-            rec.states.pop(position, None)
+            prefix.states.pop(position, None)
 
     # -- device copies (generic over whatever layers the cache holds) ---------------------------------
     def _kv_banks(self):
@@ -400,12 +393,12 @@ class PrefixCache:
     def _live_state(self, slot: int, clone: bool) -> dict:
         return {(kind, name): (t[slot].clone() if clone else t[slot]) for kind, name, t in self._state_banks()}
 
-    def _state_at(self, rec: Record, position: int) -> dict | None:
+    def _state_at(self, prefix: CachedPrefix, position: int) -> dict | None:
         if position == 0:
             return None
-        if position in rec.states:
-            return rec.states[position]
-        return self._live_state(rec.slot, clone=False)  # resume_point guarantees: live and at its end
+        if position in prefix.states:
+            return prefix.states[position]
+        return self._live_state(prefix.slot, clone=False)  # resume_point guarantees: live and at its end
 
     def _load_state(self, slot: int, state: dict | None) -> None:
         for kind, name, t in self._state_banks():
@@ -414,7 +407,7 @@ class PrefixCache:
             else:
                 t[slot].copy_(state[(kind, name)])
 
-    def _copy_kv(self, src: Record, slot: int, lo: int, hi: int) -> None:
+    def _copy_kv(self, src: CachedPrefix, slot: int, lo: int, hi: int) -> None:
         if hi <= lo:
             return
         for kind, name, t in self._kv_banks():

@@ -46,7 +46,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
     if all(p.greedy for p in params):
         return greedy
     probs = filtered_probs(logits, params)
-    u = torch.tensor([p.uniform(pos) for p, pos in zip(params, positions)], device=logits.device)
+    u = torch.tensor([p.uniform(pos) for p, pos in zip(params, positions, strict=True)], device=logits.device)
     drawn = inverse_cdf(probs, u)
     is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
     return torch.where(is_greedy, greedy, drawn)

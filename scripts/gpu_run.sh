@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The whole GPU run in one script, from the repo root on the H200 machine (DESIGN §6-7):
-#   kernel profile -> tests on CUDA (float32) -> pocketlab.bench per model -> perf baselines (only where
+# The whole GPU run in one script, from the repo root on the H200 machine:
+#   kernel profile -> tests on CUDA (float32) -> pocketlab.tools.bench per model -> perf baselines (only where
 #   missing) -> prefix-cache TTFT and MTP cost -> make reports -> reports/ tarred into $OUT.
 # Why one script: the GPU machine has no network and a short lease; one call does everything, each step
 # bounded by what is left of the time budget, and a failing step never stops the next one.
@@ -31,11 +31,11 @@
 #   INVARIANT_MODELS [qwen3-8b qwen3.5-9b]  INVARIANT_STEPS [64]   the invariant step's shapes and decode steps
 #   INVARIANT_TESTS  [the mode's and its kernels' test files]  INVARIANT_TIMINGS [1]   (empty / 0: skip)
 #   REPORT_NOTEBOOKS []                 only these notebooks in the reports step (e.g. 02,03; empty: all)
-#   TTFT_STRIDES     [512]              snapshot strides the TTFT table is measured at, comma-separated
+#   TTFT_STRIDES     [512]              checkpoint strides the TTFT table is measured at, comma-separated
 #   PEER_MODES       [eager,static]     HF peers (static = static cache + HF's compiled decode step)
 #   EAGER_NEW_TOKENS [32]               HF eager decodes ~14 tok/s at batch 1: capped (recorded in the JSON)
 #   PEER_REPEATS     [2]
-#   BENCH_ARGS       []                 extra `python -m pocketlab.bench` arguments for every model
+#   BENCH_ARGS       []                 extra `python -m pocketlab.tools.bench` arguments for every model
 #   WRITE_BASELINE   [0]                1: overwrite reports/baseline/cuda-<model>.json from this run's bench
 #   BUDGET_S         [480]              wall-clock budget; a step gets min(its cap, what is left)
 #   BENCH_CAP_S      [200]  TESTS_CAP_S [240]  REPORTS_CAP_S [150]  (reports' time is reserved while benching)
@@ -112,7 +112,7 @@ wants reports && reserve=$REPORTS_CAP_S
 # -- 0. where a decode step's GPU time goes (kernel table, graphs on and off), per model -------------
 if wants profile; then
   for m in $MODELS; do
-    step "profile $m" 120 "$reserve" python3 -m pocketlab.profile --model "$m" --batch-sizes 1,32
+    step "profile $m" 120 "$reserve" python3 -m pocketlab.tools.profile --model "$m" --batch-sizes 1,32
   done
 fi
 
@@ -125,7 +125,7 @@ wants tests && step "pytest tests (POCKETLAB_DEVICE=cuda)" "$TESTS_CAP_S" "$rese
 if wants bench; then
   for m in $MODELS; do
     # shellcheck disable=SC2086
-    step "bench $m" "$BENCH_CAP_S" "$reserve" python3 -m pocketlab.bench --model "$m" --device cuda \
+    step "bench $m" "$BENCH_CAP_S" "$reserve" python3 -m pocketlab.tools.bench --model "$m" --device cuda \
       --peer-modes "$PEER_MODES" --peer-eager-new-tokens "$EAGER_NEW_TOKENS" --peer-repeats "$PEER_REPEATS" \
       --out "reports/bench/cuda-$m.json" $BENCH_ARGS
   done
@@ -144,17 +144,17 @@ fi
 # -- 4. prefix-cache time to first token and MTP verify cost at real shapes (issues 6 and 7) -----------
 if wants extras; then
   mkdir -p reports/gpu
-  for m in $TTFT_MODELS; do   # one table per snapshot stride (hybrid models checkpoint their state at multiples)
+  for m in $TTFT_MODELS; do   # one table per checkpoint stride (hybrid models checkpoint their state at multiples)
     step "prefix-cache TTFT $m (strides $TTFT_STRIDES)" 200 "$reserve" python3 -c "
 import pandas as pd
-from pocketlab.verify.prefix import ttft
-df = pd.concat([ttft(model='$m', snapshot_stride=s).assign(snapshot_stride=s) for s in ($TTFT_STRIDES,)])
+from pocketlab.verify.ttft import ttft
+df = pd.concat([ttft(model='$m', checkpoint_stride=s).assign(checkpoint_stride=s) for s in ($TTFT_STRIDES,)])
 print(df.to_string()); df.to_csv('reports/gpu/ttft-$m.csv', index=False)"
   done
   for m in $MTP_MODELS; do   # a failing verify graph is reported, then the same figures come eagerly
     step "MTP verify cost $m" 300 "$reserve" python3 -c "
 import traceback
-from pocketlab.verify.mtp import verify_cost
+from pocketlab.verify.mtp_cost import verify_cost
 try:
     df = verify_cost('$m', batch_sizes=(1, 8))
 except Exception:
@@ -170,7 +170,7 @@ if wants invariant; then
   mkdir -p reports/gpu
   for m in $INVARIANT_MODELS; do
     for bi in False True; do
-      step "bench $m batch_invariant=$bi" 150 "$reserve" python3 -m pocketlab.bench --model "$m" --device cuda \
+      step "bench $m batch_invariant=$bi" 150 "$reserve" python3 -m pocketlab.tools.bench --model "$m" --device cuda \
         --no-peer --batch-sizes 1,8,32 --prompt-lens 4096 --new-tokens 64 --repeats 2 --ragged 2 \
         --engine-option batch_invariant=$bi --out "reports/bench/invariant-$bi-cuda-$m.json"
     done

@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from pocketlab import EngineOptions, QwenEngine  # noqa: E402
-from pocketlab.synthetic import write_checkpoint  # noqa: E402
+from pocketlab.tools.synthetic import write_checkpoint  # noqa: E402
 
 DEVICE = os.environ.get("POCKETLAB_DEVICE", "cpu")
 DTYPE = os.environ.get("POCKETLAB_DTYPE", "float32")
@@ -85,7 +85,7 @@ def engine_state(engine: QwenEngine) -> list:
 
 def assert_same_state(a, b):
     assert a[-1] == b[-1]
-    for (ta, oa, xa), (tb, ob, xb) in zip(a[:-1], b[:-1]):
+    for (ta, oa, xa), (tb, ob, xb) in zip(a[:-1], b[:-1], strict=True):
         assert ta == tb and oa == ob
         assert xa.keys() == xb.keys()
         for k in xa:

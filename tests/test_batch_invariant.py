@@ -116,7 +116,7 @@ def test_batch_invariant_mode_matches_hf(pairs):
 @pytest.mark.parametrize("drafter", ["oracle", "adversarial"])
 def test_speculative_greedy_output_and_logits_equal_plain_decoding_bitwise(make_engine, drafter):
     """Verify forwards over k+1 tokens give each position the logits of plain one-token decode steps."""
-    from pocketlab.speculative import AdversarialDrafter, OracleDrafter
+    from pocketlab.verify.drafters import AdversarialDrafter, OracleDrafter
 
     prompt, steps = random_prompt(9, seed=2), 6
     plain = make_engine("tiny-qwen3_5-mtp", batch_invariant=True)

@@ -1,4 +1,4 @@
-"""bench.py end to end on a tiny model (CPU, seconds), and the perf baseline verdict on made-up figures.
+"""tools/bench.py end to end on a tiny model (CPU, seconds), and the perf baseline verdict on made-up figures.
 
 Timings are never judged here: only that every figure exists, is finite and positive."""
 
@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from pocketlab import bench
+from pocketlab.tools import bench, bench_tables
 from pocketlab.verify import perf
 
 ARGS = [
@@ -84,7 +84,7 @@ def test_bench_figures_are_positive_and_finite(result):
 
 
 def test_bench_tables_and_perf_figures(result):
-    tables = bench.tables(result)
+    tables = bench_tables.tables(result)
     assert list(tables["decode"]["batch"]) == [1, 2] and "vs HF eager" in tables["decode"]
     figs = perf.figures(result)
     assert "roofline_frac_b2" in figs and "prefill_ragged_32_of_matmul" in figs
@@ -123,8 +123,8 @@ def test_baseline_file_round_trip(result, tmp_path):
 
 
 def test_profile_tables_a_decode_step_and_a_prefill(make_engine):
-    """pocketlab.profile: operator tables on the CPU, kernel tables on a GPU; the matmuls must show either way."""
-    from pocketlab import profile
+    """pocketlab.tools.profile: operator tables on the CPU, kernel tables on a GPU; the matmuls must show either way."""
+    from pocketlab.tools import profile
 
     engine = make_engine("tiny-qwen3")
     cases = ((profile.decode_step(engine, 2), None), (profile.prefill_call(engine, 20), lambda: engine.reset(0)))

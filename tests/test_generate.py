@@ -11,14 +11,14 @@ def test_generate_equals_solo_runs(make_engine):
     lengths = [6, 2, 9, 4, 1]
     params = [SamplingParams(max_new_tokens=n) for n in lengths]
     expected = []
-    for p, n in zip(prompts, lengths):
+    for p, n in zip(prompts, lengths, strict=True):
         engine.reset()
         expected.append(greedy_run(engine, p, n - 1)[0])
     engine.reset()
     before = engine.forward_count
     assert engine.generate(prompts, params) == expected
     assert engine.forward_count - before < sum(lengths)  # slots advanced together, not one by one
-    assert engine._free_slots() == [0, 1]
+    assert engine.free_slots() == [0, 1]
 
 
 def test_stop_tokens_end_a_request(make_engine):

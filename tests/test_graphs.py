@@ -18,7 +18,7 @@ def _copy_into(dst, src):
     if isinstance(dst, torch.Tensor):
         dst.copy_(src)
     elif isinstance(dst, (list, tuple)):
-        for a, b in zip(dst, src):
+        for a, b in zip(dst, src, strict=True):
             _copy_into(a, b)
     elif isinstance(dst, dict):
         for key in dst:

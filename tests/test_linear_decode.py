@@ -159,4 +159,7 @@ def test_engine_decodes_the_same_either_way(make_engine):
         runs[kind] = ([r.generated_tokens for r in reqs], logits)
     assert runs["triton"][0] == runs["torch"][0]
     scale = 1.0 if DTYPE == "float32" else max(b.abs().max().item() for b in runs["torch"][1])
-    assert max((a - b).abs().max().item() for a, b in zip(runs["triton"][1], runs["torch"][1])) <= LOGIT_TOL * scale
+    assert (
+        max((a - b).abs().max().item() for a, b in zip(runs["triton"][1], runs["torch"][1], strict=True))
+        <= LOGIT_TOL * scale
+    )

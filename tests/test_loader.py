@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from pocketlab import EngineOptions, ModelConfig, QwenEngine
 from pocketlab.loader import load_weights
-from pocketlab.synthetic import write_checkpoint
+from pocketlab.tools.synthetic import write_checkpoint
 
 
 @pytest.fixture

@@ -194,7 +194,7 @@ def test_draft_logits_match_reference(ref, k):
     eng.batch_prefill(reqs)
     while min(len(r.generated_tokens) for r in reqs) < 30:
         eng.batch_decode_step(reqs)
-    for r, seq in zip(reqs, seqs):
+    for r, seq in zip(reqs, seqs, strict=True):
         assert r.generated_tokens == seq[len(r.prompt_tokens) :][: len(r.generated_tokens)]
     assert 0 < eng.speculator.stats.accepted < eng.speculator.stats.drafted
 
@@ -202,7 +202,7 @@ def test_draft_logits_match_reference(ref, k):
     chains = {}  # (slot, position) -> rows so far (hidden, token) for the recursion
     worst, checked = 0.0, 0
     for entry in drafter.trace:
-        for j, (slot, n) in enumerate(zip(entry["slots"], entry["positions"])):
+        for j, (slot, n) in enumerate(zip(entry["slots"], entry["positions"], strict=True)):
             seq, H = seqs[slot], hiddens[slot]
             if entry["draft"] == 1:  # rows t = 0 .. n-1: (h_t, x_{t+1}), all real
                 rows_h, rows_x = list(H[:n]), seq[1 : n + 1]

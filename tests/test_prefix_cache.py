@@ -9,11 +9,13 @@ from conftest import DTYPE, LOGIT_TOL, greedy_continue, greedy_run, random_promp
 from pocketlab import BatchedRequest, verify
 from pocketlab import prefix_cache as pc
 from pocketlab.cache import SlotState
+from pocketlab.engine import plan_pieces
 from pocketlab.verify import prefix as vprefix
+from pocketlab.verify.ttft import ttft
 
 PRESETS = ["tiny-qwen3", "tiny-qwen3_5"]
 STRIDE, BLOCK, CHUNK = 8, 4, 16
-OPTS = dict(snapshot_stride=STRIDE, prefix_block=BLOCK, prefill_chunk=CHUNK)
+OPTS = dict(checkpoint_stride=STRIDE, prefix_block=BLOCK, prefill_chunk=CHUNK)
 V = 512
 
 
@@ -73,7 +75,7 @@ def other(tok):
 # -- hits equal cold runs, counts exact ------------------------------------------------------------
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("where", ["same slot", "other slot"])
-@pytest.mark.parametrize("shared", [32, 37])  # on / off the snapshot stride
+@pytest.mark.parametrize("shared", [32, 37])  # on / off the checkpoint stride
 def test_hit_equals_cold_run(preset, where, shared, engines):
     eng, cold = engines(preset)
     A = random_prompt(40, seed=1)
@@ -135,7 +137,7 @@ def test_batch_prefill_reuses_per_request(preset, engines):
     res = eng.batch_prefill(reqs)
     assert eng.forward_count == before + 1
     assert [r.reused_tokens for r in res.results] == [32] * 3
-    for r, req in zip(res.results, reqs):
+    for r, req in zip(res.results, reqs, strict=True):
         assert r.next_token == cold_run(cold, req.prompt_tokens, 0)[0][0]
 
 
@@ -256,10 +258,10 @@ def test_zero_budget_still_reuses_live_slots(make_engine, engines):
 
 # -- pieces -----------------------------------------------------------------------------------------
 def test_pieces_end_on_stride_multiples():
-    assert pc.plan_pieces(0, 40, 16) == [(0, 16), (16, 32), (32, 40)]
-    assert pc.plan_pieces(5, 40, 16, stride=8) == [(5, 8), (8, 16), (16, 24), (24, 32), (32, 40)]
-    assert pc.plan_pieces(3, 70, 32, stride=64) == [(3, 35), (35, 64), (64, 70)]
-    assert pc.plan_pieces(7, 7, 16) == []
+    assert plan_pieces(0, 40, 16) == [(0, 16), (16, 32), (32, 40)]
+    assert plan_pieces(5, 40, 16, stride=8) == [(5, 8), (8, 16), (16, 24), (24, 32), (32, 40)]
+    assert plan_pieces(3, 70, 32, stride=64) == [(3, 35), (35, 64), (64, 70)]
+    assert plan_pieces(7, 7, 16) == []
 
 
 def test_common_len_matches_a_plain_loop():
@@ -269,7 +271,7 @@ def test_common_len_matches_a_plain_loop():
         a = [rng.randrange(3) for _ in range(n)]
         cut = rng.randrange(0, n + 1)
         b = a[:cut] + [rng.randrange(3) for _ in range(rng.randrange(0, 50))]
-        want = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        want = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
         limit = rng.choice([None, rng.randrange(0, 300)])
         known = rng.randrange(0, 300)
         assert pc.common_len(a, b, limit, known) == (want if limit is None else min(want, limit))
@@ -321,13 +323,13 @@ def test_truncation_drops_stale_blocks_and_checkpoints_at_once(preset, engines):
     A = random_prompt(40, seed=32)
     eng.prefill(A, slot_id=0)
     eng.prefill(random_prompt(5, seed=33), slot_id=1)  # a lookup: slot 0's blocks are hashed
-    rec = eng.prefix.slots[0]
-    assert len(rec.hashes) == 40 // BLOCK and (not hybrid(eng) or max(rec.states) == 40)
-    assert rec.tokens is eng.cache.slots[0].tokens  # a live record reads the slot's history, holds no copy
+    prefix = eng.prefix.slots[0]
+    assert len(prefix.hashes) == 40 // BLOCK and (not hybrid(eng) or max(prefix.states) == 40)
+    assert prefix.tokens is eng.cache.slots[0].tokens  # a live slot prefix reads the slot's history, holds no copy
     eng.cache.slots[0].truncate(30)
-    assert len(rec.hashes) == 30 // BLOCK and all(p <= 30 for p in rec.states)
+    assert len(prefix.hashes) == 30 // BLOCK and all(p <= 30 for p in prefix.states)
     if hybrid(eng):
-        assert sorted(rec.states) == [8, 16, 24]
+        assert sorted(prefix.states) == [8, 16, 24]
 
 
 # -- the verify check and the TTFT measurement --------------------------------------------------------
@@ -350,9 +352,7 @@ def test_verify_check_passes_and_fails_on_a_broken_cache(pairs, monkeypatch):
 
 
 def test_ttft_table(pairs):
-    df = vprefix.ttft(
-        pairs["tiny-qwen3"], device="cpu", dtype="float32", prompt_len=48, cached_len=40, repeats=1, warmup=0
-    )
+    df = ttft(pairs["tiny-qwen3"], device="cpu", dtype="float32", prompt_len=48, cached_len=40, repeats=1, warmup=0)
     assert list(df["mode"]) == [
         "cold, cache off",
         "cold, cache on (miss)",

@@ -8,8 +8,9 @@ from conftest import DEVICE, DTYPE, KERNELS, random_prompt
 from test_graphs import FailingGraphs, RerunGraphs
 
 from pocketlab import BatchedRequest, EngineOptions, QwenEngine, SamplingParams
-from pocketlab.speculative import AdversarialDrafter, Drafter, Drafts, OracleDrafter
-from pocketlab.verify import mtp as vmtp
+from pocketlab.speculative import Drafter, Drafts
+from pocketlab.verify import mtp_runs, mtp_sampling
+from pocketlab.verify.drafters import AdversarialDrafter, OracleDrafter
 
 PRESET = "tiny-qwen3_5-mtp"
 PROMPTS = [random_prompt(5, seed=31), random_prompt(9, seed=32), random_prompt(14, seed=33)]
@@ -30,7 +31,7 @@ def engine(path, k, **kw):
 @pytest.fixture(scope="module")
 def reference(path):
     """Plain greedy decoding, each prompt alone: prompt + NEW + 4 tokens."""
-    return vmtp.plain_greedy(engine(path, 0), PROMPTS, NEW + 3)
+    return mtp_runs.plain_greedy(engine(path, 0), PROMPTS, NEW + 3)
 
 
 def drafter(name, refs):
@@ -43,7 +44,7 @@ def drafter(name, refs):
 
 
 def check_equal(reqs, reference):
-    for r, ref in zip(reqs, reference):
+    for r, ref in zip(reqs, reference, strict=True):
         assert r.generated_tokens[: NEW + 1] == ref[len(r.prompt_tokens) :][: NEW + 1], f"slot {r.slot_id}"
         assert len(r.generated_tokens) >= NEW + 1
 
@@ -54,7 +55,7 @@ def test_greedy_batched_interleaved_equals_plain(path, reference, name, k):
     eng = engine(path, k)
     if name != "mtp":
         eng.speculator.use(drafter(name, reference))
-    reqs, calls = vmtp.interleaved(eng, PROMPTS, NEW)
+    reqs, calls = mtp_runs.interleaved(eng, PROMPTS, NEW)
     check_equal(reqs, reference)
     assert all(c["forwards"] == 1 for c in calls if "decode" in c["call"])  # one verify forward per call
     st = eng.speculator.stats
@@ -71,7 +72,7 @@ def test_rolled_back_state_equals_plain_decoding(path, reference, rollback):
     """Speculative steps with partial acceptance leave every slot as plain decoding of its tokens would."""
     eng = engine(path, 3, speculative_rollback=rollback)
     eng.speculator.use(drafter("half", reference))
-    reqs, _ = vmtp.interleaved(eng, PROMPTS, 20)
+    reqs, _ = mtp_runs.interleaved(eng, PROMPTS, 20)
     assert_states_equal_plain(path, eng, reqs, reference)
 
 
@@ -100,7 +101,7 @@ class Ragged(Drafter):
 
     def draft(self, spec, rows):
         drafts = self.oracle.draft(spec, rows)
-        for r, d in zip(rows, drafts.tokens):
+        for r, d in zip(rows, drafts.tokens, strict=True):
             if r.slot == 1 and r.position % 2:
                 del d[-1:]
         return drafts
@@ -117,8 +118,8 @@ def test_graphed_verify_step_equals_plain(path, reference, name, k):
         eng.speculator.use(Ragged(reference))
     elif name != "mtp":
         eng.speculator.use(drafter(name, reference))
-    reqs, _ = vmtp.interleaved(eng, PROMPTS, 24)
-    for r, ref in zip(reqs, reference):
+    reqs, _ = mtp_runs.interleaved(eng, PROMPTS, 24)
+    for r, ref in zip(reqs, reference, strict=True):
         assert r.generated_tokens[:25] == ref[len(r.prompt_tokens) :][:25], f"slot {r.slot_id}"
     verify = [key for key in eng.graphs.graphs if key[0] == "verify"]
     assert verify and max(key[2] for key in verify) == k + 1  # the steps were replays over the longest run
@@ -134,14 +135,14 @@ def test_graphed_mtp_drafts_equal_eager_drafts(path):
         if graphs is not None:
             eng.graphs = graphs(eng.model, eng.cache, eng.options)
         eng.speculator.drafter.trace = []
-        vmtp.interleaved(eng, PROMPTS, 16)
+        mtp_runs.interleaved(eng, PROMPTS, 16)
         traces.append(eng.speculator.drafter.trace)
     assert any(key[0] == "draft3" for key in eng.graphs.graphs)
     eager, graphed = traces
     assert [(t["draft"], t["slots"], t["positions"], t["tokens"]) for t in graphed] == [
         (t["draft"], t["slots"], t["positions"], t["tokens"]) for t in eager
     ]
-    for g, e in zip(graphed, eager):
+    for g, e in zip(graphed, eager, strict=True):
         torch.testing.assert_close(g["logits"], e["logits"], atol=1e-5, rtol=1e-5)
 
 
@@ -167,7 +168,7 @@ def test_batch_result_lists_and_requests(path, reference):
     eng.batch_prefill(reqs)
     before = [list(r.generated_tokens) for r in reqs]
     res = eng.batch_decode_step(reqs)
-    for r, b, toks, last, pos in zip(reqs, before, res.tokens, res.next_tokens, res.positions):
+    for r, b, toks, last, pos in zip(reqs, before, res.tokens, res.next_tokens, res.positions, strict=True):
         assert r.generated_tokens == b + toks and last == toks[-1] == r.last_token
         assert pos == eng.position(r.slot_id) == len(r.prompt_tokens) + len(r.generated_tokens) - 1
     assert res.logits.shape == (3, eng.cfg.vocab_size)
@@ -218,6 +219,15 @@ def test_bad_drafts_are_refused(path):
         eng.decode_step(1)
     assert eng.position() == len(PROMPTS[0])
 
+    class Short(Drafter):  # drafts for fewer rows than asked
+        def draft(self, spec, rows):
+            return Drafts([], [])
+
+    eng.speculator.use(Short())
+    with pytest.raises(ValueError, match="drafted for 0 rows, not 1"):
+        eng.decode_step(1)
+    assert eng.position() == len(PROMPTS[0])
+
 
 def test_generate_with_speculation(path, reference):
     eng = engine(path, 2)
@@ -246,7 +256,7 @@ def test_sampling_distribution_matches_plain_sampling():
     The MTP drafter exercises the p/q ratio and the max(0, p - q) residual, the oracle (greedy continuation)
     and adversarial drafters the one-hot q; plain sampling checks the check; and the same test must reject
     the law at half the temperature (it has power)."""
-    table = vmtp.sampling_check(PRESET, DEVICE, DTYPE, runs=400, alpha=1e-3)
+    table = mtp_sampling.sampling_check(PRESET, DEVICE, DTYPE, runs=400, alpha=1e-3)
     print(table.to_string())
     assert table["pass"].all()
     for name in ("mtp", "oracle"):
@@ -259,7 +269,7 @@ def test_a_failing_capture_falls_back_to_eager_steps(path, reference):
     eng.graphs = FailingGraphs(eng.model, eng.cache, eng.options)
     eng.speculator.use(drafter("half", reference))
     with pytest.warns(RuntimeWarning, match="runs eagerly"):
-        reqs, _ = vmtp.interleaved(eng, PROMPTS, 12)
-    for r, ref in zip(reqs, reference):
+        reqs, _ = mtp_runs.interleaved(eng, PROMPTS, 12)
+    for r, ref in zip(reqs, reference, strict=True):
         assert r.generated_tokens[:13] == ref[len(r.prompt_tokens) :][:13]
     assert eng.graphs.failed and not eng.graphs.graphs

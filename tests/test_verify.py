@@ -11,7 +11,7 @@ import torch
 from pocketlab import BatchDecodeResult, ModelConfig, QwenEngine, verify
 from pocketlab.sampling import GREEDY
 from pocketlab.verify import reports
-from pocketlab.verify.common import RECORD_ENV, Run, compare_runs, step_metrics, tolerance
+from pocketlab.verify.common import VERDICT_ENV, Run, compare_runs, step_metrics, tolerance
 from pocketlab.verify.isolation import SCHEDULES
 
 SMALL = dict(decode_steps=3, prefill_chunk=4)
@@ -135,7 +135,7 @@ class LoopEngine(QwenEngine):
 
     def batch_decode_step(self, requests):
         outs = [self.decode_step(r.last_token, slot_id=r.slot_id) for r in requests]
-        for r, o in zip(requests, outs):
+        for r, o in zip(requests, outs, strict=True):
             r.generated_tokens.append(o.next_token)
         return BatchDecodeResult(
             [o.next_token for o in outs], torch.stack([o.logits for o in outs]), [o.position for o in outs]
@@ -170,14 +170,14 @@ def test_batch_api_catches_state_changed_by_an_error(pair):
     assert not errors.loc["prefill: token >= vocab_size", "state_unchanged"] and not r.passed
 
 
-# -- record and reports --------------------------------------------------------------------------
-def test_record_writes_the_verdict_and_figures(pair, tmp_path, monkeypatch):
+# -- verdicts and reports --------------------------------------------------------------------------
+def test_write_verdict_writes_the_verdict_and_figures(pair, tmp_path, monkeypatch):
     rep = verify.Report("demo", verify.parity(pair, prompt_lens=[2], decode_steps=1).summary, figures={"a": 1.5})
-    monkeypatch.setenv(RECORD_ENV, str(tmp_path / "r.json"))
-    verify.record(rep, extra=7)
+    monkeypatch.setenv(VERDICT_ENV, str(tmp_path / "r.json"))
+    verify.write_verdict(rep, extra=7)
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["passed"] and data["figures"] == {"a": 1.5, "extra": 7} and data["reports"][0]["summary"]
-    assert not verify.record(rep, passed=False, path=tmp_path / "f.json")["passed"]
+    assert not verify.write_verdict(rep, passed=False, path=tmp_path / "f.json")["passed"]
 
 
 def _notebook(path, body):
@@ -193,14 +193,18 @@ def _notebook(path, body):
 def test_reports_runs_every_notebook_and_fails_at_the_end(tmp_path):
     books = tmp_path / "nb"
     books.mkdir()
-    _notebook(books / "01_ok.ipynb", "from pocketlab import verify\nverify.record(passed=True, answer=42, model=model)")
-    _notebook(books / "02_bad.ipynb", "from pocketlab import verify\nverify.record(passed=False, x=1)\nassert False")
+    _notebook(
+        books / "01_ok.ipynb", "from pocketlab import verify\nverify.write_verdict(passed=True, answer=42, model=model)"
+    )
+    _notebook(
+        books / "02_bad.ipynb", "from pocketlab import verify\nverify.write_verdict(passed=False, x=1)\nassert False"
+    )
     (books / "notes.ipynb").write_text("not a numbered notebook: never run")
     out = tmp_path / "out"
     assert reports.main(["--notebooks", str(books), "--out", str(out), "--model", "m1"]) == 1
     summary = json.loads((out / "summary.json").read_text())
     assert [(o["notebook"], o["passed"]) for o in summary["outcomes"]] == [("01_ok", True), ("02_bad", False)]
-    assert summary["outcomes"][0]["record"]["figures"]["answer"] == 42
+    assert summary["outcomes"][0]["verdict"]["figures"]["answer"] == 42
     page = (out / "index.html").read_text()
     assert "FAIL" in page and "answer" in page and "AssertionError" in page
     assert (out / "m1" / "01_ok.html").is_file() and (out / "m1" / "02_bad.ipynb").is_file()
@@ -209,7 +213,7 @@ def test_reports_runs_every_notebook_and_fails_at_the_end(tmp_path):
     assert reports.main(["--notebooks", str(books), "--out", str(out), "--model", "m1", "--index-only", "again"]) == 0
     again = json.loads((out / "again.json").read_text())
     assert [(o["notebook"], o["passed"]) for o in again["outcomes"]] == [("01_ok", True)]
-    assert again["outcomes"][0]["record"]["figures"]["answer"] == 42 and (out / "again.html").is_file()
+    assert again["outcomes"][0]["verdict"]["figures"]["answer"] == 42 and (out / "again.html").is_file()
 
 
 def test_reports_models_flag_uses_the_default_list(tmp_path, monkeypatch):

@@ -10,7 +10,7 @@ the GPU busy at batch 1; a short epilogue merges the partial softmaxes.
 
 import torch
 
-from .fused import cuda_compiled
+from .fused import compiled_in_graphs
 
 try:
     import triton
@@ -260,7 +260,7 @@ def split_length(programs: int, max_len: int, block_n: int, target: int = 256) -
     return max(block_n, triton.next_power_of_2(per_split))
 
 
-@cuda_compiled
+@compiled_in_graphs
 def merge_splits(o: torch.Tensor, lse: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Combine the per-split softmaxes [B, H, S, D] by their log-sum-exps (one kernel on CUDA)."""
     weights = torch.softmax(lse, dim=-1).nan_to_num(0.0)  # splits past the end have lse = -inf

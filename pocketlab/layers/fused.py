@@ -3,9 +3,9 @@
 A decode step is hundreds of tiny kernels and each costs microseconds even inside a CUDA graph;
 compiling the elementwise chains (norms, rotary, SwiGLU, the split-softmax merge) makes each one kernel.
 Outside a graph the opposite holds: a compiled call costs far more host time than the few eager kernels
-it replaces (the first H200 run saw ~50 ms per eager prefill forward), so everything else, and the CPU,
-runs eagerly. Each call site (dtype, strides, batch of one or more) is its own compiled variant: the
-recompile limit is raised for that, and past it dynamo runs the function eagerly instead of failing.
+it replaces, so everything else, and the CPU, runs eagerly. Each call site (dtype, strides, batch of one or
+more) is its own compiled variant: the recompile limit is raised for that, and past it dynamo runs the
+function eagerly instead of failing.
 """
 
 import contextlib
@@ -30,7 +30,8 @@ def compiled_kernels(enabled: bool = True):
         _state["on"] = before
 
 
-def cuda_compiled(fn):
+def compiled_in_graphs(fn):
+    """fn, run in its compiled form on CUDA inside `compiled_kernels()` (graph capture), eagerly elsewhere."""
     compiled = torch.compile(fn, dynamic=True)
 
     @functools.wraps(fn)

@@ -2,9 +2,9 @@
 
 Why: the batched torch path gathers every slot's state (the conv window and the fp32 dk x dv matrix per head),
 runs the rule on the copies and scatters them back: three passes over the largest per-slot data of a decode
-step, and a handful of kernels per layer to do it (on the H200 at Qwen3.5-0.8B, batch 32, about half of the
-step). These kernels read each slot's state where it lives and write it back once. The arithmetic is that of
-`gated_delta.recurrent_gated_delta_rule` and `causal_conv1d`, in float32.
+step, and a handful of kernels per layer to do it. These kernels read each slot's state where it lives and
+write it back once. The arithmetic is that of `gated_delta.recurrent_gated_delta_rule` and `causal_conv1d`,
+in float32.
 
 The one-token kernels (decode) and the multi-token kernels (prompts, chunks, speculative verify) call the same
 per-token helpers, `_conv_token` and `_delta_rule_token`, with the same tile shapes and warps: T tokens at once

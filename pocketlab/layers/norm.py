@@ -2,7 +2,7 @@
 
 import torch
 
-from .fused import cuda_compiled
+from .fused import compiled_in_graphs
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
@@ -14,17 +14,17 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = 
     return weight * xf.to(x.dtype)
 
 
-rms_norm = cuda_compiled(_rms_norm)
+rms_norm = compiled_in_graphs(_rms_norm)
 
 
-@cuda_compiled
+@compiled_in_graphs
 def add_rms_norm(x: torch.Tensor, update: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False):
     """(x + update, its norm): the residual add and the next pre-norm in one kernel on CUDA."""
     x = x + update
     return x, _rms_norm(x, weight, eps, offset)
 
 
-@cuda_compiled
+@compiled_in_graphs
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Gated DeltaNet output norm: w * norm(x) * silu(gate), computed in float32."""
     xf = x.float()

@@ -2,7 +2,7 @@
 
 import torch
 
-from .fused import cuda_compiled
+from .fused import compiled_in_graphs
 from .norm import _rms_norm
 
 
@@ -28,7 +28,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((out, rest), dim=-1)
 
 
-@cuda_compiled
+@compiled_in_graphs
 def norm_and_rotate(
     q: torch.Tensor, k: torch.Tensor, q_norm, k_norm, cos: torch.Tensor, sin: torch.Tensor, eps: float, offset: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:

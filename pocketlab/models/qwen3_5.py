@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch
-import torch.nn.functional as F
 
 from ..cache import SlotCache
 from ..config import ModelConfig
@@ -107,7 +108,7 @@ class GatedDeltaNet:
             ctx.gdn_log[self.layer] = (qkv_in, conv0, None)
         bounds, outs = [0, *sorted({t for _, t in ctx.checkpoints}), T], []
         full = conv_inputs(conv0, qkv_in) if ctx.checkpoints else None
-        for lo, hi in zip(bounds, bounds[1:], strict=False):
+        for lo, hi in pairwise(bounds):
             seg = (ctx.lengths - lo).clamp(0, hi - lo)  # rows that ended stay unchanged
             part = None if history is None else history[:, lo:hi]
             args = (x[:, lo:hi] for x in (q, k, v, g, beta))
@@ -126,7 +127,7 @@ class GatedDeltaNet:
         forward."""
         offsets = sorted({t for _, t in ctx.checkpoints})
         bounds, outs, states = [0, *offsets, inputs[0].shape[1]], [], {}
-        for lo, hi in zip(bounds, bounds[1:]):
+        for lo, hi in pairwise(bounds):
             seg = None if lengths is None else (lengths - lo).clamp(0, hi - lo)  # rows that ended stay unchanged
             o, state = rule(*(x[:, lo:hi] for x in inputs), state, seg)
             outs.append(o)

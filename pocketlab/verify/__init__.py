@@ -3,11 +3,11 @@
 from pocketlab import verify
 r = verify.parity(model="tiny-qwen3")      # or isolation(...), batch_api(...), invariance(...)
 r.summary; r.tables; r.figures; assert r.passed
-verify.record(r)                           # key figures for `make reports` (no-op elsewhere)
+verify.write_verdict(r)                    # key figures for `make reports` (no-op elsewhere)
 """
 
 from .batch_api import batch_api
-from .common import Pair, Report, Tolerance, load_pair, record, tolerance
+from .common import Pair, Report, Tolerance, load_pair, tolerance, write_verdict
 from .invariance import invariance
 from .isolation import isolation
 from .parity import parity
@@ -17,7 +17,7 @@ __all__ = [
     "isolation",
     "batch_api",
     "invariance",
-    "record",
+    "write_verdict",
     "load_pair",
     "Pair",
     "Report",

@@ -9,7 +9,7 @@ import math
 import pandas as pd
 import torch
 
-from ..engine import BatchedRequest
+from ..requests import BatchedRequest
 from .common import (
     Report,
     Run,
@@ -59,7 +59,7 @@ def batch_api(
 
     requests, logits, forwards, book = _batched(eng, prompts, decode_steps, prefill_chunk)
     rows = []
-    for r, p, ref, lg in zip(requests, prompts, solo, logits):
+    for r, p, ref, lg in zip(requests, prompts, solo, logits, strict=True):
         run = Run(list(r.generated_tokens), lg)
         ref = _prefix(ref, len(run.tokens))
         rows.append(dict(request_id=r.request_id, slot=r.slot_id, prompt_len=len(p), **compare_runs(ref, run, tol)))
@@ -163,7 +163,7 @@ def _batched(eng, prompts, steps, chunk):
             "next_tokens == generated_tokens after prefill",
             res.next_tokens,
             [list(r.generated_tokens) for r in requests],
-            all(r.generated_tokens == [t] for r, t in zip(requests, res.next_tokens)),
+            all(r.generated_tokens == [t] for r, t in zip(requests, res.next_tokens, strict=True)),
         )
     )
     for k in range(steps):
@@ -219,7 +219,7 @@ def _reuse_after_release(eng, requests, logits, solo, tol):
     for i, r in enumerate(others, start=1):
         run = Run(list(r.generated_tokens), logits[i] + [out.logits[i].detach().float().cpu()])
         ok &= compare_runs(_prefix(solo[i], len(run.tokens)), run, tol)["pass"]
-    want = [s.tokens[len(r.generated_tokens) - 1] for s, r in zip(solo[1:], others)]
+    want = [s.tokens[len(r.generated_tokens) - 1] for s, r in zip(solo[1:], others, strict=True)]
     book.append(("other slots continue unaffected", want, [r.generated_tokens[-1] for r in others], ok))
     return book
 

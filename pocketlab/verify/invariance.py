@@ -15,7 +15,7 @@ import random
 import pandas as pd
 import torch
 
-from ..engine import BatchedRequest
+from ..requests import BatchedRequest
 from .common import as_pair, random_prompts, seq_len_for, single_thread_on_cpu
 
 CASES = ("batched", "interleaved", "random_subsets", "generate", "chunked_prefill", "prefix_hit")

@@ -23,7 +23,7 @@ from .common import (
     tolerance,
 )
 
-VICTIM = 0  # the slot reset/released mid-run: slot 0, the default slot, is where shared state used to hide
+VICTIM = 0  # the slot reset/released mid-run: slot 0, the default slot, is where shared state would hide
 SCHEDULES = ("interleaved", "staggered", "sequential", "reset_mid_run", "release_mid_run", "overwrite_mid_run")
 
 

@@ -46,7 +46,7 @@ def parity(
     lens = list(prompt_lens or default_prompt_lens(prefill_chunk))
     eng = pair.engine(max_slots=2, max_seq_len=seq_len_for(lens, decode_steps), prefill_chunk=prefill_chunk)
     rows, summary = [], []
-    for length, prompt in zip(lens, random_prompts(pair.vocab_size, lens, seed)):
+    for length, prompt in zip(lens, random_prompts(pair.vocab_size, lens, seed), strict=True):
         eng.reset()
         run = solo_run(eng, prompt, decode_steps)  # the default slot
         eng.reset()

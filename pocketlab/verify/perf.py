@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from .. import bench
+from ..tools import bench, bench_tables
 from .common import Report
 
 TOLERANCE = 0.05
@@ -280,8 +280,8 @@ def _baseline_file(results: list[dict], path: Path | None) -> Path:
 
 # -- display helpers for the notebook ------------------------------------------------------------
 def tables(results: list[dict]) -> dict[str, pd.DataFrame]:
-    """bench.tables of the first round (the rounds differ only by noise)."""
-    return bench.tables(results[0])
+    """bench_tables.tables of the first round (the rounds differ only by noise)."""
+    return bench_tables.tables(results[0])
 
 
 def decode_curves(results: list[dict]) -> pd.DataFrame:

@@ -5,18 +5,18 @@ The reference is an engine built from the same weights with `prefix_cache=False`
 full. Each prompt below runs prefill + greedy decode on both; tokens must be equal and logits within the
 parity tolerance, and `reused_tokens` / `computed_tokens` must equal what the cache design promises: the
 whole shared prefix for dense models; for hybrid models the nearest state checkpoint at or below it
-(checkpoints sit at prompt ends, released slots' ends and multiples of `snapshot_stride`).
+(checkpoints sit at prompt ends, released slots' ends and multiples of `checkpoint_stride`).
 
-    from pocketlab.verify.prefix import prefix_cache, ttft
+    from pocketlab.verify.prefix import prefix_cache
     r = prefix_cache(model="tiny-qwen3_5")      # Report: summary, tables cases/stale/eviction/workloads
-    ttft(model="qwen3-8b", device="cuda", dtype="bfloat16")   # time to first token, cached vs cold
+
+What a hit saves: verify.ttft.
 """
 
 from __future__ import annotations
 
 import pandas as pd
 
-from ..bench import Clock
 from ..sampling import SamplingParams
 from .common import Report, Run, as_pair, compare_runs, random_prompts, single_thread_on_cpu, tolerance
 
@@ -91,7 +91,7 @@ def prefix_cache(
     prompt_len: int = 40,
     decode_steps: int = 4,
     prefill_chunk: int = 16,
-    snapshot_stride: int = 8,
+    checkpoint_stride: int = 8,
     prefix_block: int = 4,
     requests: int = 8,
     system_len: int = 48,
@@ -101,8 +101,8 @@ def prefix_cache(
     """Tables: `cases` (hits in the same slot, another slot, a released slot, a retained entry, on and off the
     stride, with another slot decoding in between), `stale` (prompts diverging at every position of a block),
     `eviction` (a tiny budget: bounded, LRU, live slots untouched), `workloads` (hit rates, tokens saved)."""
-    if prompt_len < 2 * snapshot_stride + 4 or prompt_len < 2 * prefix_block + 4:
-        raise ValueError(f"prompt_len={prompt_len} is too short for stride {snapshot_stride} / block {prefix_block}")
+    if prompt_len < 2 * checkpoint_stride + 4 or prompt_len < 2 * prefix_block + 4:
+        raise ValueError(f"prompt_len={prompt_len} is too short for stride {checkpoint_stride} / block {prefix_block}")
     if requests <= 4:
         raise ValueError(f"requests={requests}: need more than the 4 slots, or the first batch takes them all")
     pair = as_pair(model, device, dtype, seed)
@@ -113,7 +113,7 @@ def prefix_cache(
             256, system_len + turns * (question_len + decode_steps + 2) + 8, 2 * prompt_len + 4 * decode_steps + 32
         ),
         prefill_chunk=prefill_chunk,
-        snapshot_stride=snapshot_stride,
+        checkpoint_stride=checkpoint_stride,
         prefix_block=prefix_block,
     )
     cold = _Cold(pair.engine(**opts, prefix_cache=False))
@@ -121,8 +121,8 @@ def prefix_cache(
     hybrid = eng.prefix.stateful
     V = pair.vocab_size
     texts = random_prompts(V, [prompt_len, 12, 16, 16, 16, 16], seed + 1)
-    cases = _cases(eng, cold, texts, decode_steps, snapshot_stride, hybrid, tol, V)
-    stale = _stale(eng, cold, texts[0], snapshot_stride, prefix_block, hybrid, tol, V)
+    cases = _cases(eng, cold, texts, decode_steps, checkpoint_stride, hybrid, tol, V)
+    stale = _stale(eng, cold, texts[0], checkpoint_stride, prefix_block, hybrid, tol, V)
     eviction = _eviction(pair, opts, cold, decode_steps, prompt_len, hybrid, tol, seed)
     workloads = _workloads(pair, opts, requests, system_len, question_len, turns, decode_steps, seed)
     cases, stale = pd.DataFrame(cases), pd.DataFrame(stale)
@@ -355,83 +355,3 @@ def _chats(eng, V, question_len, turns, steps, seed) -> list[list[int]]:
             history[s] = prompt + run.tokens
             outputs.append(run.tokens)
     return outputs
-
-
-# -- time to first token -------------------------------------------------------------------------
-@single_thread_on_cpu
-def ttft(
-    model="qwen3-8b",
-    device: str = "cuda",
-    dtype: str = "bfloat16",
-    seed: int = 0,
-    prompt_len: int = 4096,
-    cached_len: int = 3968,
-    repeats: int = 5,
-    warmup: int = 1,
-    snapshot_stride: int | None = None,
-    prefill_chunk: int | None = None,
-) -> pd.DataFrame:
-    """Time to first token of a `prompt_len`-token prompt whose first `cached_len` tokens are cached (prefilled
-    earlier as a prompt of their own) against the same prompt cold. CUDA events on a GPU, perf_counter on CPU.
-    Rows: cold (cache off), cold (cache on, a miss: lookup + checkpoints), hit in the same slot (the prefix was
-    this slot's prompt), hit in another slot (device copy of K/V and state), hit from a released slot."""
-    if not 0 < cached_len < prompt_len:
-        raise ValueError(f"need 0 < cached_len={cached_len} < prompt_len={prompt_len}")
-    pair = as_pair(model, device, dtype, seed)
-    name = pair.name
-    opts = dict(max_slots=2, max_seq_len=prompt_len + 8, cuda_graphs=False)
-    if snapshot_stride is not None:
-        opts["snapshot_stride"] = snapshot_stride
-    if prefill_chunk is not None:
-        opts["prefill_chunk"] = prefill_chunk
-    prompt = random_prompts(pair.vocab_size, [prompt_len], seed + 21)[0]
-    prefix = prompt[:cached_len]
-    clock = Clock(device)
-    rows = []
-    engines = {"off": pair.engine(**opts, prefix_cache=False), "on": pair.engine(**opts)}
-    del pair
-    modes = {
-        "cold, cache off": ("off", None, 0),
-        "cold, cache on (miss)": ("on", None, 0),
-        "hit: same slot": ("on", 0, 0),
-        "hit: other slot (copy)": ("on", 0, 1),
-        "hit: released slot": ("on", "released", 1),
-    }
-    for mode, (which, cached_in, slot) in modes.items():
-        eng = engines[which]
-        result = {}
-
-        def setup():
-            eng.reset()
-            if cached_in is not None:
-                eng.prefill(prefix, slot_id=0)
-                if cached_in == "released":
-                    eng.release_slot(0)
-
-        def call():
-            result["r"] = eng.prefill(prompt, slot_id=slot)
-
-        samples = []
-        for k in range(warmup + repeats):
-            t = clock.time(call, setup=setup)
-            if k >= warmup:
-                samples.append(t)
-        r = result["r"]
-        rows.append(
-            dict(
-                model=name,
-                device=device,
-                dtype=dtype,
-                mode=mode,
-                prompt_len=prompt_len,
-                cached_len=cached_len if cached_in is not None else 0,
-                reused=r.reused_tokens,
-                computed=r.computed_tokens,
-                ttft_ms=1e3 * clock.pick(samples),
-                min_ms=1e3 * min(samples),
-                repeats=repeats,
-            )
-        )
-    df = pd.DataFrame(rows)
-    df["speedup_vs_cold"] = df.ttft_ms[df["mode"] == "cold, cache off"].iloc[0] / df.ttft_ms
-    return df

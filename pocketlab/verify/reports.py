@@ -4,11 +4,11 @@ For each model and each `notebooks/[0-9][0-9]_*.ipynb`, papermill runs the noteb
 parameters injected (model, device, dtype, seed, plus any `-p KEY=VALUE`) into
 `<out>/<model>/<notebook>.ipynb`, nbconvert renders it to `.html`, and `<out>/index.html` sums up.
 
-How key figures reach the index: before running a notebook this sets $POCKETLAB_RECORD to
-`<out>/<model>/<notebook>.json`; the notebook calls `pocketlab.verify.record(report)` just before its
+How key figures reach the index: before running a notebook this sets $POCKETLAB_VERDICT to
+`<out>/<model>/<notebook>.json`; the notebook calls `pocketlab.verify.write_verdict(report)` just before its
 final `assert`, which writes its verdict, key figures and summary tables there (a failing check thus
 still leaves its figures). The verdict shown is papermill's: a notebook that raises is FAIL; one that
-finishes but recorded passed=False is FAIL too. Any FAIL makes the command exit non-zero at the end.
+finishes but wrote passed=False is FAIL too. Any FAIL makes the command exit non-zero at the end.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..bench import option
-from .common import RECORD_ENV
+from ..tools.cli import option
+from .common import VERDICT_ENV
 
 DEFAULT_MODELS = ["tiny-qwen3", "tiny-qwen2", "tiny-qwen3_5"]  # a new model family is one more name here
 PATTERN = "[0-9][0-9]_*.ipynb"
@@ -40,7 +40,7 @@ class Outcome:
     passed: bool
     seconds: float
     error: str = ""
-    record: dict = field(default_factory=dict)
+    verdict: dict = field(default_factory=dict)  # what the notebook's write_verdict wrote
     ipynb: str = ""
     html: str = ""
 
@@ -59,9 +59,9 @@ def run_notebook(nb: Path, model: str, params: dict, out: Path) -> Outcome:
 
     folder = out / slug(model)
     folder.mkdir(parents=True, exist_ok=True)
-    ipynb, page, rec = folder / nb.name, folder / f"{nb.stem}.html", folder / f"{nb.stem}.json"
-    rec.unlink(missing_ok=True)
-    os.environ[RECORD_ENV] = str(rec.resolve())  # the kernel inherits our environment
+    ipynb, page, verdict_file = folder / nb.name, folder / f"{nb.stem}.html", folder / f"{nb.stem}.json"
+    verdict_file.unlink(missing_ok=True)
+    os.environ[VERDICT_ENV] = str(verdict_file.resolve())  # the kernel inherits our environment
     error, start = "", time.perf_counter()
     try:
         papermill.execute_notebook(
@@ -75,11 +75,11 @@ def run_notebook(nb: Path, model: str, params: dict, out: Path) -> Outcome:
     except Exception as exc:  # noqa: BLE001 - any failure is recorded, the other notebooks still run
         error = f"{getattr(exc, 'ename', type(exc).__name__)}: {getattr(exc, 'evalue', exc)}"
     finally:
-        os.environ.pop(RECORD_ENV, None)
+        os.environ.pop(VERDICT_ENV, None)
     seconds = time.perf_counter() - start
-    data = json.loads(rec.read_text()) if rec.is_file() else {}
+    data = json.loads(verdict_file.read_text()) if verdict_file.is_file() else {}
     if not error and data.get("passed") is False:
-        error = "the notebook recorded passed=False"
+        error = "the notebook wrote passed=False"
     if ipynb.is_file():
         try:
             from nbconvert import HTMLExporter
@@ -99,19 +99,19 @@ def run_notebook(nb: Path, model: str, params: dict, out: Path) -> Outcome:
     )
 
 
-def recorded_outcome(nb: Path, model: str, out: Path) -> Outcome | None:
-    """The Outcome of an earlier run from the files it left (record, executed notebook, HTML), or None if the
+def earlier_outcome(nb: Path, model: str, out: Path) -> Outcome | None:
+    """The Outcome of an earlier run from the files it left (verdict, executed notebook, HTML), or None if the
     notebook never ran there: to rebuild an index, e.g. after a GPU run cut short or split over machines."""
     folder = out / slug(model)
-    ipynb, page, rec = folder / nb.name, folder / f"{nb.stem}.html", folder / f"{nb.stem}.json"
+    ipynb, page, verdict_file = folder / nb.name, folder / f"{nb.stem}.html", folder / f"{nb.stem}.json"
     if not ipynb.is_file():
         return None
-    data = json.loads(rec.read_text()) if rec.is_file() else {}
+    data = json.loads(verdict_file.read_text()) if verdict_file.is_file() else {}
     meta = json.loads(ipynb.read_text()).get("metadata", {}).get("papermill", {})
     error = (
         meta.get("exception")
         and "the notebook raised (see its html)"
-        or ("" if data.get("passed") else "no passing record")
+        or ("" if data.get("passed") else "no passing verdict")
     )
     return Outcome(
         model,
@@ -167,10 +167,10 @@ def write_index(outcomes: list[Outcome], out: Path, meta: dict, name: str = "ind
         rows.append(
             f'<tr><td>{html.escape(o.model)}</td><td><a href="#d{i}">{html.escape(o.notebook)}</a></td>'
             f'<td class="{"pass" if o.passed else "fail"}">{"PASS" if o.passed else "FAIL"}</td>'
-            f"<td>{o.seconds:.1f}</td><td>{_figures_html(o.record.get('figures', {}))}{err}</td>"
+            f"<td>{o.seconds:.1f}</td><td>{_figures_html(o.verdict.get('figures', {}))}{err}</td>"
             f"<td>{links}</td></tr>"
         )
-        body = "".join(_summary_html(e) for e in o.record.get("reports", [])) or "<p>no record written</p>"
+        body = "".join(_summary_html(e) for e in o.verdict.get("reports", [])) or "<p>no verdict written</p>"
         details.append(
             f'<details id="d{i}"><summary>{html.escape(o.model)} / {html.escape(o.notebook)}</summary>{body}</details>'
         )
@@ -259,8 +259,8 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.index_only:  # the environment of those runs is in each notebook, not here
-        outcomes = [o for m in models for nb in books if (o := recorded_outcome(nb, m, out)) is not None]
-        meta = dict(models=", ".join(models), device=args.device, dtype=args.dtype, source="earlier runs' records")
+        outcomes = [o for m in models for nb in books if (o := earlier_outcome(nb, m, out)) is not None]
+        meta = dict(models=", ".join(models), device=args.device, dtype=args.dtype, source="earlier runs' verdicts")
         index = write_index(outcomes, out, meta, args.index_only)
         print(f"{len(outcomes)} notebook runs found; see {index}")
         return 0 if outcomes and all(o.passed for o in outcomes) else 1

@@ -12,6 +12,9 @@ from pathlib import Path
 import torch
 import transformers
 
+from ..config import ModelConfig
+from ..loader import _mtp_shapes
+
 _TINY = dict(
     vocab_size=512,
     hidden_size=64,
@@ -158,8 +161,6 @@ def mtp_weights(
 ) -> dict[str, torch.Tensor]:
     """Random `mtp.*` tensors for a pocketlab ModelConfig (HF builds none): every name and shape the loader
     expects, matrices ~ N(0, std) and the (1 + w) norm weights ~ N(0, 0.1), so a w-vs-(1+w) slip shows."""
-    from .loader import _mtp_shapes
-
     std = std if std is not None else (0.1 if cfg.hidden_size <= 256 else 0.02)
     gen = torch.Generator().manual_seed(10_000 + seed)
     out = {}
@@ -174,8 +175,6 @@ def add_mtp(path: str | Path, seed: int = 0) -> None:
     weights files (a new shard listed in the index when sharded), next to the `mtp_num_hidden_layers`
     key that config.json already carries (HF's config class keeps unknown keys)."""
     from safetensors.torch import load_file, save_file
-
-    from .config import ModelConfig
 
     path = Path(path)
     cfg = ModelConfig.from_pretrained(path)

@@ -5,7 +5,7 @@ Why: decode at batch 1 is bound by kernel count and small-matmul efficiency, not
 Wall time far above GPU-busy time means host overhead (Python, launches, syncs) or, inside a CUDA graph,
 the gaps between many tiny kernels.
 
-    python -m pocketlab.profile --model qwen3-0.6b [--batch-sizes 1,32] [--prefill-lens 512,4096] [--steps 20]
+    python -m pocketlab.tools.profile --model qwen3-0.6b [--batch-sizes 1,32] [--prefill-lens 512,4096] [--steps 20]
 """
 
 from __future__ import annotations
@@ -17,8 +17,11 @@ import pandas as pd
 import torch
 from torch.autograd import DeviceType
 
-from .bench import BenchConfig, build, ints, random_tokens
-from .engine import BatchedRequest, QwenEngine
+from ..engine import QwenEngine
+from ..requests import BatchedRequest
+from .bench import BenchConfig
+from .bench_engine import build, random_tokens
+from .cli import ints
 
 
 def _self_us(event, cuda: bool) -> float:
@@ -98,7 +101,7 @@ def prefill_call(engine: QwenEngine, length: int, seed: int = 0):
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m pocketlab.profile", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m pocketlab.tools.profile", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="qwen3-0.6b")
     p.add_argument("--device", default="cuda", help="cpu: operator tables instead of kernel tables")
     p.add_argument("--batch-sizes", type=ints, default=(1, 32))

@@ -6,11 +6,15 @@ Waiting prompts take slots as they free up; every running request advances in on
 from __future__ import annotations
 
 from collections import deque
+from typing import TYPE_CHECKING
 
 from tqdm.auto import tqdm
 
-from .engine import BatchedRequest, QwenEngine
+from .requests import BatchedRequest
 from .sampling import GREEDY, SamplingParams
+
+if TYPE_CHECKING:
+    from .engine import QwenEngine
 
 
 def generate(
@@ -21,12 +25,14 @@ def generate(
     if len(params) != len(prompts):
         raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
     for i, p in enumerate(prompts):
-        engine._check_tokens(p, f"prompt {i}")
+        engine.check_tokens(p, f"prompt {i}")
         if len(p) >= engine.options.max_seq_len:
             raise ValueError(
                 f"prompt {i} has {len(p)} tokens; max_seq_len={engine.options.max_seq_len} leaves no room to generate"
             )
-    waiting = deque(BatchedRequest(i, list(p), sampling=sp) for i, (p, sp) in enumerate(zip(prompts, params)))
+    waiting = deque(
+        BatchedRequest(i, list(p), sampling=sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+    )
     running: list[BatchedRequest] = []
     outputs: dict[int, list[int]] = {}
     bar = tqdm(total=len(prompts), desc="generate", disable=not progress)
@@ -40,7 +46,7 @@ def generate(
             bar.update()
 
     while waiting or running:
-        admit = [waiting.popleft() for _ in range(min(len(waiting), len(engine._free_slots())))]
+        admit = [waiting.popleft() for _ in range(min(len(waiting), len(engine.free_slots())))]
         zero = [r for r in admit if r.sampling.max_new_tokens == 0]
         for r in zero:
             outputs[r.request_id] = []

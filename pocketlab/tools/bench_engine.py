@@ -1,0 +1,115 @@
+"""pocketlab's side of the bench: the engine over the HF model's own tensors, prefill and decode timed."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..config import DTYPES, EngineOptions, ModelConfig
+from ..engine import QwenEngine
+from ..requests import BatchedRequest
+from .roofline import ModelCost
+from .synthetic import build_hf_model
+from .timing import Clock
+
+if TYPE_CHECKING:
+    from .bench import BenchConfig
+
+
+def build(cfg: BenchConfig):
+    """The random-weight HF model on the device, and a pocketlab engine over the very same tensors."""
+    hf = build_hf_model(cfg.model, cfg.seed, cfg.device, DTYPES[cfg.dtype])
+    mcfg = ModelConfig.from_dict(hf.config.to_dict())
+    weights = dict(hf.state_dict())
+    if mcfg.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)  # HF's state_dict lists the tied table twice
+    extra = dict(cfg.engine_options, **({"prefill_chunk": cfg.prefill_chunk} if cfg.prefill_chunk else {}))
+    opts = EngineOptions(
+        max_slots=cfg.max_slots,
+        max_seq_len=cfg.max_seq_len,
+        device=cfg.device,
+        dtype=cfg.dtype,
+        cuda_graphs=cfg.cuda_graphs,
+        **extra,
+    )
+    return hf, QwenEngine(mcfg, weights, opts)
+
+
+def random_tokens(n: int, vocab: int, gen: torch.Generator) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=gen).tolist()
+
+
+def bench_prefill(
+    engine: QwenEngine,
+    clock: Clock,
+    cost: ModelCost,
+    matmul: float,
+    lengths: list[int],
+    kind: str,
+    cfg: BenchConfig,
+    gen: torch.Generator,
+) -> dict:
+    """One prompt through engine.prefill, or several through ONE ragged batch_prefill."""
+    prompts = [random_tokens(n, engine.cfg.vocab_size, gen) for n in lengths]
+    if kind == "single":
+        run = lambda: engine.prefill(prompts[0], slot_id=0)  # noqa: E731
+    else:
+        reqs = [BatchedRequest(i, p, slot_id=i) for i, p in enumerate(prompts)]
+        run = lambda: engine.batch_prefill(reqs)  # noqa: E731
+    seconds = clock.measure(run, cfg.repeats, cfg.warmup, setup=engine.reset)  # reset: no prefix reuse
+    tokens, flops = sum(lengths), sum(cost.prefill_flops(n) for n in lengths)
+    return {
+        "kind": kind,
+        "prompt_len": max(lengths),
+        "lengths": lengths,
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "flop_per_s": flops / seconds,
+        "matmul_frac": flops / seconds / matmul,
+    }
+
+
+def bench_decode(
+    engine: QwenEngine,
+    clock: Clock,
+    cost: ModelCost,
+    bandwidth: float,
+    batch: int,
+    cfg: BenchConfig,
+    gen: torch.Generator,
+) -> dict:
+    """`batch` slots prefilled with `decode_prompt` tokens, then `new_tokens` batch_decode_steps, each timed.
+
+    Every repeat starts from a fresh prefill so all repeats decode over the same positions; warm-up steps
+    (which may capture CUDA graphs) run before the clock starts. The step time is the chosen quantile of
+    all repeats x new_tokens step samples (each step is synchronised: the engine returns host tokens).
+    """
+    reqs = [
+        BatchedRequest(i, random_tokens(cfg.decode_prompt, engine.cfg.vocab_size, gen), slot_id=i) for i in range(batch)
+    ]
+    step_fn = lambda: engine.batch_decode_step(reqs)  # noqa: E731
+    samples = []
+    for _ in range(cfg.decode_repeats):
+        engine.reset()
+        engine.batch_prefill(reqs)
+        for _ in range(cfg.warmup):
+            step_fn()
+        samples += [clock.time(step_fn) for _ in range(cfg.new_tokens)]
+    step = clock.pick(samples)
+    # The step appending token i (0-based, after warm-up) attends over prompt + warmup + i + 1 positions.
+    mean_kv = cfg.decode_prompt + cfg.warmup + 1 + (cfg.new_tokens - 1) / 2
+    moved = cost.decode_bytes([mean_kv] * batch)
+    # Roofline: every byte the step must move, at the copy rate measured in this run. The copy figure
+    # counts read + write bytes, so it is already "bytes moved per second" whatever their direction.
+    roofline = moved["total_bytes"] / bandwidth
+    return {
+        "batch": batch,
+        "step_s": step,
+        "tokens_per_s": batch / step,
+        "mean_kv_len": mean_kv,
+        **moved,
+        "roofline_step_s": roofline,
+        "roofline_frac": roofline / step,
+    }
