@@ -198,7 +198,7 @@ class LaunchSpy:
         return launch
 
 
-@pytest.mark.parametrize("N", [32, 100, 3000])
+@pytest.mark.parametrize("N", [32, 100, 1500])
 def test_norm_and_elementwise_tiles_depend_on_the_row_length_only(monkeypatch, N):
     """Rows per program and block width follow from N alone, never from the row count: the same tile, hence
     the same layout and reduction order on a GPU, for a decode step of one row and a prefill of hundreds.
@@ -207,7 +207,7 @@ def test_norm_and_elementwise_tiles_depend_on_the_row_length_only(monkeypatch, N
     for module, name in [(inv.norm, "_rms_norm_rows"), (elementwise, "_swiglu"), (elementwise, "_sigmoid_gate")]:
         spies[name] = LaunchSpy(getattr(module, name))
         monkeypatch.setattr(module, name, spies[name])
-    weight, row_counts = torch.ones(N, device=DEV), (1, 7, 300)
+    weight, row_counts = torch.ones(N, device=DEV), (1, 5, 24)
     for M in row_counts:
         x = randn(M, 2 * N, seed=M)
         inv.rms_norm(x[:, :N], weight, EPS)

@@ -37,10 +37,10 @@ def config(N: int, K: int, dtype: torch.dtype) -> Tiles:
 
     16-bit: 64 x 64 tiles (one Hopper warpgroup MMA) stepping 128 along K; 128-wide N tiles only where N alone
     gives two programs per SM (lm_head), as larger tiles help prefill. float32 runs IEEE FMA dots (no tensor
-    cores) in 64 x 64 tiles stepping 32 along K: 32 accumulators per thread, 48 KB of staged operands. The split
-    count tops the weight's N tiles up to about PROGRAMS_WANTED programs at M <= block_m; it holds for prefill
-    too, where writing and reading the fp32 partials (8 bytes per output and slice) costs about what the
-    arithmetic of a 1024-long slice does, the price of one order for every M.
+    cores) in 64 x 128 tiles stepping 32 along K over 8 warps: 32 accumulators per thread, no register spills,
+    48 KB of staged operands. The split count tops the weight's N tiles up to about PROGRAMS_WANTED programs at
+    M <= block_m; it holds for prefill too, where writing and reading the fp32 partials (8 bytes per output and
+    slice) costs about what the arithmetic of a 1024-long slice does, the price of one order for every M.
     """
     if N <= 0 or K <= 0:
         raise ValueError(f"linear needs N, K >= 1, got N={N}, K={K}")
@@ -49,7 +49,7 @@ def config(N: int, K: int, dtype: torch.dtype) -> Tiles:
         block_n = 128 if triton.cdiv(N, 128) >= PROGRAMS_WANTED else 64
         num_stages = 3 if block_n == 128 else 4
     elif dtype == torch.float32:
-        block_m, block_n, block_k, num_warps, num_stages = 64, 64, 32, 4, 3
+        block_m, block_n, block_k, num_warps, num_stages = 64, 128, 32, 8, 3
     else:
         raise ValueError(f"linear supports float32, bfloat16, float16; got {dtype}")
     n_tiles = triton.cdiv(N, block_n)
