@@ -19,6 +19,12 @@
 #   2. a: STEPS="tests extras" TTFT_MODELS="qwen3.5-9b qwen3-8b" TTFT_STRIDES=512,2048 MTP_MODELS=""
 #      b: STEPS="extras reports" TTFT_MODELS="" MTP_MODELS="qwen3.5-9b qwen3.5-0.8b" REPORT_MODELS=qwen3.5-0.8b
 #   3. (if time is left) STEPS=reports REPORT_MODELS=qwen3-8b, and STEPS=profile for the model being worked on
+# Seen on 2026-12-01 (fourth session, one H200): the invariant step's bench is 35-45 s per mode (8B; 9B default
+# 119 s), the divergence table 55-67 s per shape, its CUDA tests 237 s with the kernel tests (Triton compiles),
+# kernel timings 44 s. The batch-invariance report that is still owed (one-GPU call, `.whl` carried):
+#   STEPS="invariant reports" INVARIANT_MODELS="" INVARIANT_TESTS=tests/test_batch_invariant.py INVARIANT_TIMINGS=0
+#   REPORT_MODELS=qwen3-0.6b REPORT_NOTEBOOKS=02,03 REPORTS_CAP_S=400 BUDGET_S=560   (notebooks 02+03 at 32 slots x 256 steps took > 270 s)
+# Leave ~30 s between BUDGET_S and the call's limit: the final tar must run, or nothing comes back.
 # After each call unpack each lane's reports.tgz and commit what it measured (reports/bench, reports/gpu,
 # reports/baseline, reports/<model>/): every call starts from your tree, so a later call's reports reuse the
 # bench JSONs only once they are committed.
