@@ -131,3 +131,11 @@ def test_speculative_greedy_output_and_logits_equal_plain_decoding_bitwise(make_
         got += r.tokens
         assert torch.equal(r.logits, ref_logits[len(got) - 1]), f"position {len(prompt) + len(got) - 1}"
     assert got == ref_tokens[: len(got)]
+
+
+def test_the_mode_refuses_what_it_cannot_keep(monkeypatch):
+    with pytest.raises(ValueError, match="rollback"):
+        EngineOptions(batch_invariant=True, speculative_rollback="replay")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # decides only for device="cpu"
+    with pytest.raises(ValueError, match="interpreter"):
+        EngineOptions(batch_invariant=True, device="cpu")
