@@ -10,13 +10,16 @@ mode every comparison must be bitwise; in the default mode the table shows where
 
 from __future__ import annotations
 
+import argparse
 import random
+from pathlib import Path
 
 import pandas as pd
 import torch
 
 from ..requests import BatchedRequest
-from .common import as_pair, random_prompts, seq_len_for, single_thread_on_cpu
+from ..sampling import SamplingParams
+from .common import Report, as_pair, load_pair, random_prompts, seq_len_for, single_thread_on_cpu
 
 CASES = ("batched", "interleaved", "random_subsets", "generate", "chunked_prefill", "prefix_hit")
 
@@ -123,8 +126,6 @@ def _generate(eng, prompts, steps, rng) -> list[Trace]:
     logits)."""
     eng.reset()
     order = rng.sample(range(len(prompts)), len(prompts))
-    from ..sampling import SamplingParams
-
     out = eng.generate([prompts[i] for i in order], SamplingParams(max_new_tokens=steps + 1))
     traces = [Trace() for _ in prompts]
     for i, toks in zip(order, out, strict=True):
@@ -173,8 +174,6 @@ def invariance(
     """Table: one row per (case, sequence); summary: one row per case. `pass`: bitwise equal to the solo runs
     in the batch-invariant mode; in the default mode the tokens must agree (what the default mode promises
     is closeness, judged by the isolation and batch checks' tolerances, not bits)."""
-    from .common import Report
-
     pair = as_pair(model, device, dtype, seed)
     lens = list(prompt_lens or [5 + (7 * i) % 29 for i in range(num_slots)])[:num_slots]
     prompts = random_prompts(pair.vocab_size, lens, seed + 1)
@@ -235,9 +234,6 @@ def invariance(
 def main(argv=None) -> int:
     """Both modes for one model: the per-sequence table (CSV) and the summary; exit 1 if the batch-invariant
     mode differs anywhere."""
-    import argparse
-    from pathlib import Path
-
     ap = argparse.ArgumentParser(prog="python -m pocketlab.verify.invariance", description=main.__doc__)
     ap.add_argument("--model", default="tiny-qwen3")
     ap.add_argument("--device", default="cpu")
@@ -247,8 +243,6 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--out", type=Path, default=None, help="CSV of every (mode, case, sequence)")
     a = ap.parse_args(argv)
-    from .common import load_pair
-
     dtype = a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32")
     pair = load_pair(a.model, a.device, dtype)
     cases = tuple(c for c in a.cases.split(",") if c)
