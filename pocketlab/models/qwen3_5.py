@@ -106,17 +106,14 @@ class GatedDeltaNet:
             ctx.state_history.append(history)
         if ctx.gdn_log is not None:  # speculative verify: the conv window of any accepted prefix
             ctx.gdn_log[self.layer] = (qkv_in, conv0, None)
-        bounds, outs = [0, *sorted({t for _, t in ctx.checkpoints}), T], []
-        full = conv_inputs(conv0, qkv_in) if ctx.checkpoints else None
-        for lo, hi in pairwise(bounds):
+        outs, full = [], conv_inputs(conv0, qkv_in) if ctx.checkpoints else None
+        for lo, hi in checkpoint_segments(ctx, T):
             seg = (ctx.lengths - lo).clamp(0, hi - lo)  # rows that ended stay unchanged
             part = None if history is None else history[:, lo:hi]
             args = (x[:, lo:hi] for x in (q, k, v, g, beta))
             outs.append(recurrent_steps(*args, rec, ctx.slot_ids, seg, L2_EPS, part))
             for row, t in (c for c in ctx.checkpoints if c[1] == hi):
-                dst = ctx.checkpoint_states[(row, t)]
-                dst[("conv", self.layer)] = full[row, :, t : t + conv0.shape[-1]].to(conv.dtype, copy=True)
-                dst[("rec", self.layer)] = rec[ctx.slot_ids[row]].clone()
+                self._keep_checkpoint(ctx, row, t, full, T, conv.dtype, rec[ctx.slot_ids[row]])
         return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
 
     def _with_checkpoints(
@@ -125,19 +122,28 @@ class GatedDeltaNet:
         """The delta rule in segments ending at each requested offset, handing back the state there (prefix-cache
         checkpoints without cutting the forward) in ctx.checkpoint_states. full: gated_delta.conv_inputs of this
         forward."""
-        offsets = sorted({t for _, t in ctx.checkpoints})
-        bounds, outs, states = [0, *offsets, inputs[0].shape[1]], [], {}
-        for lo, hi in pairwise(bounds):
+        T = inputs[0].shape[1]
+        outs, states = [], {}
+        for lo, hi in checkpoint_segments(ctx, T):
             seg = None if lengths is None else (lengths - lo).clamp(0, hi - lo)  # rows that ended stay unchanged
             o, state = rule(*(x[:, lo:hi] for x in inputs), state, seg)
             outs.append(o)
             states[hi] = state
-        window = full.shape[-1] - inputs[0].shape[1]
         for row, t in ctx.checkpoints:
-            dst = ctx.checkpoint_states[(row, t)]
-            dst[("conv", self.layer)] = full[row, :, t : t + window].to(conv_dtype, copy=True)
-            dst[("rec", self.layer)] = states[t][row].clone()
+            self._keep_checkpoint(ctx, row, t, full, T, conv_dtype, states[t][row])
         return torch.cat(outs, dim=1), state
+
+    def _keep_checkpoint(self, ctx: ForwardContext, row: int, t: int, full, T: int, conv_dtype, state) -> None:
+        """Copy row's conv window and recurrent state after its first t tokens into ctx.checkpoint_states.
+        full: gated_delta.conv_inputs of this forward ([carried window | T inputs] per row)."""
+        dst = ctx.checkpoint_states[(row, t)]
+        dst[("conv", self.layer)] = full[row, :, t : t + full.shape[-1] - T].to(conv_dtype, copy=True)
+        dst[("rec", self.layer)] = state.clone()
+
+
+def checkpoint_segments(ctx: ForwardContext, T: int):
+    """[lo, hi) pieces of a forward's T tokens that end at every requested checkpoint offset."""
+    return pairwise([0, *sorted({t for _, t in ctx.checkpoints}), T])
 
 
 class HybridModel(DecoderModel):
