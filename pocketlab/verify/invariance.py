@@ -58,10 +58,9 @@ def compare(ref: Trace, test: Trace) -> dict:
     )
 
 
-def _solo(eng, prompt: list[int], steps: int, slot: int) -> Trace:
-    eng.reset()
-    trace = Trace()
-    r = eng.prefill(prompt, slot_id=slot)
+def _greedy(eng, first, steps: int, slot: int) -> Trace:
+    """The prefill result `first`, then `steps` greedy decode steps of the slot alone."""
+    trace, r = Trace(), first
     trace.add(r.next_token, r.logits)
     for _ in range(steps):
         r = eng.decode_step(r.next_token, slot_id=slot)
@@ -69,11 +68,21 @@ def _solo(eng, prompt: list[int], steps: int, slot: int) -> Trace:
     return trace
 
 
-def _batched(eng, prompts, steps, rng) -> list[Trace]:
+def _solo(eng, prompt: list[int], steps: int, slot: int) -> Trace:
+    eng.reset()
+    return _greedy(eng, eng.prefill(prompt, slot_id=slot), steps, slot)
+
+
+def _slot_requests(eng, prompts) -> list[BatchedRequest]:
+    """A reset engine with every slot free, and one request per prompt on the slot of its index."""
     eng.reset()
     for s in range(eng.num_slots):
         eng.release_slot(s)
-    reqs = [BatchedRequest(i, p, slot_id=i) for i, p in enumerate(prompts)]
+    return [BatchedRequest(i, p, slot_id=i) for i, p in enumerate(prompts)]
+
+
+def _batched(eng, prompts, steps, rng) -> list[Trace]:
+    reqs = _slot_requests(eng, prompts)
     traces = [Trace() for _ in prompts]
     res = eng.batch_prefill(reqs)
     for t, r in zip(traces, res.results, strict=True):
@@ -100,10 +109,7 @@ def _interleaved(eng, prompts, steps, rng) -> list[Trace]:
 def _random_subsets(eng, prompts, steps, rng) -> list[Trace]:
     """Each call advances a random subset of the unfinished slots in ONE batch call: every batch size, in any
     mix of positions; prefills and decodes of different slots alternate."""
-    eng.reset()
-    for s in range(eng.num_slots):
-        eng.release_slot(s)
-    reqs = [BatchedRequest(i, p, slot_id=i) for i, p in enumerate(prompts)]
+    reqs = _slot_requests(eng, prompts)
     traces = [Trace() for _ in prompts]
     while any(len(t.tokens) < steps + 1 for t in traces):
         live = [i for i, t in enumerate(traces) if len(t.tokens) < steps + 1]
@@ -146,16 +152,15 @@ def _prefix_hit(eng, prompts, steps, rng) -> list[Trace]:
     traces = []
     for i, p in enumerate(prompts):
         eng.reset()
-        donor = (i + 1) % eng.num_slots
+        slot, donor = i % eng.num_slots, (i + 1) % eng.num_slots
         eng.prefill(p[: max(1, len(p) - 3)], slot_id=donor)
-        trace = Trace()
-        r = eng.prefill(p, slot_id=i % eng.num_slots)
-        trace.add(r.next_token, r.logits)
-        for _ in range(steps):
-            r = eng.decode_step(r.next_token, slot_id=i % eng.num_slots)
-            trace.add(r.next_token, r.logits)
-        traces.append(trace)
+        traces.append(_greedy(eng, eng.prefill(p, slot_id=slot), steps, slot))
     return traces
+
+
+def _earliest(steps) -> int:
+    """The first step any sequence differed at (-1: none did)."""
+    return min((x for x in steps if x >= 0), default=-1)
 
 
 @single_thread_on_cpu
@@ -206,11 +211,8 @@ def invariance(
             sequences=("sequence", "size"),
             bitwise=("bitwise", "all"),
             tokens_equal=("tokens_equal", "all"),
-            earliest_token_divergence=("first_token_divergence", lambda s: min((x for x in s if x >= 0), default=-1)),
-            earliest_bitwise_difference=(
-                "first_bitwise_difference",
-                lambda s: min((x for x in s if x >= 0), default=-1),
-            ),
+            earliest_token_divergence=("first_token_divergence", _earliest),
+            earliest_bitwise_difference=("first_bitwise_difference", _earliest),
             max_abs_diff=("max_abs_diff", "max"),
             error=("error", "first"),
             **{"pass": ("pass", "all")},
