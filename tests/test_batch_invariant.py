@@ -25,10 +25,10 @@ from pocketlab.verify.invariance import CASES, invariance
 def pairs():
     made = {}
 
-    def get(model):
-        if model not in made:
-            made[model] = load_pair(model, device=DEVICE)
-        return made[model]
+    def get(model, dtype="float32"):
+        if (model, dtype) not in made:
+            made[model, dtype] = load_pair(model, device=DEVICE, dtype=dtype)
+        return made[model, dtype]
 
     return get
 
@@ -38,6 +38,15 @@ def test_every_schedule_gives_the_solo_logits_bit_for_bit(pairs, model):
     r = invariance(pairs(model), num_slots=3, steps=2, prompt_lens=[5, 11, 18])
     assert r.passed, r.summary.to_string()
     assert set(r.summary.case) == set(CASES)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="16-bit kernels on the GPU (the CPU runs float32)")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("model", ["tiny-qwen3", "tiny-qwen3_5"])
+def test_every_schedule_is_bitwise_in_16_bits(pairs, model, dtype):
+    """bf16 and fp16 on CUDA: more slots and steps, graph buckets included (prompts long enough to split)."""
+    r = invariance(pairs(model, dtype), num_slots=9, steps=12, prompt_lens=[5, 300, 18, 1, 77, 140, 9, 260, 33])
+    assert r.passed, r.summary.to_string()
 
 
 # -- mutants: one kernel switched back to a batch-variant implementation --------------------------------

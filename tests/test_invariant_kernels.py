@@ -37,24 +37,32 @@ def close(got, want, dtype):
     assert err <= tol * max(1.0, want.float().abs().max().item()), err
 
 
-def test_config_fills_the_gpu_and_tiles_k_exactly():
-    """The Qwen3-8B decode shapes launch enough programs at M <= block_m to fill an H200, the K slices cover K
+def test_order_fills_the_gpu_and_tiles_k_exactly():
+    """The Qwen3-8B decode shapes launch enough programs at few rows to fill an H200, the K slices cover K
     exactly once, and the test shapes below do reach both the split-K and the one-slice paths."""
     shapes_8b = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (151936, 4096)]
     for N, K in shapes_8b + [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]:
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
-            t = inv.config(N, K, dtype)
-            assert min(t.block_m, t.block_n, t.block_k) >= 16 and t.k_per_split % t.block_k == 0
-            assert (t.split_k - 1) * t.k_per_split < K <= t.split_k * t.k_per_split
+            o = inv.order(N, K, dtype)
+            assert o.block_k >= 16 and o.k_per_split % o.block_k == 0
+            assert (o.split_k - 1) * o.k_per_split < K <= o.split_k * o.k_per_split
             if (N, K) in shapes_8b and dtype == torch.bfloat16:
-                assert -(-N // t.block_n) * t.split_k >= 192, (N, K, t)
+                assert -(-N // matmul.DECODE_BLOCK_N) * o.split_k >= 192, (N, K, o)
     for dtype, shape in SPLIT_SHAPE.items():
-        assert inv.config(*shape, dtype).split_k > 1 and inv.config(*PLAIN_SHAPE, dtype).split_k == 1
+        assert inv.order(*shape, dtype).split_k > 1 and inv.order(*PLAIN_SHAPE, dtype).split_k == 1
+
+
+def test_the_launch_follows_the_rows_and_the_order_does_not():
+    """Few rows run a program per K slice, many rows all slices in one program; the order is M's business
+    nowhere (it takes no M)."""
+    cpu = torch.device("cpu")
+    assert inv.tiles(matmul.MANY_ROWS - 1, 64, torch.bfloat16, cpu).mode == matmul.LAST_SUMS
+    assert inv.tiles(matmul.MANY_ROWS, 64, torch.bfloat16, cpu).mode == matmul.IN_PROGRAM
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("split", [True, False])
-@pytest.mark.parametrize("M", [1, 3, 17, 64, 130])
+@pytest.mark.parametrize("M", [1, 3, 17, 64, 130, 200])
 def test_linear_matches_f_linear(dtype, split, M):
     (N, K), bias = SPLIT_SHAPE[dtype] if split else PLAIN_SHAPE, M % 2 == 1
     x, w = randn(M, K, dtype=dtype, seed=M), randn(N, K, dtype=dtype, scale=K**-0.5, seed=N)
@@ -95,16 +103,34 @@ def cancelling(x, w):
     return x, w
 
 
-def test_linear_row_chunks_do_not_change_rows(monkeypatch):
-    """Prefill-sized batches run in chunks of ROW_CHUNK rows (bounding the split-K partials): a row's result
-    does not depend on its chunk or on where in it the row sits."""
-    monkeypatch.setattr(matmul, "ROW_CHUNK", 32)
+def test_both_launches_give_each_row_the_same_bits():
+    """A row gets the same bits from a program per slice (few rows) as from all slices in one program (many
+    rows): the batches below cross MANY_ROWS both ways, with the 130 real rows placed anywhere in them."""
     N, K = SPLIT_SHAPE[torch.float32]
-    x, w = randn(40, K, seed=3), randn(N, K, scale=K**-0.5, seed=1)
+    x, w = randn(130, K, seed=3), randn(N, K, scale=K**-0.5, seed=1)
     b = randn(N, seed=2)
     close(inv.linear(x, w, b), F.linear(x, w, b), torch.float32)
     x, w = cancelling(x, w)
     assert_rows_invariant(lambda x: inv.linear(x, w, b), x)
+    for rows in (1, 7, 64, 127):
+        assert torch.equal(inv.linear(x[:rows], w, b), inv.linear(x, w, b)[:rows])
+
+
+def test_gpu_launches_keep_the_bits():
+    """On the GPU the tile's M and N extent, warps and stages are free (each element is one chain of MMA
+    steps); the launches the sweep tries must all give the default launch's bits."""
+    if DEV != "cuda":
+        pytest.skip("the GPU's launch choices (the interpreter keeps one tile shape)")
+    from pocketlab.layers.invariant import sweep
+
+    for dtype in (torch.bfloat16, torch.float16):
+        for N, K in [(6144, 4096), (4096, 12288), (1000, 2000)]:
+            x, w = randn(300, K, dtype=dtype), randn(N, K, dtype=dtype, scale=K**-0.5, seed=1)
+            o = inv.order(N, K, dtype)
+            want = inv.linear(x[:64], w)
+            for t in sweep.FEW + sweep.MANY:
+                y = matmul.launch(x, w, None, torch.empty(300, N, dtype=dtype, device=DEV), o, t)
+                assert torch.equal(y[:64], want), (N, K, dtype, t)
 
 
 NORM_CASES = [(torch.float32, 100), (torch.bfloat16, 100), (torch.float16, 48), (torch.bfloat16, 4000)]

@@ -6,7 +6,7 @@ request's logits. Needs Triton (a GPU, or TRITON_INTERPRET=1 on the CPU).
 """
 
 from .elementwise import decay_and_beta, sigmoid_gate, swiglu
-from .matmul import Tiles, config, linear
+from .matmul import Order, Tiles, linear, order, tiles
 from .norm import add_rms_norm, gated_rms_norm, rms_norm
 
 __all__ = [
@@ -14,9 +14,11 @@ __all__ = [
     "decay_and_beta",
     "sigmoid_gate",
     "swiglu",
+    "Order",
     "Tiles",
     "add_rms_norm",
-    "config",
+    "order",
+    "tiles",
     "gated_rms_norm",
     "linear",
     "rms_norm",

@@ -27,6 +27,8 @@ MERGE_ROWS = 32  # (query, head) rows per merge program
 if triton is not None:
     import triton.language as tl
 
+    from .dot import dot, precision
+
     @triton.jit
     def _split_softmax(
         q,
@@ -59,14 +61,14 @@ if triton is not None:
             live = (n < key_end)[:, None]  # keys past the slot's end are never read (garbage, even NaN, there)
             k = tl.load(k_base + n[:, None] * stride_kt + d[None, :], mask=live, other=0.0)
             v = tl.load(v_base + n[:, None] * stride_vt + d[None, :], mask=live, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            s = dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), PRECISION) * scale
             s = tl.where(n[None, :] <= pos[:, None], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp(s - m_safe[:, None])
             alpha = tl.exp(m - m_safe)
             l = l * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, tl.zeros([BLOCK_M, D], tl.float32), PRECISION)
             m = m_new
         return m, l, acc
 
@@ -282,7 +284,7 @@ def attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         KV_HEADS=kv_heads, G=G, QUERIES=queries, BLOCK_M=block_m, D=D, BLOCK_N=block_n, SPLIT=SPLIT_KEYS,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLIT_PROGRAMS=bool(split_programs),
+        PRECISION=precision(q.dtype, q.device), SPLIT_PROGRAMS=bool(split_programs),
         num_warps=warps,
     )  # fmt: skip
     if split_programs:

@@ -21,15 +21,12 @@ EPS = 1e-6
 
 
 def config_table(dtype: torch.dtype) -> list[str]:
-    """The tiles each shape gets and how many programs a decode step (M <= block_m) launches."""
-    lines = [f"{'shape':<9}{'N':>8}{'K':>7}  tiles (m x n x k)  split  k/split  programs"]
+    """The order each shape gets and how many programs a decode step (one program per slice) launches."""
+    lines = [f"{'shape':<9}{'N':>8}{'K':>7}  block_k  split  k/split  decode programs"]
     for name, (N, K) in QWEN3_8B.items():
-        t = matmul.config(N, K, dtype)
-        programs = -(-N // t.block_n) * t.split_k
-        lines.append(
-            f"{name:<9}{N:>8}{K:>7}  {t.block_m:>4} x {t.block_n:>3} x {t.block_k:<4}  {t.split_k:>5}  "
-            f"{t.k_per_split:>7}  {programs:>8}"
-        )
+        o = matmul.order(N, K, dtype)
+        programs = -(-N // matmul.DECODE_BLOCK_N) * o.split_k
+        lines.append(f"{name:<9}{N:>8}{K:>7}  {o.block_k:>7}  {o.split_k:>5}  {o.k_per_split:>7}  {programs:>15}")
     return lines
 
 

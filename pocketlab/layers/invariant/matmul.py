@@ -1,10 +1,17 @@
 """y = x @ W^T (+ b) with every output element reduced in an order fixed by (N, K, dtype), never by M.
 
 cuBLAS picks its kernel, tile and split-K by the whole shape, so a row's result changes with the number of
-rows beside it. Here one tile configuration comes from `config(N, K, dtype)` alone; rows never mix inside
-tl.dot, so other rows (or padding rows) cannot change a row. Where the weight alone gives too few tiles to
-fill the GPU, K is split into a count of slices fixed by (N, K), and a second kernel adds the slices' fp32
-partials in slice order (no atomics), so the sum is the same for every M.
+rows beside it. Here the order of every element's sum is an `Order` from (N, K, dtype) alone: K cut into
+`split_k` slices, each slice one chain of block_k-wide dots into a fresh fp32 accumulator, the slices' sums
+added in slice order. How a launch covers the rows (`Tiles`) is chosen by M, for speed, and cannot change an
+element: rows never mix inside tl.dot, and each of the three ways to add the slices adds them in the same order:
+- IN_PROGRAM: one program runs every slice of its tile (many rows: the GPU is full without splitting K);
+- LAST_SUMS: one program per slice; each stores its fp32 partial, and the last of a tile's programs to finish
+  (an atomic arrival count, no atomic arithmetic on data) adds them all in slice order (few rows: the slices
+  fill the GPU, and no second kernel is launched);
+- the CPU (Triton's interpreter) uses one tile shape for every M, since numpy's matmul is itself
+  shape-dependent; on the GPU each element is one chain of MMA steps whatever the tile's M and N extent
+  (tests/test_invariant_kernels.py checks the GPU's tiles bitwise against each other).
 """
 
 from dataclasses import dataclass
@@ -13,133 +20,138 @@ import torch
 import triton
 import triton.language as tl
 
+from .dot import dot, precision
 from .rounding import cast
 
 PROGRAMS_WANTED = 256  # about two programs per SM of an H200 (132 SMs) for the weight-bound decode shapes
 MIN_BLOCKS_PER_SPLIT = 4  # each K slice keeps at least this many BLOCK_K steps, so its load pipeline fills
 MAX_SPLIT = 8
-ROW_CHUNK = 1024  # rows per launch when K is split: bounds the fp32 partial buffer (split x ROW_CHUNK x N)
+DECODE_BLOCK_N = 64  # the N extent of a few-rows tile; its split count is sized for it
+MANY_ROWS = 128  # from this many rows on the GPU, a program runs all slices of a large tile (IN_PROGRAM)
+IN_PROGRAM, LAST_SUMS = 0, 1
+
+
+@dataclass(frozen=True)
+class Order:
+    """What fixes y[m, n]: K in `split_k` slices of `k_per_split` (a multiple of block_k), summed in order."""
+
+    block_k: int
+    split_k: int
+    k_per_split: int
 
 
 @dataclass(frozen=True)
 class Tiles:
+    """How one launch covers [M, N]: speed only, never an element's value."""
+
     block_m: int
     block_n: int
-    block_k: int
-    split_k: int  # number of K slices, summed in order by a second kernel when > 1
-    k_per_split: int  # a multiple of block_k
     num_warps: int
     num_stages: int
+    mode: int  # IN_PROGRAM or LAST_SUMS
 
 
-def config(N: int, K: int, dtype: torch.dtype) -> Tiles:
-    """The one tile configuration for an [N, K] weight: the reduction order of y[m, n] follows from it alone.
-
-    16-bit: 64 x 64 tiles (one Hopper warpgroup MMA) stepping 128 along K; 128-wide N tiles only where N alone
-    gives two programs per SM (lm_head), as larger tiles help prefill. float32 runs IEEE FMA dots (no tensor
-    cores) in 64 x 128 tiles stepping 32 along K over 8 warps: 32 accumulators per thread, no register spills,
-    48 KB of staged operands. The split count tops the weight's N tiles up to about PROGRAMS_WANTED programs at
-    M <= block_m; it holds for prefill too, where writing and reading the fp32 partials (8 bytes per output and
-    slice) costs about what the arithmetic of a 1024-long slice does, the price of one order for every M.
-    """
+def order(N: int, K: int, dtype: torch.dtype) -> Order:
+    """16-bit inputs step 128 along K (float32 32: IEEE FMA dots, no tensor cores). The split count tops the
+    weight's decode tiles (DECODE_BLOCK_N wide) up to about PROGRAMS_WANTED programs, each slice at least
+    MIN_BLOCKS_PER_SPLIT steps long; many-row launches pay only an fp32 add per slice for it."""
     if N <= 0 or K <= 0:
         raise ValueError(f"linear needs N, K >= 1, got N={N}, K={K}")
     if dtype in (torch.bfloat16, torch.float16):
-        block_m, block_k, num_warps = 64, 128, 4
-        block_n = 128 if triton.cdiv(N, 128) >= PROGRAMS_WANTED else 64
-        num_stages = 3 if block_n == 128 else 4
+        block_k = 128
     elif dtype == torch.float32:
-        block_m, block_n, block_k, num_warps, num_stages = 64, 128, 32, 8, 3
+        block_k = 32
     else:
         raise ValueError(f"linear supports float32, bfloat16, float16; got {dtype}")
-    n_tiles = triton.cdiv(N, block_n)
     k_blocks = triton.cdiv(K, block_k)
-    split = max(1, min(PROGRAMS_WANTED // n_tiles, k_blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLIT))
+    split = max(1, min(PROGRAMS_WANTED // triton.cdiv(N, DECODE_BLOCK_N), k_blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLIT))
     k_per_split = triton.cdiv(k_blocks, split) * block_k
-    split = triton.cdiv(K, k_per_split)  # no empty slice
-    return Tiles(block_m, block_n, block_k, split, k_per_split, num_warps, num_stages)
+    return Order(block_k, triton.cdiv(K, k_per_split), k_per_split)  # no empty slice
 
 
-@triton.jit(do_not_specialize=["row0", "rows"])
-def _matmul(
-    x_ptr,
-    w_ptr,
-    b_ptr,
-    out_ptr,
-    row0,
-    rows,
-    N,
-    K,
-    stride_xm,
-    stride_wn,
-    stride_wk,
-    stride_om,
-    stride_os,
-    K_PER_SPLIT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    PARTIAL: tl.constexpr,
-    IEEE: tl.constexpr,
-    UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """One [BLOCK_M, BLOCK_N] tile of rows row0 + ... over the K slice program_id(2), accumulated in fp32.
-    PARTIAL: store the slice's fp32 sum at out[slice, local row, n]; else add the bias, round, store y."""
-    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # rows local to this launch
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    live_m, live_n = m < rows, n < N
-    x_rows = x_ptr + (row0 + m).to(tl.int64)[:, None] * stride_xm
-    w_cols = w_ptr + n.to(tl.int64)[None, :] * stride_wn
+def tiles(M: int, N: int, dtype: torch.dtype, device: torch.device) -> Tiles:
+    """The launch for M rows: from MANY_ROWS rows on, one program runs all slices of its tile; fewer rows run
+    a program per slice. GPU tiles: 64 x 64 for few rows, 128 x 128 for many (float32: 64 x 128 over 8 warps,
+    32 accumulators a thread, no spills); the interpreter keeps one tile shape."""
+    mode = IN_PROGRAM if M >= MANY_ROWS else LAST_SUMS
+    if dtype == torch.float32:
+        return Tiles(64, 128, 8, 3, mode)
+    if device.type != "cuda":
+        return Tiles(64, DECODE_BLOCK_N, 4, 3, mode)
+    if mode == IN_PROGRAM:
+        return Tiles(128, 128, 8, 3, mode)
+    return Tiles(64, DECODE_BLOCK_N, 4, 4, mode)
+
+
+@triton.jit
+def _slice_sum(x_rows, w_cols, live_m, live_n, k_start, k_end, K, stride_wk,
+               PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """sum over k in [k_start, k_end) of x[m, k] w[n, k]: one chain of BLOCK_K-wide dots from zero, in fp32."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_start = pid_k * K_PER_SPLIT
-    for k0 in range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         live_k = k < K
         a = tl.load(x_rows + k[None, :], mask=live_m[:, None] & live_k[None, :], other=0.0)
         b = tl.load(w_cols + k[:, None] * stride_wk, mask=live_k[:, None] & live_n[None, :], other=0.0)
-        if UPCAST:  # Triton's CPU interpreter multiplies bf16 bit patterns as integers: give it floats
-            a, b = a.to(tl.float32), b.to(tl.float32)
-        if IEEE:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
-    if PARTIAL:
-        out = out_ptr + pid_k * stride_os + m[:, None] * stride_om + n[None, :]
-        tl.store(out, acc, mask=live_m[:, None] & live_n[None, :])
-    else:
+        acc = dot(a, b, acc, PRECISION)
+    return acc
+
+
+@triton.jit(do_not_specialize=["rows"])
+def _matmul(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, arrived_ptr, rows, N, K, k_per_split, split_k,
+            stride_xm, stride_wn, stride_wk, stride_ym, stride_ps, stride_pm,
+            MODE: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """One [BLOCK_M, BLOCK_N] tile of y: all K slices (IN_PROGRAM) or slice program_id(2) (LAST_SUMS)."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    live_m, live_n = m < rows, n < N
+    live = live_m[:, None] & live_n[None, :]
+    x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
+    w_cols = w_ptr + n.to(tl.int64)[None, :] * stride_wn
+    done = True
+    if MODE == 0:  # IN_PROGRAM: ((slice 0 + slice 1) + slice 2) + ..., as LAST_SUMS adds the partials
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for s in range(0, split_k):
+            k_start = s * k_per_split
+            total += _slice_sum(x_rows, w_cols, live_m, live_n, k_start, tl.minimum(k_start + k_per_split, K), K,
+                                stride_wk, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+    else:  # LAST_SUMS
+        s = tl.program_id(2)
+        k_start = s * k_per_split
+        acc = _slice_sum(x_rows, w_cols, live_m, live_n, k_start, tl.minimum(k_start + k_per_split, K), K,
+                         stride_wk, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+        parts = part_ptr + m[:, None] * stride_pm + n[None, :]
+        tl.store(parts + s * stride_ps, acc, mask=live)
+        # release our partial, acquire the others': the last arrival sees every slice's store
+        count = tl.atomic_add(arrived_ptr + pid_m * tl.num_programs(1) + pid_n, 1, sem="acq_rel")
+        done = count == split_k - 1
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if done:
+            for t in range(0, split_k):
+                total += tl.load(parts + t * stride_ps, mask=live, other=0.0, volatile=True)
+            tl.atomic_xchg(arrived_ptr + pid_m * tl.num_programs(1) + pid_n, 0)  # ready for the next launch
+    if done:
         if HAS_BIAS:
-            acc += tl.load(b_ptr + n, mask=live_n, other=0.0).to(tl.float32)[None, :]
-        out = out_ptr + (row0 + m).to(tl.int64)[:, None] * stride_om + n[None, :]
-        tl.store(out, cast(acc, out_ptr.dtype.element_ty), mask=live_m[:, None] & live_n[None, :])
+            total += tl.load(b_ptr + n, mask=live_n, other=0.0).to(tl.float32)[None, :]
+        y = y_ptr + m.to(tl.int64)[:, None] * stride_ym + n[None, :]
+        tl.store(y, cast(total, y_ptr.dtype.element_ty), mask=live)
 
 
-@triton.jit(do_not_specialize=["row0"])
-def _sum_splits(
-    part_ptr,
-    b_ptr,
-    y_ptr,
-    row0,
-    N,
-    stride_ps,
-    stride_pm,
-    stride_ym,
-    SPLIT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """y[row0 + m, n] = ((part[0] + part[1]) + ...) + bias, in slice order, rounded once to y's dtype."""
-    m, nb = tl.program_id(0), tl.program_id(1)
-    n = nb * BLOCK + tl.arange(0, BLOCK)
-    live = n < N
-    acc = tl.load(part_ptr + m * stride_pm + n, mask=live, other=0.0)
-    for s in tl.static_range(1, SPLIT):
-        acc += tl.load(part_ptr + s * stride_ps + m * stride_pm + n, mask=live, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + n, mask=live, other=0.0).to(tl.float32)
-    y = y_ptr + (row0 + m).to(tl.int64) * stride_ym + n
-    tl.store(y, cast(acc, y_ptr.dtype.element_ty), mask=live)
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}  # per device: zeroed arrival counts, reset by each launch
+
+
+def _arrivals(device: torch.device, tiles_needed: int) -> torch.Tensor:
+    """A zeroed int32 count per output tile, kept across launches (each launch leaves it zeroed), so a decode
+    step inside a CUDA graph needs no memset; grown (never during a graph capture) when a launch needs more."""
+    have = _ARRIVALS.get(device)
+    if have is None or have.numel() < tiles_needed:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"linear: arrival counts for {tiles_needed} tiles must exist before graph capture")
+        have = torch.zeros(max(tiles_needed, 4096), dtype=torch.int32, device=device)
+        _ARRIVALS[device] = have
+    return have
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -157,7 +169,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     N, K = weight.shape
     if bias is not None and tuple(bias.shape) != (N,):
         raise ValueError(f"linear: bias {tuple(bias.shape)} should be [{N}]")
-    tiles = config(N, K, x.dtype)
+    o = order(N, K, x.dtype)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:
@@ -166,37 +178,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return y.reshape(*lead, N)
-    has_bias = bias is not None
-    bias_arg = bias.contiguous() if has_bias else y  # never read without HAS_BIAS
-    upcast = x.dtype == torch.bfloat16 and x.device.type == "cpu"  # Triton's interpreter: see _matmul
-    kernel_args = dict(
-        K_PER_SPLIT=tiles.k_per_split,
-        HAS_BIAS=has_bias,
-        IEEE=x.dtype == torch.float32 or upcast,
-        UPCAST=upcast,
-        BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k,
-        num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
-    )
+    return launch(x2, weight, bias, y, o, tiles(M, N, x.dtype, x.device)).reshape(*lead, N)
 
-    def run(out, row0, rows, stride_out_row, stride_out_split):
-        grid = (triton.cdiv(rows, tiles.block_m), triton.cdiv(N, tiles.block_n), tiles.split_k)
-        _matmul[grid](x2, weight, bias_arg, out, row0, rows, N, K, x2.stride(0), weight.stride(0), weight.stride(1),
-                      stride_out_row, stride_out_split, PARTIAL=tiles.split_k > 1, **kernel_args)  # fmt: skip
 
-    if tiles.split_k == 1:
-        run(y, 0, M, y.stride(0), 0)
-        return y.reshape(*lead, N)
-    chunk = min(M, ROW_CHUNK)
-    partial = torch.empty(tiles.split_k, chunk, N, dtype=torch.float32, device=x.device)
-    sum_block = min(1024, triton.next_power_of_2(N))
-    for row0 in range(0, M, chunk):
-        rows = min(chunk, M - row0)
-        run(partial, row0, rows, partial.stride(1), partial.stride(0))
-        _sum_splits[(rows, triton.cdiv(N, sum_block))](
-            partial, bias_arg, y, row0, N, partial.stride(0), partial.stride(1), y.stride(0),
-            SPLIT=tiles.split_k, HAS_BIAS=has_bias, BLOCK=sum_block, num_warps=4,
-        )  # fmt: skip
-    return y.reshape(*lead, N)
+def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, o: Order,
+           t: Tiles) -> torch.Tensor:  # fmt: skip
+    """y[M, N] = x2 @ weight^T (+ bias) in order `o` with the launch `t` (the sweep tries others)."""
+    M, K = x2.shape
+    N = weight.shape[0]
+    grid_m, grid_n = triton.cdiv(M, t.block_m), triton.cdiv(N, t.block_n)
+    split = t.mode == LAST_SUMS and o.split_k > 1
+    if split:
+        part = torch.empty(o.split_k, M, N, dtype=torch.float32, device=x2.device)
+        arrived = _arrivals(x2.device, grid_m * grid_n)
+    else:
+        part = arrived = y  # never read
+    _matmul[(grid_m, grid_n, o.split_k if split else 1)](
+        x2, weight, y if bias is None else bias, y, part, arrived, M, N, K, o.k_per_split, o.split_k,
+        x2.stride(0), weight.stride(0), weight.stride(1), y.stride(0), part.stride(0) if split else 0,
+        part.stride(1) if split else 0, MODE=LAST_SUMS if split else IN_PROGRAM, HAS_BIAS=bias is not None,
+        PRECISION=precision(x2.dtype, x2.device), BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+        BLOCK_K=o.block_k, num_warps=t.num_warps, num_stages=t.num_stages,
+    )  # fmt: skip
+    return y
