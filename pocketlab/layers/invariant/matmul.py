@@ -84,8 +84,8 @@ def tiles(M: int, N: int, dtype: torch.dtype, device: torch.device) -> Tiles:
 
 
 @triton.jit
-def _slice_sum(x_rows, w_cols, live_m, live_n, k_start, k_end, K, stride_wk,
-               PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+def _slice_sum(x_rows, w_cols, live_m, live_n, k_start, k_end, K, stride_wk, PRECISION: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """sum over k in [k_start, k_end) of x[m, k] w[n, k]: one chain of BLOCK_K-wide dots from zero, in fp32."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):

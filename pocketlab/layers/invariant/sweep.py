@@ -7,7 +7,6 @@ CUDA-graph replays cycling over enough weight copies that every call reads its w
 """
 
 import argparse
-import dataclasses
 import statistics
 
 import torch
@@ -48,6 +47,47 @@ def graph_ms(fn, weights: list[torch.Tensor], runs: int = 15) -> float:
     return statistics.median(times)
 
 
+def launch_ms(x: torch.Tensor, weights: list[torch.Tensor], o: Order, t: Tiles) -> float:
+    y = torch.empty(x.shape[0], weights[0].shape[0], device=x.device, dtype=x.dtype)
+    return graph_ms(lambda w: matmul.launch(x, w, None, y, o, t), weights)
+
+
+def describe(o: Order, t: Tiles) -> tuple[str, str]:
+    mode = "in-program" if t.mode == IN_PROGRAM else "last-sums"
+    tile = f"{t.block_m}x{t.block_n} w{t.num_warps} s{t.num_stages} {mode}"
+    return f"{o.block_k}, {o.split_k}, {o.k_per_split}", tile
+
+
+def sweep_shape(name: str, N: int, K: int, x: torch.Tensor, few, many, splits) -> None:
+    """Print one line per (order, launch, M): time, cuBLAS's time, ratio, bits against the default launch."""
+    copies = max(1, min(8, (400 * 2**20) // (N * K * 2)))
+    weights = [torch.randn(N, K, device=x.device, dtype=x.dtype) * K**-0.5 for _ in range(copies)]
+    chosen = matmul.order(N, K, x.dtype)
+    xs = {M: x[:M, :K].contiguous() for M in few + many}
+    cublas = {M: graph_ms(lambda w, xm=xm: F.linear(xm, w), weights) for M, xm in xs.items()}
+
+    def line(M, o, t, ms, bits=""):
+        ords, tile = describe(o, t)
+        ords += " *" if o == chosen else ""
+        tqdm.write(f"{name:<12}{M:>6}  {ords:<28}{tile:<34}{ms:>8.4f}{cublas[M]:>8.4f}{ms / cublas[M]:>7.2f}  {bits}")
+
+    k_blocks = -(-K // chosen.block_k)
+    for split in (s for s in splits if s <= k_blocks):  # candidate orders, timed at decode rows
+        kps = -(-k_blocks // split) * chosen.block_k
+        o = Order(chosen.block_k, -(-K // kps), kps)
+        for t in (FEW[0], FEW[1], FEW[4]):
+            for M in few:
+                line(M, o, t, launch_ms(xs[M], weights, o, t))
+    # the chosen order: every launch against the default launch's bits on the first 64 rows
+    ref = matmul.launch(x[:64, :K].contiguous(), weights[0], None, torch.empty(64, N, device=x.device, dtype=x.dtype),
+                        chosen, matmul.tiles(64, N, x.dtype, x.device))  # fmt: skip
+    for t in FEW + MANY:
+        for M in few if t.mode == LAST_SUMS else many:
+            y = matmul.launch(xs[M], weights[0], None, torch.empty(M, N, device=x.device, dtype=x.dtype), chosen, t)
+            bits = "equal" if torch.equal(y[: min(M, 64)], ref[: min(M, 64)]) else "DIFFER"
+            line(M, chosen, t, launch_ms(xs[M], weights, chosen, t), bits)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--few", default="1,8,32")
@@ -55,46 +95,11 @@ def main(argv=None):
     ap.add_argument("--splits", default="1,2,4,8")
     a = ap.parse_args(argv)
     few, many, splits = ([int(v) for v in s.split(",")] for s in (a.few, a.many, a.splits))
-    dt, dev = torch.bfloat16, "cuda"
-    x = torch.randn(max(many), 12288, device=dev, dtype=dt)
-    print(f"{'shape':<12}{'M':>6}  {'order (bk, split, k/split)':<28}{'launch':<34}{'ms':>8}{'cuBLAS':>8}{'ratio':>7}  bits")
+    x = torch.randn(max(many), 12288, device="cuda", dtype=torch.bfloat16)
+    head = f"{'shape':<12}{'M':>6}  {'order (bk, split, k/split)':<28}{'launch':<34}{'ms':>8}{'cuBLAS':>8}{'ratio':>7}"
+    print(head + "  bits")
     for name, (N, K) in tqdm(SHAPES.items(), desc="shapes"):
-        copies = max(1, min(8, (400 * 2**20) // (N * K * 2)))
-        weights = [torch.randn(N, K, device=dev, dtype=dt) * K**-0.5 for _ in range(copies)]
-        chosen = matmul.order(N, K, dt)
-
-        def run(M, o: Order, t: Tiles, xs=x[:, :K]):
-            xm = xs[:M].contiguous()
-            y = torch.empty(M, N, device=dev, dtype=dt)
-            return graph_ms(lambda w: matmul.launch(xm, w, None, y, o, t), weights), y
-
-        def row(M, o, t, ms, ref_ms, bits):
-            tile = f"{t.block_m}x{t.block_n} w{t.num_warps} s{t.num_stages} {'in-program' if t.mode == IN_PROGRAM else 'last-sums'}"
-            ords = f"{o.block_k}, {o.split_k}, {o.k_per_split}" + (" *" if o == chosen else "")
-            tqdm.write(f"{name:<12}{M:>6}  {ords:<28}{tile:<34}{ms:>8.4f}{ref_ms:>8.4f}{ms / ref_ms:>7.2f}  {bits}")
-
-        cublas = {M: graph_ms(lambda w, xm=x[:M, :K].contiguous(): F.linear(xm, w), weights) for M in few + many}
-        for split in splits:  # the order's split, at decode rows
-            kb = -(-K // chosen.block_k)
-            if split > kb:
-                continue
-            kps = -(-kb // split) * chosen.block_k
-            o = Order(chosen.block_k, -(-K // kps), kps)
-            for t in FEW[:2] + FEW[4:5]:
-                for M in few:
-                    row(M, o, t, run(M, o, t)[0], cublas[M], "")
-        # the chosen order: every launch against the default launch's rows (the first 64 rows of x)
-        ref = matmul.launch(x[:64, :K].contiguous(), weights[0], None, torch.empty(64, N, device=dev, dtype=dt),
-                            chosen, matmul.tiles(64, N, dt, x.device))  # fmt: skip
-        for t in FEW + MANY:
-            for M in few if t.mode == LAST_SUMS else many:
-                ms, _ = run(M, chosen, t)
-                y = matmul.launch(x[:M, :K].contiguous(), weights[0], None, torch.empty(M, N, device=dev, dtype=dt),
-                                  chosen, t)  # fmt: skip
-                r = min(M, 64)
-                bits = "equal" if torch.equal(y[:r], ref[:r]) else "DIFFER"
-                row(M, chosen, dataclasses.replace(t), ms, cublas[M], bits)
-        del weights
+        sweep_shape(name, N, K, x, few, many, splits)
         torch.cuda.empty_cache()
 
 
