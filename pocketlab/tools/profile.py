@@ -21,7 +21,7 @@ from ..engine import QwenEngine
 from ..requests import BatchedRequest
 from .bench import BenchConfig
 from .bench_engine import build, random_tokens
-from .cli import ints
+from .cli import ints, option
 
 
 def _self_us(event, cuda: bool) -> float:
@@ -108,8 +108,10 @@ def main(argv=None) -> None:
     p.add_argument("--prefill-lens", type=ints, default=(512, 4096))
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--engine-option", type=option, action="append", default=[], metavar="NAME=VALUE")
     a = p.parse_args(argv)
-    cfg = BenchConfig(model=a.model, device=a.device, batch_sizes=a.batch_sizes, prompt_lens=a.prefill_lens, peer=False)
+    cfg = BenchConfig(model=a.model, device=a.device, batch_sizes=a.batch_sizes, prompt_lens=a.prefill_lens, peer=False,
+                      engine_options=dict(a.engine_option))  # fmt: skip
     hf, engine = build(cfg)
     del hf
     graphs, summaries = engine.graphs, []

@@ -71,7 +71,7 @@ def order(N: int, K: int, dtype: torch.dtype) -> Order:
 
 def tiles(M: int, N: int, dtype: torch.dtype, device: torch.device) -> Tiles:
     """The launch for M rows: from MANY_ROWS rows on, one program runs all slices of its tile; fewer rows run
-    a program per slice. GPU tiles: 64 x 64 for few rows, 128 x 128 for many (float32: 64 x 128 over 8 warps,
+    a program per slice. GPU tiles: 16 x 64 for few rows, 128 x 128 for many (float32: 64 x 128 over 8 warps,
     32 accumulators a thread, no spills); the interpreter keeps one tile shape."""
     mode = IN_PROGRAM if M >= MANY_ROWS else LAST_SUMS
     if dtype == torch.float32:
@@ -80,7 +80,7 @@ def tiles(M: int, N: int, dtype: torch.dtype, device: torch.device) -> Tiles:
         return Tiles(64, DECODE_BLOCK_N, 4, 3, mode)
     if mode == IN_PROGRAM:
         return Tiles(128, 128, 8, 3, mode)
-    return Tiles(64, DECODE_BLOCK_N, 4, 4, mode)
+    return Tiles(16, DECODE_BLOCK_N, 4, 4, mode)
 
 
 @triton.jit
