@@ -36,6 +36,7 @@
 #   TTFT_MODELS      [qwen3-8b qwen3.5-9b]  MTP_MODELS [qwen3.5-9b]   the extras step's models
 #   INVARIANT_MODELS [qwen3-8b qwen3.5-9b]  INVARIANT_STEPS [64]   the invariant step's shapes and decode steps
 #   INVARIANT_TESTS  [the mode's and its kernels' test files]  INVARIANT_TIMINGS [1]   (empty / 0: skip)
+#   INVARIANT_SWEEP  [0]  1: the invariant matmul's launch sweep   INVARIANT_PROFILE []  a model: kernel tables, both modes
 #   REPORT_NOTEBOOKS []                 only these notebooks in the reports step (e.g. 02,03; empty: all)
 #   TTFT_STRIDES     [512]              checkpoint strides the TTFT table is measured at, comma-separated
 #   PEER_MODES       [eager,static]     HF peers (static = static cache + HF's compiled decode step)
@@ -58,6 +59,8 @@ INVARIANT_MODELS=${INVARIANT_MODELS-qwen3-8b qwen3.5-9b}
 INVARIANT_STEPS=${INVARIANT_STEPS:-64}
 INVARIANT_TESTS=${INVARIANT_TESTS-tests/test_batch_invariant.py tests/test_invariant_kernels.py tests/test_invariant_attention.py tests/test_linear_decode.py}
 INVARIANT_TIMINGS=${INVARIANT_TIMINGS:-1}
+INVARIANT_SWEEP=${INVARIANT_SWEEP:-0}
+INVARIANT_PROFILE=${INVARIANT_PROFILE-}
 REPORT_NOTEBOOKS=${REPORT_NOTEBOOKS:-}
 TTFT_STRIDES=${TTFT_STRIDES:-512}
 PEER_MODES=${PEER_MODES:-eager,static}
@@ -188,6 +191,13 @@ if wants invariant; then
     env POCKETLAB_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider --tb=short $INVARIANT_TESTS
   [ "$INVARIANT_TIMINGS" = 1 ] && step "invariant kernel timings" 120 "$reserve" sh -c \
     "python3 -m pocketlab.layers.invariant.bench --runs 20 && python3 -m pocketlab.layers.invariant.attention_bench"
+  [ "$INVARIANT_SWEEP" = 1 ] && step "invariant matmul launches (sweep)" 200 "$reserve" sh -c \
+    "TQDM_DISABLE=1 python3 -m pocketlab.layers.invariant.sweep | tee reports/gpu/invariant-matmul-sweep-h200.txt"
+  [ -n "$INVARIANT_PROFILE" ] && for bi in False True; do
+    step "profile $INVARIANT_PROFILE batch_invariant=$bi" 90 "$reserve" sh -c "python3 -m pocketlab.tools.profile \
+      --model $INVARIANT_PROFILE --batch-sizes 1,32 --prefill-lens 4096 --steps 10 --top 25 \
+      --engine-option batch_invariant=$bi | tee reports/gpu/profile-$INVARIANT_PROFILE-invariant-$bi.txt"
+  done
 fi
 
 # -- 6. reports at real shape; the perf notebook reuses this run's bench JSON (POCKETLAB_BENCH_DIR) -----

@@ -16,8 +16,10 @@ from conftest import DEVICE, greedy_run, random_prompt
 import pocketlab.models.qwen3 as qwen3
 from pocketlab import EngineOptions
 from pocketlab.layers import activations
+from pocketlab.layers.attention import write_kv
 from pocketlab.layers.gated_delta import backend_name
 from pocketlab.layers.kernels import kernels_for
+from pocketlab.layers.rotary import apply_rotary
 from pocketlab.verify.common import load_pair
 from pocketlab.verify.invariance import CASES, invariance
 
@@ -76,12 +78,22 @@ def split_sum_add_norm(x, update, weight, eps, offset=False):
     return h, _split_sum_norm(h, weight, eps, offset)
 
 
+def split_norm_rotate_store(q, k, v, k_cache, v_cache, targets, rope, norms):
+    """The unfused torch path, its q/k norms summing in pieces that depend on the number of rows."""
+    if norms is not None:
+        q, k = (_split_sum_norm(t, w, norms[2], norms[3]) for t, w in ((q, norms[0]), (k, norms[1])))
+    q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+    write_kv(k_cache, v_cache, k, v, targets)
+    return q
+
+
 MUTANTS = {
     # the default kernels where they are batch-variant on this device, else a stand-in that behaves like them
     "linear: split-K by batch size": ("linear", F.linear if DEVICE == "cuda" else split_k_linear),
     # torch's own add+norm happened to reduce hidden size 64 in one order at every batch size on the H200
     "add_rms_norm: row split by batch size": ("add_rms_norm", split_sum_add_norm),
     "attention: the default SDPA / decode kernel": ("attention", None),
+    "norm_rotate_store: q/k norms split by batch size": ("norm_rotate_store", split_norm_rotate_store),
 }
 if DEVICE == "cpu":  # torch's CPU softplus/sigmoid differ between SIMD lanes and the scalar tail
     MUTANTS["decay_and_beta: torch elementwise"] = ("decay_and_beta", activations.decay_and_beta)

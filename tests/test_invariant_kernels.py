@@ -313,3 +313,64 @@ def test_bench_lists_the_tiles(capsys):
     if not torch.cuda.is_available():
         bench.main(["--rows", "1"])
         assert "timings skipped" in capsys.readouterr().out
+
+
+ROTATE_CASES = {  # (heads, kv heads, head_dim, rotary dims, q/k norm, (1 + w) norm, q heads interleaved with a gate)
+    "qwen3": (4, 2, 32, 32, True, False, False),
+    "qwen3.5": (4, 1, 32, 8, True, True, True),
+    "qwen2": (2, 2, 16, 16, False, False, False),
+}
+
+
+def rotate_inputs(case, dtype, B=3, T=5, seed=0):
+    H, KV, D, rot, norm, offset, gated = ROTATE_CASES[case]
+    qkv = randn(B, T, H * D * (2 if gated else 1) + 2 * KV * D, dtype=dtype, scale=2.0, seed=seed)
+    q, k, v = qkv.split([H * D * (2 if gated else 1), KV * D, KV * D], dim=-1)
+    q = q.view(B, T, H, 2 * D)[..., :D] if gated else q.view(B, T, H, D)  # strided heads, as the gated layer has
+    k, v = k.view(B, T, KV, D), v.view(B, T, KV, D)
+    positions = torch.arange(B * T, device=DEV).view(B, T) % 7 + 3
+    from pocketlab.layers.rotary import Rotary
+
+    cos, sin = Rotary(rot, 1e4, 16, DEV, dtype).table(positions)
+    norms = (1 + 0.1 * randn(D, dtype=dtype, seed=1), 1 + 0.1 * randn(D, dtype=dtype, seed=2), EPS, offset)
+    return q, k, v, positions, (cos, sin), norms if norm else None
+
+
+@pytest.mark.parametrize("case", list(ROTATE_CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_rotate_store_matches_the_torch_path(case, dtype):
+    """The fused q/k norm + RoPE + K/V write gives torch's q (norm_and_rotate) and fills the cache where write_kv
+    does, to a rounding step; the rest of the cache is untouched."""
+    from pocketlab.layers.attention import write_kv
+    from pocketlab.layers.invariant.rotate import norm_rotate_store
+    from pocketlab.layers.rotary import apply_rotary, norm_and_rotate
+
+    q, k, v, positions, rope, norms = rotate_inputs(case, dtype)
+    B, T, KV, D = k.shape
+    slots = torch.tensor([2, 0, 1], device=DEV)[:, None].expand(B, T)
+    caches = [torch.full((3, KV, 16, D), 7.0, dtype=dtype, device=DEV) for _ in range(4)]
+    got_q = norm_rotate_store(q, k, v, caches[0], caches[1], (slots, positions), rope, norms)
+    if norms is None:
+        want_q, want_k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+    else:
+        want_q, want_k = norm_and_rotate(q, k, norms[0], norms[1], *rope, norms[2], norms[3])
+    write_kv(caches[2], caches[3], want_k, v, (slots, positions))
+    close(got_q, want_q, dtype)
+    close(caches[0], caches[2], dtype)
+    assert torch.equal(caches[1], caches[3])  # v is copied, not computed
+
+
+def test_norm_rotate_store_rows_are_batch_invariant():
+    """A token's q comes out bitwise the same whatever tokens share the launch."""
+    from pocketlab.layers.invariant.rotate import norm_rotate_store
+
+    q, k, v, positions, (cos, sin), norms = rotate_inputs("qwen3", torch.float32, B=12, T=1)
+    q[:, :, :, 0] = 2.0**10  # an outlier channel: the sum of squares turns order-sensitive
+    caches = [torch.zeros(1, k.shape[2], 16, k.shape[3], device=DEV) for _ in range(2)]
+
+    def fn(q, k, v, cos, sin):
+        zeros = torch.zeros(len(q), 1, dtype=torch.long, device=DEV)  # every token writes slot 0, position 0
+        targets = (zeros, zeros)
+        return norm_rotate_store(q, k, v, *caches, targets, (cos, sin), norms)
+
+    assert_rows_invariant(fn, q.contiguous(), k.contiguous(), v.contiguous(), cos, sin)

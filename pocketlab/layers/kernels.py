@@ -22,6 +22,7 @@ class Kernels:
     sigmoid_gate: Callable = activations.sigmoid_gate
     decay_and_beta: Callable = activations.decay_and_beta
     attention: Callable | None = None  # over the slot cache for every query; None: SDPA / the decode kernel
+    norm_rotate_store: Callable | None = None  # q/k norms, RoPE and the K/V write before `attention`
     delta_rule_in_place: bool = False  # Gated DeltaNet: every token through the in-place kernels, no chunked rule
 
 
@@ -33,6 +34,7 @@ def kernels_for(options) -> Kernels:
         return DEFAULT
     from . import invariant
     from .invariant.attention import attention
+    from .invariant.rotate import norm_rotate_store
 
     return Kernels(
         invariant.linear,
@@ -43,5 +45,6 @@ def kernels_for(options) -> Kernels:
         invariant.sigmoid_gate,
         invariant.decay_and_beta,
         attention,
+        norm_rotate_store,
         delta_rule_in_place=True,
     )

@@ -13,7 +13,7 @@ from ..layers.decode_attention import available as decode_attention_available
 from ..layers.decode_attention import decode_attention
 from ..layers.kernels import Kernels, kernels_for
 from ..layers.norm import RMSNorm
-from ..layers.rotary import Rotary, apply_rotary, norm_and_rotate
+from ..layers.rotary import Rotary, norm_and_rotate
 
 
 class MLP:
@@ -52,8 +52,8 @@ class Attention:
             gate = gate.reshape(B, T, self.nq * self.hd)
         q, k, v = q.reshape(B, T, self.nq, self.hd), k.view(B, T, self.nkv, self.hd), v.view(B, T, self.nkv, self.hd)
         k_cache, v_cache, eps = cache.k[self.kv_key], cache.v[self.kv_key], self.cfg.rms_norm_eps
+        norms = (self.q_norm, self.k_norm, eps, self.gated) if self.q_norm is not None else None
         if ctx.attention is AttentionPath.DECODE_KERNEL:  # one kernel norms, rotates, stores K/V and attends
-            norms = (self.q_norm, self.k_norm, eps, self.gated) if self.q_norm is not None else None
             rope = tuple(t[:, 0, 0] for t in ctx.rope)
             out = decode_attention(
                 q[:, 0],
@@ -68,12 +68,8 @@ class Attention:
                 rope,
                 norms,
             )[:, None]
-        elif ctx.attention is AttentionPath.INVARIANT:  # the q/k norms as batch-invariant row kernels too
-            if self.q_norm is not None:
-                q = self.kernels.rms_norm(q, self.q_norm, eps, self.gated)
-                k = self.kernels.rms_norm(k, self.k_norm, eps, self.gated)
-            q, k = apply_rotary(q, *ctx.rope), apply_rotary(k, *ctx.rope)
-            write_kv(k_cache, v_cache, k, v, ctx.kv_targets)
+        elif ctx.attention is AttentionPath.INVARIANT:  # one row kernel norms, rotates and stores; then attend
+            q = self.kernels.norm_rotate_store(q, k, v, k_cache, v_cache, ctx.kv_targets, ctx.rope, norms)
             out = self.kernels.attention(
                 q, k_cache, v_cache, ctx.slot_ids, ctx.start, ctx.lengths, self.hd**-0.5, ctx.kv_len
             )

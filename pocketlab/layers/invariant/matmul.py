@@ -71,8 +71,9 @@ def order(N: int, K: int, dtype: torch.dtype) -> Order:
 
 def tiles(M: int, N: int, dtype: torch.dtype, device: torch.device) -> Tiles:
     """The launch for M rows: from MANY_ROWS rows on, one program runs all slices of its tile; fewer rows run
-    a program per slice. GPU tiles: 16 x 64 for few rows, 128 x 128 for many (float32: 64 x 128 over 8 warps,
-    32 accumulators a thread, no spills); the interpreter keeps one tile shape."""
+    a program per slice. GPU tiles: 16-64 rows (the fewest covering M, so each weight tile is read once) x 64
+    for few rows, 128 x 128 for many (float32: 64 x 128 over 8 warps, 32 accumulators a thread, no spills);
+    the interpreter keeps one tile shape."""
     mode = IN_PROGRAM if M >= MANY_ROWS else LAST_SUMS
     if dtype == torch.float32:
         return Tiles(64, 128, 8, 3, mode)
@@ -80,7 +81,7 @@ def tiles(M: int, N: int, dtype: torch.dtype, device: torch.device) -> Tiles:
         return Tiles(64, DECODE_BLOCK_N, 4, 3, mode)
     if mode == IN_PROGRAM:
         return Tiles(128, 128, 8, 3, mode)
-    return Tiles(16, DECODE_BLOCK_N, 4, 4, mode)
+    return Tiles(min(64, max(16, triton.next_power_of_2(M))), DECODE_BLOCK_N, 4, 4, mode)
 
 
 @triton.jit

@@ -22,7 +22,8 @@ SHAPES = {
     "9b lm_head": (248320, 4096),
 }  # fmt: skip
 FEW = [Tiles(64, 32, 4, 4, LAST_SUMS), Tiles(64, 64, 4, 3, LAST_SUMS), Tiles(64, 64, 4, 4, LAST_SUMS),
-       Tiles(64, 64, 4, 6, LAST_SUMS), Tiles(64, 128, 4, 4, LAST_SUMS), Tiles(16, 64, 4, 4, LAST_SUMS)]  # fmt: skip
+       Tiles(64, 64, 4, 6, LAST_SUMS), Tiles(64, 128, 4, 4, LAST_SUMS), Tiles(16, 64, 4, 4, LAST_SUMS),
+       Tiles(32, 64, 4, 4, LAST_SUMS)]  # fmt: skip
 MANY = [Tiles(128, 128, 8, 3, IN_PROGRAM), Tiles(128, 256, 8, 2, IN_PROGRAM), Tiles(128, 128, 4, 3, IN_PROGRAM),
         Tiles(64, 128, 4, 4, IN_PROGRAM), Tiles(128, 64, 4, 4, IN_PROGRAM)]  # fmt: skip
 
