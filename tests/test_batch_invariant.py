@@ -21,7 +21,7 @@ from pocketlab.layers.gated_delta import backend_name
 from pocketlab.layers.kernels import kernels_for
 from pocketlab.layers.rotary import apply_rotary
 from pocketlab.verify.common import load_pair
-from pocketlab.verify.invariance import CASES, invariance
+from pocketlab.verify.invariance import CASES, _solo, compare, invariance
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +47,19 @@ def test_every_schedule_gives_the_solo_logits_bit_for_bit(pairs, model):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("model", ["tiny-qwen3", "tiny-qwen3_5"])
 def test_every_schedule_is_bitwise_in_16_bits(pairs, model, dtype):
-    """bf16 and fp16 on CUDA: more slots and steps, graph buckets included (prompts long enough to split)."""
-    r = invariance(pairs(model, dtype), num_slots=9, steps=12, prompt_lens=[5, 300, 18, 1, 77, 140, 9, 260, 33])
+    """bf16 and fp16 on CUDA: 40 slots (random subsets reach every graph bucket up to 64), prompts of 1-300
+    tokens (several key splits), graphs on; and a solo run with graphs off gives the graphed run's bits."""
+    lens = [5, 300, 18, 1, 77, 140, 9, 260, 33] + [3 + (7 * i) % 50 for i in range(31)]
+    r = invariance(pairs(model, dtype), num_slots=40, steps=12, prompt_lens=lens)
     assert r.passed, r.summary.to_string()
+    prompt = random_prompt(70, seed=3)
+    graphed, eager = (
+        _solo(
+            pairs(model, dtype).engine(max_slots=2, max_seq_len=128, batch_invariant=True, cuda_graphs=g), prompt, 8, 1
+        )
+        for g in (True, False)
+    )
+    assert compare(graphed, eager)["bitwise"]
 
 
 # -- mutants: one kernel switched back to a batch-variant implementation --------------------------------
