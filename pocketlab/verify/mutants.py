@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -273,14 +274,15 @@ def _speculative(pair: Pair, steps: int) -> Report:
     return Report("speculative", df.assign(model=model), {"equality": df}, dict(model=model))
 
 
-CHECKS: dict[str, Callable[[Pair, int], Report]] = {
-    "parity": lambda pair, steps: parity(pair, prompt_lens=[1, 7, 9, 21], decode_steps=steps),
-    "isolation": lambda pair, steps: isolation(pair, num_slots=3, decode_steps=steps),
-    "batch_api": lambda pair, steps: batch_api(pair, num_slots=3, decode_steps=steps),
-    "prefix_cache": lambda pair, steps: prefix_cache(pair),
-    "speculative": _speculative,
-    "invariance": lambda pair, steps: invariance(
-        pair, num_slots=3, steps=2, batch_invariant=True, cases=("batched", "interleaved")
+# name -> check(pair, decode steps, slots); small shapes: the matrix runs each check up to 1 + 7 times
+CHECKS: dict[str, Callable[[Pair, int, int], Report]] = {
+    "parity": lambda pair, steps, slots: parity(pair, prompt_lens=[1, 7, 9, 21], decode_steps=steps),
+    "isolation": lambda pair, steps, slots: isolation(pair, num_slots=slots, decode_steps=steps),
+    "batch_api": lambda pair, steps, slots: batch_api(pair, num_slots=slots, decode_steps=steps),
+    "prefix_cache": lambda pair, steps, slots: prefix_cache(pair),
+    "speculative": lambda pair, steps, slots: _speculative(pair, steps),
+    "invariance": lambda pair, steps, slots: invariance(
+        pair, num_slots=slots, steps=2, batch_invariant=True, cases=("batched", "interleaved")
     ),
 }
 EXPENSIVE = {"invariance"}  # runs only against the mutants it targets unless full="all"
@@ -308,9 +310,10 @@ def without_graphs(pair: Pair) -> Pair:
 
 
 # -- how subtle: each mutant's effect on one step's logits ---------------------------------------
-def _scenario(eng, vocab: int, seed: int) -> list[tuple[str, int, torch.Tensor]]:
+def _scenario(new_engine, vocab: int, seed: int) -> list[tuple[str, int, torch.Tensor]]:
     """(step, token, logits) of a fixed little workload that touches every mutated path: two prompts, a batched
     decode, a single decode, a snapshot put back, a prompt diverging inside a cached block, a sampled batch."""
+    eng = new_engine()
     a, b = random_prompts(vocab, [20, 9], seed + 5)
     out = []
 
@@ -322,7 +325,7 @@ def _scenario(eng, vocab: int, seed: int) -> list[tuple[str, int, torch.Tensor]]
     reqs = [BatchedRequest(0, b, slot_id=0, generated_tokens=[out[1][1]])]
     reqs.append(BatchedRequest(1, a, slot_id=1, generated_tokens=[out[0][1]]))
     res = eng.batch_decode_step(reqs)
-    for i, r in enumerate(reqs):
+    for i in range(len(reqs)):
         out.append((f"batched decode, row {i}", res.next_tokens[i], res.logits[i].float().cpu().clone()))
     add("decode slot 0", eng.decode_step(res.next_tokens[0], slot_id=0))
     snap = eng.snapshot(0)
@@ -342,8 +345,9 @@ def _scenario(eng, vocab: int, seed: int) -> list[tuple[str, int, torch.Tensor]]
     return out
 
 
-def _speculative_scenario(eng, vocab: int, seed: int) -> list[tuple[str, int, torch.Tensor]]:
+def _speculative_scenario(new_engine, vocab: int, seed: int) -> list[tuple[str, int, torch.Tensor]]:
     """Speculative greedy decoding with a drafter that is always wrong: every step rolls back."""
+    eng = new_engine()
     prompt = random_prompts(vocab, [9], seed + 5)[0]
     use_drafter(eng, "adversarial", {0: prompt + [0] * 64})
     r, out = eng.prefill(prompt), []
@@ -376,13 +380,14 @@ def effects(pair: Pair, mutants=MUTANTS, seed: int = 0) -> pd.DataFrame:
         if m.needs == "speculative":
             model, _ = checked_model(pair.name)
             make, vocab = mtp_engine(model, pair.device, "float32", seed, cuda_graphs=False)
-            run = lambda: _speculative_scenario(make(speculative_tokens=2, **opts), vocab, seed)  # noqa: E731
+            new = functools.partial(make, speculative_tokens=2, **opts)
+            run = functools.partial(_speculative_scenario, new, vocab, seed)
         elif m.needs == "hybrid" and not _hybrid(pair):
             rows.append(dict(mutant=m.name, bug=m.bug, first_changed_step="n/a (no recurrent state)"))
             continue
         else:
             model = pair.name
-            run = lambda: _scenario(pair.engine(**opts), pair.vocab_size, seed)  # noqa: E731
+            run = functools.partial(_scenario, lambda: pair.engine(**opts), pair.vocab_size, seed)
         ok = run()
         with m.install():
             bad = run()
@@ -391,10 +396,10 @@ def effects(pair: Pair, mutants=MUTANTS, seed: int = 0) -> pd.DataFrame:
 
 
 # -- the matrix ----------------------------------------------------------------------------------
-def _run_check(name: str, pair: Pair, steps: int) -> tuple[bool, str]:
+def _run_check(name: str, pair: Pair, steps: int, slots: int) -> tuple[bool, str]:
     """(passed, failing parts) for one check; a check that raises has failed."""
     try:
-        r = CHECKS[name](pair, steps)
+        r = CHECKS[name](pair, steps, slots)
     except Exception as e:  # noqa: BLE001 - a mutant that crashes a check is caught by it
         return False, f"raised {type(e).__name__}: {str(e)[:120]}"
     bad = r.summary[~r.summary["pass"]]
@@ -408,6 +413,7 @@ def catch_matrix(
     dtype: str = "float32",
     seed: int = 0,
     steps: int = 4,
+    slots: int = 3,
     checks=tuple(CHECKS),
     mutants=tuple(MUTANTS),
     full: bool | str = True,
@@ -421,11 +427,13 @@ def catch_matrix(
         raise ValueError(f"unknown checks or mutants {unknown}; checks: {list(CHECKS)}, mutants: {list(MUTANTS)}")
     if full not in (True, False, "all"):
         raise ValueError(f"full={full!r}: use True, False or 'all'")
+    if steps < 2 or slots < 2:
+        raise ValueError(f"steps={steps}, slots={slots}: the checks need at least 2 of each")
     pair = without_graphs(as_pair(model, device, dtype, seed))
     chosen = {m: MUTANTS[m] for m in mutants}
     cells = []
     for check in checks:
-        passed, why = _run_check(check, pair, steps)
+        passed, why = _run_check(check, pair, steps, slots)
         cells.append(dict(check=check, mutant="(correct engine)", targeted=True, passed=passed, detail=why))
         for m in chosen.values():
             targeted = check in m.targets
@@ -435,7 +443,7 @@ def catch_matrix(
             if not targeted and (full is False or (full is True and check in EXPENSIVE)):
                 continue
             with m.install():
-                passed, why = _run_check(check, pair, steps)
+                passed, why = _run_check(check, pair, steps, slots)
             cells.append(dict(check=check, mutant=m.name, targeted=targeted, passed=passed, detail=why))
     cells = pd.DataFrame(cells)
     cells["outcome"] = [_outcome(c) for c in cells.itertuples()]
@@ -443,7 +451,7 @@ def catch_matrix(
     matrix = cells.pivot(index="check", columns="mutant", values="outcome").reindex(
         index=list(checks), columns=["(correct engine)", *chosen]
     )
-    matrix = matrix.fillna("not run")
+    matrix = matrix.astype(object).where(matrix.notna(), "not run")
     summary = []
     for check in checks:
         c = cells[cells.check == check]
@@ -496,6 +504,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="", help="default: bfloat16 on cuda, float32 on cpu")
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--slots", type=int, default=3)
     ap.add_argument("--full", default="", help="true / false / all (default: true on cpu, false on cuda)")
     ap.add_argument("--out", default="", help="CSV of every cell")
     a = ap.parse_args(argv)
@@ -503,7 +512,7 @@ def main(argv=None) -> int:
     full = {"": not a.device.startswith("cuda"), "true": True, "false": False, "all": "all"}.get(a.full.lower())
     if full is None:
         raise ValueError(f"--full {a.full!r}: use true, false or all")
-    r = catch_matrix(a.model, a.device, dtype, steps=a.steps, full=full)
+    r = catch_matrix(a.model, a.device, dtype, steps=a.steps, slots=a.slots, full=full)
     with pd.option_context("display.width", 250, "display.max_columns", 20, "display.max_colwidth", 60):
         print(r.tables["matrix"].to_string())
         print(r.summary.to_string(index=False))
