@@ -1,7 +1,7 @@
 """The verification suite can fail: every check fails each engine mutant it targets and passes the correct
-engine (pocketlab.verify.mutants). Notebook 07 shows the whole matrix on tiny Qwen3, the batch-invariant check
-included; here the hybrid model (where the recurrent-state mutants apply) in float32, and the calibrated bf16
-verdicts of the isolation and batch checks."""
+engine (pocketlab.verify.mutants). Notebook 07 shows the whole matrix on tiny Qwen3; here the targeted cells:
+on the hybrid model (where the recurrent-state mutants apply) in float32, the bitwise batch-invariance check on
+tiny Qwen3, and the calibrated bf16 verdicts of the isolation and batch checks."""
 
 import pandas as pd
 import pytest
@@ -33,12 +33,13 @@ def hybrid():
 
 
 def test_every_check_fails_every_mutant_it_targets_and_passes_the_correct_engine(hybrid):
-    r = catch_matrix(hybrid, checks=FAST, slots=2, full=False)
+    mine = tuple(m.name for m in MUTANTS.values() if set(m.targets) & set(FAST))
+    r = catch_matrix(hybrid, checks=FAST, slots=2, mutants=mine, full=False)
     targeted = _assert_all_caught(r)
     # every mutant is targeted by at least one check that ran here, so none is silently out of reach
-    want = {(m.name, c) for m in MUTANTS.values() for c in m.targets if c in FAST and applies(m, c, hybrid)}
+    want = {(m, c) for m in mine for c in MUTANTS[m].targets if c in FAST and applies(MUTANTS[m], c, hybrid)}
     assert set(zip(targeted.mutant, targeted.check, strict=True)) == want
-    assert {m for m, _ in want} == set(MUTANTS)
+    assert {m for m, _ in want} == set(mine)
     eff = r.tables["effects"].set_index("mutant")
     assert (eff.first_changed_step != "(none)").all(), eff  # each mutant changes something in one step ...
     logit_bugs = eff.drop(index="sampling_by_row")
@@ -46,11 +47,25 @@ def test_every_check_fails_every_mutant_it_targets_and_passes_the_correct_engine
     assert eff.loc["sampling_by_row", "token_changed"]
 
 
+def test_the_bitwise_batch_invariance_check_catches_its_mutants():
+    """Tiny Qwen3 in the batch-invariant mode (Triton's interpreter on the CPU): a slot bug, the shared position
+    and a matmul whose split-K follows the batch, a last-bit change (relative effect ~1e-6) only bits can see."""
+    mine = tuple(m.name for m in MUTANTS.values() if "invariance" in m.targets)
+    r = catch_matrix(load_pair("tiny-qwen3", device=DEVICE), checks=("invariance",), slots=2, mutants=mine, full=False)
+    assert len(_assert_all_caught(r)) == len(mine) == 3
+    assert r.tables["effects"].set_index("mutant").loc["split_k_by_batch", "rel_effect"] < 1e-4
+
+
 def test_calibrated_bf16_isolation_and_batch_verdicts_catch_their_mutants():
     """In bf16 the bound is 2 x the engine's own |bf16 - fp32| per step: tight enough to catch each mutant."""
     bf16 = load_pair("tiny-qwen3", device=DEVICE, dtype="bfloat16")
-    r = catch_matrix(bf16, checks=("isolation", "batch_api"), slots=2, full=False)
+    mine = tuple(m.name for m in MUTANTS.values() if {"isolation", "batch_api"} & set(m.targets))
+    r = catch_matrix(bf16, checks=("isolation", "batch_api"), slots=2, mutants=mine, full=False)
     assert len(_assert_all_caught(r)) == 4
+
+
+def test_every_mutant_is_targeted_by_a_check():
+    assert all(m.targets and set(m.targets) <= set(CHECKS) for m in MUTANTS.values())
 
 
 def test_mutants_leave_the_engine_as_it_was():

@@ -23,12 +23,14 @@ from dataclasses import dataclass
 
 import pandas as pd
 import torch
+import torch.nn.functional as F
 
 from .. import engine as engine_module
 from .. import prefix_cache as prefix_module
 from ..cache import SlotCache
 from ..config import ModelConfig
 from ..layers.gated_delta import conv_inputs, gated_delta_rule, window_at
+from ..models import qwen3 as qwen3_module
 from ..models.qwen3 import Attention
 from ..requests import BatchedRequest
 from ..sampling import SamplingParams
@@ -192,6 +194,25 @@ def _sampling_by_row():
     return patched(engine_module, "sample", sample)
 
 
+def _split_k_by_batch():
+    """The batch-invariant mode's matmul splits K in a number of pieces that follows the batch's row count, as
+    cuBLAS picks its split-K by shape: each row's sum is reassociated, a last-bit change (batch-invariant
+    engines only)."""
+    original = qwen3_module.kernels_for
+
+    def linear(x, w, bias=None):
+        parts = 1 + x.reshape(-1, x.shape[-1]).shape[0] % 3
+        pieces = zip(x.tensor_split(parts, -1), w.tensor_split(parts, -1), strict=True)
+        y = sum(F.linear(xs, ws) for xs, ws in pieces)
+        return y if bias is None else y + bias
+
+    def kernels_for(options):
+        kernels = original(options)
+        return dataclasses.replace(kernels, linear=linear) if options.batch_invariant else kernels
+
+    return patched(qwen3_module, "kernels_for", kernels_for)
+
+
 @dataclass(frozen=True)
 class Mutant:
     """One deliberate bug: `install()` is a context manager that breaks the engine while active."""
@@ -200,7 +221,7 @@ class Mutant:
     bug: str
     install: Callable[[], contextlib.AbstractContextManager]
     targets: tuple[str, ...]  # the checks meant to catch it
-    needs: str = ""  # "hybrid": models with Gated DeltaNet state; "speculative": the MTP check's engines only
+    needs: str = ""  # "hybrid": Gated DeltaNet state; "speculative" / "batch_invariant": only those engines
 
 
 MUTANTS = {
@@ -243,6 +264,13 @@ MUTANTS = {
             _rollback_keeps_rejected,
             ("speculative",),
             needs="speculative",
+        ),
+        Mutant(
+            "split_k_by_batch",
+            "batch-invariant matmul splits K by the batch's row count",
+            _split_k_by_batch,
+            ("invariance",),
+            needs="batch_invariant",
         ),
         Mutant(
             "sampling_by_row",
@@ -297,6 +325,8 @@ def applies(mutant: Mutant, check: str, pair: Pair) -> bool:
     MTP model whatever the pair.)"""
     if mutant.needs == "speculative":
         return check == "speculative"
+    if mutant.needs == "batch_invariant":
+        return check == "invariance"
     if mutant.needs == "hybrid":
         return check == "speculative" or _hybrid(pair)
     return True
@@ -387,7 +417,9 @@ def effects(pair: Pair, mutants=MUTANTS, seed: int = 0) -> pd.DataFrame:
             continue
         else:
             model = pair.name
-            run = functools.partial(_scenario, lambda: pair.engine(**opts), pair.vocab_size, seed)
+            mode = dict(batch_invariant=True) if m.needs == "batch_invariant" else {}
+            new = functools.partial(pair.engine, **opts, **mode)
+            run = functools.partial(_scenario, new, pair.vocab_size, seed)
         ok = run()
         with m.install():
             bad = run()
