@@ -167,7 +167,7 @@ class Tolerance:
         return f"|diff| <= {self.rtol:g} x max|logit|"
 
 
-# low precision: batched and solo runs round differently; uncalibrated bound scales with the logits (reports/README.md)
+# low precision without a noise measurement (the prefix check): the bound scales with the logits (reports/README.md)
 TOLERANCES = {
     "float32": Tolerance("float32", atol=1e-4),
     "bfloat16": Tolerance("bfloat16", rtol=0.1),
