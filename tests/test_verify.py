@@ -11,7 +11,7 @@ import torch
 from pocketlab import BatchDecodeResult, ModelConfig, QwenEngine, verify
 from pocketlab.sampling import GREEDY
 from pocketlab.verify import reports
-from pocketlab.verify.common import VERDICT_ENV, Run, compare_runs, step_metrics, tolerance
+from pocketlab.verify.common import VERDICT_ENV, NoiseMeter, Run, compare_runs, solo_run, step_metrics, tolerance
 from pocketlab.verify.isolation import SCHEDULES
 
 SMALL = dict(decode_steps=3, prefill_chunk=4)
@@ -47,6 +47,32 @@ def test_step_metrics_token_rules():
     ref[5] = 1.0
     assert step_metrics(ref, ref, 3, 5, tolerance("bfloat16"))["decisive_mismatch"]
     assert not step_metrics(ref, ref + 1e-3, 3, 3, tolerance("float32"))["within_tol"]
+
+
+def test_calibrated_low_precision_bound_follows_the_measured_noise():
+    """bf16 engine vs itself with a measured noise: |diff| <= 2 x noise per step, and a flip only where the
+    reference's top-2 margin is within that bound (not the uncalibrated 2 x 0.1 x max|logit|)."""
+    tol = tolerance("bfloat16")
+    ref = torch.zeros(16)
+    ref[3], ref[5] = 5.0, 4.9  # margin 0.1
+    loose = step_metrics(ref, ref, 3, 5, tol)  # uncalibrated: 0.1 < 2 x 0.5, accepted
+    assert not loose["decisive_mismatch"]
+    quiet = step_metrics(ref, ref, 3, 5, tol, noise=0.02)  # measured noise 0.02: bound 0.04 < 0.1
+    assert quiet["bound"] == pytest.approx(0.04) and quiet["decisive_mismatch"]
+    assert not step_metrics(ref, ref, 3, 5, tol, noise=0.06)["decisive_mismatch"]  # bound 0.12 explains it
+    assert not step_metrics(ref, ref + 0.05, 3, 3, tol, noise=0.02)["within_tol"]  # 5% of the scale would pass
+    assert step_metrics(ref, ref + 0.05, 3, 3, tol)["within_tol"]  # ... the uncalibrated rule (0.5)
+    with pytest.raises(ValueError, match="no tolerance"):
+        tolerance("int8")
+
+
+def test_noise_meter_measures_bf16_against_float32(root):
+    bf16 = verify.load_pair("tiny-qwen3", dtype="bfloat16", root=root)
+    eng, meter = bf16.engine(max_slots=1, max_seq_len=64), NoiseMeter(bf16, max_slots=1, max_seq_len=64)
+    run = solo_run(eng, [1, 2, 3, 4], 3)
+    noise = meter([1, 2, 3, 4], run)
+    assert len(noise) == 4 and all(0 < n < 1 for n in noise)
+    assert NoiseMeter(verify.load_pair("tiny-qwen3", root=root))([1, 2], run) is None  # float32: exact verdicts
 
 
 def test_compare_runs_flags_a_wrong_token():
@@ -153,7 +179,8 @@ class SloppyEngine(QwenEngine):
 
 def test_batch_api_tables_and_pass(pair):
     r = verify.batch_api(pair, **SMALL)
-    assert set(r.tables) == {"requests", "forwards", "bookkeeping", "errors"}
+    assert set(r.tables) == {"requests", "sampled", "forwards", "bookkeeping", "errors"}
+    assert r.tables["sampled"].own_uniform_draws.all() and r.tables["sampled"].tokens_equal.all()
     assert {"case", "expected", "raised", "message", "state_unchanged", "pass"} <= set(r.tables["errors"])
     assert (r.tables["forwards"].actual == 1).all() and len(r.tables["errors"]) >= 20
     assert r.passed, r.summary

@@ -1,5 +1,9 @@
 """Batch API: ragged batch_prefill + batch_decode_step must equal solo runs, run ONE forward per call,
 keep BatchedRequest bookkeeping right, and reject every misuse before touching any slot's state.
+
+Sampled requests too: each batched request must draw its tokens from its own (seed, position), whatever row
+it runs in. In bf16/fp16 the logit bound is calibrated per step from the engine's own rounding noise
+(common.NoiseMeter), and a token may differ only where that noise explains it.
 """
 
 from __future__ import annotations
@@ -10,7 +14,9 @@ import pandas as pd
 import torch
 
 from ..requests import BatchedRequest
+from ..sampling import SamplingParams, filtered_probs
 from .common import (
+    NoiseMeter,
     Report,
     Run,
     as_pair,
@@ -49,23 +55,27 @@ def batch_api(
     lens = list(prompt_lens or default_prompt_lens(num_slots, prefill_chunk))
     prompts = random_prompts(pair.vocab_size, lens, seed)
     # one spare slot beyond those allocated, so "a slot outside the allocation" exists physically
-    eng = pair.engine(
+    opts = dict(
         max_slots=max(num_slots, 3) + 1, max_seq_len=seq_len_for(lens, decode_steps + 1), prefill_chunk=prefill_chunk
     )
-    solo = []
+    eng, noise_of = pair.engine(**opts), NoiseMeter(pair, **opts)
+    solo, noise = [], []
     for p in prompts:
         eng.reset()
         solo.append(solo_run(eng, p, decode_steps + 1, slot=0))
+        noise.append(noise_of(p, solo[-1]))
+    sampled = _sampled(eng, prompts, decode_steps, tol, noise_of)
 
     requests, logits, forwards, book = _batched(eng, prompts, decode_steps, prefill_chunk)
     rows = []
-    for r, p, ref, lg in zip(requests, prompts, solo, logits, strict=True):
+    for r, p, ref, lg, own in zip(requests, prompts, solo, logits, noise, strict=True):
         run = Run(list(r.generated_tokens), lg)
         ref = _prefix(ref, len(run.tokens))
-        rows.append(dict(request_id=r.request_id, slot=r.slot_id, prompt_len=len(p), **compare_runs(ref, run, tol)))
+        c = compare_runs(ref, run, tol, own)
+        rows.append(dict(request_id=r.request_id, slot=r.slot_id, prompt_len=len(p), **c))
     table = pd.DataFrame(rows)
-    book += _reuse_after_release(eng, requests, logits, solo, tol)
-    errors = error_cases(eng, prompts[-1], solo[-1], tol)
+    book += _reuse_after_release(eng, requests, logits, solo, tol, noise)
+    errors = error_cases(eng, prompts[-1], solo[-1], tol, noise[-1])
     book_df, fwd_df = pd.DataFrame(book, columns=["check", "expected", "actual", "pass"]), pd.DataFrame(forwards)
     summary = pd.DataFrame(
         [
@@ -73,8 +83,15 @@ def batch_api(
                 check="batch == solo (tokens, logits)",
                 cases=len(table),
                 failures=int((~table["pass"]).sum()),
-                detail=f"max|diff| {table.max_abs_diff.max():.3g}; {tol.describe()}",
+                detail=f"max|diff| {table.max_abs_diff.max():.3g}; {tol.describe(calibrated=True)}",
                 **{"pass": bool(table["pass"].all())},
+            ),
+            dict(
+                check="sampled: batch == solo, each draw from its own (seed, position)",
+                cases=len(sampled),
+                failures=int((~sampled["pass"]).sum()),
+                detail=f"{int(sampled.tokens_equal.sum())}/{len(sampled)} token-identical to solo",
+                **{"pass": bool(sampled["pass"].all())},
             ),
             dict(
                 check="one forward per batch call",
@@ -109,8 +126,76 @@ def batch_api(
         error_cases_ok=int(errors["pass"].sum()),
     )
     return Report(
-        "batch_api", summary, {"requests": table, "forwards": fwd_df, "bookkeeping": book_df, "errors": errors}, figures
+        "batch_api",
+        summary,
+        {"requests": table, "sampled": sampled, "forwards": fwd_df, "bookkeeping": book_df, "errors": errors},
+        figures,
     )
+
+
+def _drawn_by_own_uniform(logits: torch.Tensor, token: int, sp: SamplingParams, position: int) -> bool:
+    """Does `token` lie where the request's own uniform for `position` falls in the sampling CDF of these
+    logits? (A margin of 1e-4 of the mass allows for the device's own cumsum rounding.)"""
+    probs = filtered_probs(logits.float()[None], [sp])[0].double()
+    cdf = probs.cumsum(0)
+    target = max(sp.uniform(position), 1e-9) * float(cdf[-1])
+    return float(cdf[token] - probs[token]) - 1e-4 <= target <= float(cdf[token]) + 1e-4
+
+
+def _sampled(eng, prompts, steps, tol, noise_of) -> pd.DataFrame:
+    """Sampled requests (hot, so draws differ): each solo on slot 0, then all in one batch. Every batched token
+    must be the one its own (seed, position) uniform selects from its logits, and equal the solo run's while
+    the logits agree within tolerance (in low precision a near-boundary draw may follow a rounding flip)."""
+    params = [SamplingParams(temperature=2.0, seed=1000 + i) for i in range(len(prompts))]
+    solo = []
+    for p, sp in zip(prompts, params, strict=True):
+        eng.reset()
+        run, r = Run(), eng.prefill(p, slot_id=0, sampling=sp)
+        run.add(r.next_token, r.logits)
+        for _ in range(steps):
+            r = eng.decode_step(r.next_token, slot_id=0, sampling=sp)
+            run.add(r.next_token, r.logits)
+        solo.append(run)
+    _clear(eng)
+    eng.allocate_batch_slots(len(prompts))
+    reqs = [
+        BatchedRequest(200 + i, list(p), sampling=sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+    ]
+    logits = [[fr.logits.detach().float().cpu().clone()] for fr in eng.batch_prefill(reqs).results]
+    for _ in range(steps):
+        out = eng.batch_decode_step(reqs)
+        for i in range(len(reqs)):
+            logits[i].append(out.logits[i].detach().float().cpu().clone())
+    rows = []
+    for r, p, ref, lg in zip(reqs, prompts, solo, logits, strict=True):
+        run, own = Run(list(r.generated_tokens), lg), noise_of(p, ref)
+        own_draws = all(
+            _drawn_by_own_uniform(x, t, r.sampling, len(p) + k)
+            for k, (t, x) in enumerate(zip(run.tokens, lg, strict=True))
+        )
+        c = compare_runs(ref, run, tol, own)
+        upto = len(run.tokens) if c["first_divergence"] < 0 else c["first_divergence"] + 1
+        noise_k = [None] * upto if own is None else own
+        within = all(
+            float((run.logits[k] - ref.logits[k]).abs().max()) <= tol.bound(ref.logits[k], noise=noise_k[k])
+            for k in range(upto)
+        )
+        ok = own_draws and within and (c["tokens_equal"] or not tol.exact_tokens)
+        rows.append(
+            dict(
+                request_id=r.request_id,
+                slot=r.slot_id,
+                seed=r.sampling.seed,
+                prompt_len=len(p),
+                tokens_equal=c["tokens_equal"],
+                first_divergence=c["first_divergence"],
+                own_uniform_draws=own_draws,
+                logits_within_tol=within,
+                max_abs_diff=c["max_abs_diff"],
+                **{"pass": bool(ok)},
+            )
+        )
+    return pd.DataFrame(rows)
 
 
 def _clear(eng) -> None:
@@ -198,7 +283,7 @@ def _batched(eng, prompts, steps, chunk):
     return requests, logits, forwards, book
 
 
-def _reuse_after_release(eng, requests, logits, solo, tol):
+def _reuse_after_release(eng, requests, logits, solo, tol, noise):
     """Release the first request's slot, allocate it to a new request and prefill there alone; then one
     batch decode over everyone: the newcomer must match a fresh solo run, the others their solo runs."""
     first, others = requests[0], requests[1:]
@@ -213,12 +298,12 @@ def _reuse_after_release(eng, requests, logits, solo, tol):
     fresh.add(res.next_token, res.logits)
     out = eng.batch_decode_step([new] + others)
     fresh.add(out.next_tokens[0], out.logits[0])
-    ok_new = compare_runs(_prefix(solo[0], 2), fresh, tol)["pass"]
+    ok_new = compare_runs(_prefix(solo[0], 2), fresh, tol, noise[0])["pass"]
     book.append(("re-used slot serves a new request like a fresh one", solo[0].tokens[:2], fresh.tokens, ok_new))
     ok = True
     for i, r in enumerate(others, start=1):
         run = Run(list(r.generated_tokens), logits[i] + [out.logits[i].detach().float().cpu()])
-        ok &= compare_runs(_prefix(solo[i], len(run.tokens)), run, tol)["pass"]
+        ok &= compare_runs(_prefix(solo[i], len(run.tokens)), run, tol, noise[i])["pass"]
     want = [s.tokens[len(r.generated_tokens) - 1] for s, r in zip(solo[1:], others, strict=True)]
     book.append(("other slots continue unaffected", want, [r.generated_tokens[-1] for r in others], ok))
     return book
@@ -255,7 +340,7 @@ def _same(a: dict, b: dict) -> bool:
     return True
 
 
-def error_cases(eng, prompt: list[int], ref: Run, tol) -> pd.DataFrame:
+def error_cases(eng, prompt: list[int], ref: Run, tol, noise: list[float] | None = None) -> pd.DataFrame:
     """Every misuse of the API on a busy engine: slot 0 mid-sequence, slot 1 full to max_seq_len,
     slot 2 allocated but empty, slot 3 outside the allocation. Each call must raise the expected
     exception and leave every slot (and the request objects) exactly as they were, with no forward run."""
@@ -338,7 +423,7 @@ def error_cases(eng, prompt: list[int], ref: Run, tol) -> pd.DataFrame:
     # and the busy slot still continues exactly as its solo run did
     try:
         r = eng.decode_step(ra.next_token, slot_id=a)
-        m = step_metrics(ref.logits[2], r.logits, ref.tokens[2], r.next_token, tol)
+        m = step_metrics(ref.logits[2], r.logits, ref.tokens[2], r.next_token, tol, noise=noise and noise[2])
         ok = m["within_tol"] and not m["decisive_mismatch"]
         raised, message = "-", ""
     except Exception as exc:  # noqa: BLE001

@@ -124,8 +124,12 @@ class Tolerance:
     Low precision, against HF: the reference is HF in float32, and the engine may be at most
     `hf_factor` times as far from it as HF itself is when run in the same low precision (HF's own
     error, measured per step, calibrates the bound for every model size); floor `floor * max|logit|`.
-    Low precision, engine against itself (batched vs solo): |diff| <= rtol * max|logit|.
-    A low-precision token may differ only where the reference's top-2 margin is within 2x the bound.
+    Low precision, engine against itself (batched vs solo), calibrated: per step |diff| <= noise_factor x
+    `noise`, the engine's own max |low precision - float32| on the reference's sequence, measured in the
+    same run (two low-precision runs that each sit that far from float32 are at most twice as far apart);
+    a token may differ only where the reference's top-2 margin is within that bound: a flip the measured
+    noise cannot explain fails. Without a measurement: |diff| <= rtol * max|logit| (the prefix check).
+    Against HF or uncalibrated, a token may differ where the reference's top-2 margin is within 2x the bound.
     """
 
     dtype: str
@@ -133,26 +137,37 @@ class Tolerance:
     rtol: float = 0.0
     hf_factor: float = 2.0
     floor: float = 1e-3
+    noise_factor: float = 2.0
 
     @property
     def exact_tokens(self) -> bool:
         return self.rtol == 0.0
 
-    def bound(self, ref: torch.Tensor, hf_error: float | None = None) -> float:
+    def bound(self, ref: torch.Tensor, hf_error: float | None = None, noise: float | None = None) -> float:
         if self.exact_tokens:
             return self.atol
+        if noise is not None:
+            return max(self.noise_factor * noise, self.atol)
         scale = float(ref.abs().max())
         return self.rtol * scale if hf_error is None else max(self.hf_factor * hf_error, self.floor * scale)
 
-    def describe(self, vs_hf: bool = False) -> str:
+    def flip_margin(self, bound: float, calibrated: bool) -> float:
+        """The largest top-2 margin at which a different token is accepted (0: none in float32)."""
+        if self.exact_tokens:
+            return -1.0
+        return bound if calibrated else 2 * bound
+
+    def describe(self, vs_hf: bool = False, calibrated: bool = False) -> str:
         if self.exact_tokens:
             return f"|diff| <= {self.atol:g}"
         if vs_hf:
             return f"|diff vs HF fp32| <= {self.hf_factor:g} x HF {self.dtype}'s own"
+        if calibrated:
+            return f"|diff| <= {self.noise_factor:g} x own |{self.dtype} - fp32| per step; flips only within it"
         return f"|diff| <= {self.rtol:g} x max|logit|"
 
 
-# low precision: batched and solo runs round differently, so the bound scales with the logits (reports/README.md)
+# low precision without a noise measurement (the prefix check): the bound scales with the logits (reports/README.md)
 TOLERANCES = {
     "float32": Tolerance("float32", atol=1e-4),
     "bfloat16": Tolerance("bfloat16", rtol=0.1),
@@ -161,21 +176,29 @@ TOLERANCES = {
 
 
 def tolerance(dtype: str) -> Tolerance:
+    if dtype not in TOLERANCES:
+        raise ValueError(f"no tolerance for dtype {dtype!r}; known: {sorted(TOLERANCES)}")
     return TOLERANCES[dtype]
 
 
 def step_metrics(
-    ref: torch.Tensor, test: torch.Tensor, ref_token: int, token: int, tol: Tolerance, hf_error: float | None = None
+    ref: torch.Tensor,
+    test: torch.Tensor,
+    ref_token: int,
+    token: int,
+    tol: Tolerance,
+    hf_error: float | None = None,
+    noise: float | None = None,
 ) -> dict:
-    """Compare one step's logits and token against the reference's (hf_error: see Tolerance)."""
+    """Compare one step's logits and token against the reference's (hf_error, noise: see Tolerance)."""
     ref, test = ref.float().cpu(), test.float().cpu()
     diff = float((test - ref).abs().max())
     scale = float(ref.abs().max())
     top2 = ref.topk(2).values
     margin = float(top2[0] - top2[1])
-    bound = tol.bound(ref, hf_error)
+    bound = tol.bound(ref, hf_error, noise)
     equal = int(token) == int(ref_token)
-    decisive = not equal and (tol.exact_tokens or margin > 2 * bound)  # a flip the allowed error can't explain
+    decisive = not equal and margin > tol.flip_margin(bound, noise is not None)  # a flip the bound can't explain
     return dict(
         max_abs_diff=diff,
         rel_diff=diff / max(scale, 1e-30),
@@ -189,13 +212,19 @@ def step_metrics(
     )
 
 
-def compare_runs(ref: Run, test: Run, tol: Tolerance) -> dict:
-    """Judge a run against its reference; steps after the first token divergence are not comparable."""
+def compare_runs(ref: Run, test: Run, tol: Tolerance, noise: list[float] | None = None) -> dict:
+    """Judge a run against its reference; steps after the first token divergence are not comparable.
+    noise: per step of `ref`, its own |low precision - float32| distance (see `own_noise`), or None."""
     n = min(len(ref.tokens), len(test.tokens))
     equal = [a == b for a, b in zip(ref.tokens[:n], test.tokens[:n], strict=True)]
     first = equal.index(False) if False in equal else -1
     upto = n if first < 0 else first + 1
-    steps = [step_metrics(ref.logits[k], test.logits[k], ref.tokens[k], test.tokens[k], tol) for k in range(upto)]
+    steps = [
+        step_metrics(
+            ref.logits[k], test.logits[k], ref.tokens[k], test.tokens[k], tol, noise=None if noise is None else noise[k]
+        )
+        for k in range(upto)
+    ]
     ok = all(s["within_tol"] and not s["decisive_mismatch"] for s in steps) and len(test.tokens) == len(ref.tokens)
     return {
         "steps": n,
@@ -207,6 +236,29 @@ def compare_runs(ref: Run, test: Run, tol: Tolerance) -> dict:
         "bitwise": all(torch.equal(ref.logits[k], test.logits[k]) for k in range(n)),
         "pass": ok,
     }
+
+
+class NoiseMeter:
+    """The engine's own rounding noise, for calibrated low-precision verdicts: a float32 engine of the same
+    weights and options re-runs a reference run's exact token sequence (teacher-forced), and each step's
+    max |low precision - float32| is that step's noise. Float32 pairs measure nothing (None)."""
+
+    def __init__(self, pair: Pair, **options):
+        self.engine32 = (
+            None
+            if pair.dtype == "float32"
+            else pair.make(EngineOptions(device=pair.device, dtype="float32", **options))
+        )
+
+    def __call__(self, prompt: list[int], run: Run) -> list[float] | None:
+        if self.engine32 is None:
+            return None
+        eng = self.engine32
+        eng.reset()
+        ref = [eng.prefill(prompt, slot_id=0).logits]
+        for token in run.tokens[:-1]:
+            ref.append(eng.decode_step(token, slot_id=0).logits)
+        return [float((a.float().cpu() - b.float().cpu()).abs().max()) for a, b in zip(run.logits, ref, strict=True)]
 
 
 # -- what a check returns ------------------------------------------------------------------------

@@ -32,10 +32,11 @@ def greedy_equality(
     new_tokens: int = 64,
     prefill_chunk: int = 8,
     rollback: str = "states",
+    **options,
 ) -> pd.DataFrame:
     """One row per (drafter, k): do all slots' tokens equal plain greedy decoding's? Plus acceptance figures
-    and whether every batch call ran exactly one model forward."""
-    make, vocab = mtp_engine(model, device, dtype, seed)
+    and whether every batch call ran exactly one model forward. options: more EngineOptions for every engine."""
+    make, vocab = mtp_engine(model, device, dtype, seed, **options)
     prompts = random_prompts(vocab, prompt_lens, seed)
     seq_len = max(prompt_lens) + new_tokens + max(ks) + 8
     opts = dict(max_slots=len(prompts), max_seq_len=seq_len, prefill_chunk=prefill_chunk, speculative_rollback=rollback)

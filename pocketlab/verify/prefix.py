@@ -106,6 +106,7 @@ def prefix_cache(
     if requests <= 4:
         raise ValueError(f"requests={requests}: need more than the 4 slots, or the first batch takes them all")
     pair = as_pair(model, device, dtype, seed)
+    dtype = pair.dtype  # a Pair passed in brings its own dtype
     tol = tolerance(dtype)
     opts = dict(
         max_slots=4,
