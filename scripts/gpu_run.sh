@@ -37,7 +37,7 @@
 #   INVARIANT_MODELS [qwen3-8b qwen3.5-9b]  INVARIANT_STEPS [64]   the invariant step's shapes and decode steps
 #   INVARIANT_TESTS  [the mode's and its kernels' test files]  INVARIANT_TIMINGS [1]   (empty / 0: skip)
 #   INVARIANT_SWEEP  [0]  1: the invariant matmul's launch sweep   INVARIANT_PROFILE []  a model: kernel tables, both modes
-#   REPORT_NOTEBOOKS []                 only these notebooks in the reports step (e.g. 02,03; empty: all)
+#   REPORT_NOTEBOOKS [01,02,03,04,05,06,07]  the reports step's notebooks, in this order, each a step of its own
 #   TTFT_STRIDES     [512]              checkpoint strides the TTFT table is measured at, comma-separated
 #   PEER_MODES       [eager,static]     HF peers (static = static cache + HF's compiled decode step)
 #   EAGER_NEW_TOKENS [32]               HF eager decodes ~14 tok/s at batch 1: capped (recorded in the JSON)
@@ -46,6 +46,8 @@
 #   WRITE_BASELINE   [0]                1: overwrite reports/baseline/cuda-<model>.json from this run's bench
 #   BUDGET_S         [480]              wall-clock budget; a step gets min(its cap, what is left)
 #   BENCH_CAP_S      [200]  TESTS_CAP_S [240]  REPORTS_CAP_S [150]  (reports' time is reserved while benching)
+#   REPORTS_PARALLEL [0]                1: the notebooks run at once (host-bound, so the GPU has room; not for 04,
+#                                       whose timings want the GPU alone)
 #   OUT              [out]              folder whose files come back: gpu_run.log, summary.txt, reports.tgz
 set -u
 cd "$(dirname "$0")/.."
@@ -61,7 +63,7 @@ INVARIANT_TESTS=${INVARIANT_TESTS-tests/test_batch_invariant.py tests/test_invar
 INVARIANT_TIMINGS=${INVARIANT_TIMINGS:-1}
 INVARIANT_SWEEP=${INVARIANT_SWEEP:-0}
 INVARIANT_PROFILE=${INVARIANT_PROFILE-}
-REPORT_NOTEBOOKS=${REPORT_NOTEBOOKS:-}
+REPORT_NOTEBOOKS=${REPORT_NOTEBOOKS:-01,02,03,04,05,06,07}
 TTFT_STRIDES=${TTFT_STRIDES:-512}
 PEER_MODES=${PEER_MODES:-eager,static}
 EAGER_NEW_TOKENS=${EAGER_NEW_TOKENS:-32}
@@ -72,6 +74,7 @@ BUDGET_S=${BUDGET_S:-480}
 BENCH_CAP_S=${BENCH_CAP_S:-200}
 TESTS_CAP_S=${TESTS_CAP_S:-240}
 REPORTS_CAP_S=${REPORTS_CAP_S:-150}
+REPORTS_PARALLEL=${REPORTS_PARALLEL:-0}
 START=$(date +%s)
 mkdir -p "$OUT" reports/bench
 LOG="$OUT/gpu_run.log"
@@ -203,14 +206,20 @@ fi
 # -- 6. reports at real shape; the perf notebook reuses this run's bench JSON (POCKETLAB_BENCH_DIR) -----
 if wants reports; then
   for m in $REPORT_MODELS; do
-    # -o: the machine brings its own packages, so never (re)build the CPU venv the target depends on
-    if command -v make >/dev/null; then
-      cmd=(make -o .venv/.installed reports PY=python3 DEVICE=cuda MODEL="$m" NOTEBOOKS="$REPORT_NOTEBOOKS")
-    else
-      cmd=(python3 -m pocketlab.verify.reports --device cuda --dtype bfloat16 --model "$m" --only "$REPORT_NOTEBOOKS")
-    fi
-    step "make reports DEVICE=cuda MODEL=$m" "$REPORTS_CAP_S" 0 env POCKETLAB_BENCH_DIR="$PWD/reports/bench" "${cmd[@]}"
+    # each notebook of REPORT_NOTEBOOKS its own step (a slow one cannot cost the others their reports)
+    for nb in ${REPORT_NOTEBOOKS//,/ }; do
+      # -o: the machine brings its own packages, so never (re)build the CPU venv the target depends on
+      if command -v make >/dev/null; then
+        cmd=(make -o .venv/.installed reports PY=python3 DEVICE=cuda MODEL="$m" NOTEBOOKS="$nb")
+      else
+        cmd=(python3 -m pocketlab.verify.reports --device cuda --dtype bfloat16 --model "$m" --only "$nb")
+      fi
+      step "make reports DEVICE=cuda MODEL=$m NOTEBOOKS=$nb" "$REPORTS_CAP_S" 0 \
+        env POCKETLAB_BENCH_DIR="$PWD/reports/bench" "${cmd[@]}" &
+      [ "$REPORTS_PARALLEL" = 1 ] || wait
+    done
   done
+  wait
 fi
 # one index over every GPU model whose notebooks have run here (this call's or committed ones)
 # shellcheck disable=SC2086
