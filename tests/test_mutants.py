@@ -87,3 +87,21 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="at least 2"):
         catch_matrix("tiny-qwen3", slots=1)
     assert all(c in CHECKS for _, c in EXPLAINED)
+
+
+def test_a_16_bit_miss_is_explained_only_where_the_bitwise_check_caught_it():
+    """BELOW_16_BIT_NOISE excuses a default-mode miss in bf16/fp16 only, and only once invariance caught it."""
+    from types import SimpleNamespace
+
+    from pocketlab.verify.mutants import _explanation
+
+    miss = SimpleNamespace(mutant="shared_position", check="batch_api")
+    for caught_bitwise in (False, True):
+        cells = pd.DataFrame([dict(check="invariance", mutant="shared_position", passed=not caught_bitwise)])
+        assert _explanation(miss, cells, "float32") == ""
+        assert bool(_explanation(miss, cells, "bfloat16")) == caught_bitwise
+    other = SimpleNamespace(mutant="kv_other_slot", check="batch_api")
+    assert (
+        _explanation(other, pd.DataFrame([dict(check="invariance", mutant="kv_other_slot", passed=False)]), "bfloat16")
+        == ""
+    )

@@ -283,6 +283,14 @@ MUTANTS = {
 
 # (mutant, check) -> why a targeted check cannot see it here; a miss not listed here fails the matrix
 EXPLAINED: dict[tuple[str, str], str] = {}
+# (mutant, check) -> why a default-mode check cannot see it in 16 bits; it counts only in a bf16/fp16 matrix
+# whose bitwise invariance check caught the same mutant, so every miss is still caught by some check
+BELOW_16_BIT_NOISE: dict[tuple[str, str], str] = {
+    ("shared_position", "batch_api"): "in 16 bits batched rows differ from solo ones by rounding noise, and the "
+    "calibrated bound (2x the engine's own |16-bit - float32| distance) exceeds this bug's effect (one layer's RoPE "
+    "at another row's position: 1.5% of max|logit| at the Qwen3-0.6B shape on the H200); the bitwise invariance "
+    "check catches it",
+}
 
 
 # -- the checks, sized for the matrix ------------------------------------------------------------
@@ -478,8 +486,8 @@ def catch_matrix(
                 passed, why = _run_check(check, pair, steps, slots)
             cells.append(dict(check=check, mutant=m.name, targeted=targeted, passed=passed, detail=why))
     cells = pd.DataFrame(cells)
+    cells["explained"] = [_explanation(c, cells, pair.dtype) for c in cells.itertuples()]
     cells["outcome"] = [_outcome(c) for c in cells.itertuples()]
-    cells["explained"] = [EXPLAINED.get((c.mutant, c.check), "") for c in cells.itertuples()]
     matrix = cells.pivot(index="check", columns="mutant", values="outcome").reindex(
         index=list(checks), columns=["(correct engine)", *chosen]
     )
@@ -518,13 +526,21 @@ def catch_matrix(
     return Report("mutants", summary, {"matrix": matrix, "cells": cells, "effects": eff}, figures)
 
 
+def _explanation(c, cells: pd.DataFrame, dtype: str) -> str:
+    """Why a targeted cell may miss: EXPLAINED, or in 16 bits BELOW_16_BIT_NOISE once invariance caught it."""
+    if (c.mutant, c.check) in EXPLAINED:
+        return EXPLAINED[c.mutant, c.check]
+    bitwise = cells[(cells.check == "invariance") & (cells.mutant == c.mutant) & (cells.passed == False)]  # noqa: E712
+    return BELOW_16_BIT_NOISE.get((c.mutant, c.check), "") if dtype != "float32" and len(bitwise) else ""
+
+
 def _outcome(c) -> str:
     if c.passed is None:
         return "n/a"
     if c.mutant == "(correct engine)":
         return "PASS" if c.passed else "FAIL"
     if c.targeted:
-        return "MISSED" if c.passed else "caught"
+        return ("missed (explained)" if c.explained else "MISSED") if c.passed else "caught"
     return "not caught (untargeted)" if c.passed else "caught (untargeted)"
 
 
