@@ -19,11 +19,15 @@
 #   2. a: STEPS="tests extras" TTFT_MODELS="qwen3.5-9b qwen3-8b" TTFT_STRIDES=512,2048 MTP_MODELS=""
 #      b: STEPS="extras reports" TTFT_MODELS="" MTP_MODELS="qwen3.5-9b qwen3.5-0.8b" REPORT_MODELS=qwen3.5-0.8b
 #   3. (if time is left) STEPS=reports REPORT_MODELS=qwen3-8b, and STEPS=profile for the model being worked on
-# Seen on 2026-12-01 (fourth session, one H200): the invariant step's bench is 35-45 s per mode (8B; 9B default
-# 119 s), the divergence table 55-67 s per shape, its CUDA tests 237 s with the kernel tests (Triton compiles),
-# kernel timings 44 s. The batch-invariance report that is still owed (one-GPU call, `.whl` carried):
-#   STEPS="invariant reports" INVARIANT_MODELS="" INVARIANT_TESTS=tests/test_batch_invariant.py INVARIANT_TIMINGS=0
-#   REPORT_MODELS=qwen3-0.6b REPORT_NOTEBOOKS=02,03 REPORTS_CAP_S=400 BUDGET_S=560   (notebooks 02+03 at 32 slots x 256 steps took > 270 s)
+# Seen on 2026-12-01 (fifth session, one H200): the invariant step's bench is 37-49 s per mode at 8B, 43 s
+# (invariant) and 121 s (default) at 9B, the divergence table 57-73 s per shape; its CUDA tests need > 140 s
+# (Triton compiles); notebooks 02, 03 and 07 at the 0.6B shape 187, 167 and 180 s run at once (REPORTS_PARALLEL=1),
+# 07 alone 119 s. Calls made:
+#   STEPS=invariant INVARIANT_MODELS="qwen3-8b qwen3.5-9b" INVARIANT_TESTS="..." INVARIANT_TIMINGS=0 BUDGET_S=560
+#   STEPS=reports REPORT_MODELS=qwen3-0.6b REPORT_NOTEBOOKS=02,03,07 REPORTS_PARALLEL=1 REPORTS_CAP_S=420 BUDGET_S=440
+# Still owed: the invariant kernel timings and sweep with the 32-row decode tile (INVARIANT_TIMINGS=1
+# INVARIANT_SWEEP=1), a profile after the fused norm/RoPE/write kernel (INVARIANT_PROFILE=qwen3-8b), the 8B notebooks
+# under the calibrated verdicts (REPORT_MODELS=qwen3-8b REPORT_NOTEBOOKS=02,03,07).
 # Leave ~30 s between BUDGET_S and the call's limit: the final tar must run, or nothing comes back.
 # After each call unpack each lane's reports.tgz and commit what it measured (reports/bench, reports/gpu,
 # reports/baseline, reports/<model>/): every call starts from your tree, so a later call's reports reuse the
