@@ -27,7 +27,7 @@ PROGRAMS_WANTED = 256  # about two programs per SM of an H200 (132 SMs) for the 
 MIN_BLOCKS_PER_SPLIT = 4  # each K slice keeps at least this many BLOCK_K steps, so its load pipeline fills
 MAX_SPLIT = 8
 DECODE_BLOCK_N = 64  # the N extent of a few-rows tile; its split count is sized for it
-MANY_ROWS = 128  # from this many rows on the GPU, a program runs all slices of a large tile (IN_PROGRAM)
+MANY_ROWS = 128  # from this many rows on, a program runs all slices of its tile (IN_PROGRAM)
 IN_PROGRAM, LAST_SUMS = 0, 1
 
 
