@@ -16,7 +16,10 @@ from invariance import assert_rows_invariant  # noqa: E402
 from pocketlab.layers import activations  # noqa: E402
 from pocketlab.layers import invariant as inv  # noqa: E402
 from pocketlab.layers import norm as torch_norm  # noqa: E402
+from pocketlab.layers.attention import write_kv  # noqa: E402
 from pocketlab.layers.invariant import elementwise, matmul  # noqa: E402
+from pocketlab.layers.invariant.rotate import norm_rotate_store  # noqa: E402
+from pocketlab.layers.rotary import Rotary, apply_rotary, norm_and_rotate  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6
@@ -329,8 +332,6 @@ def rotate_inputs(case, dtype, B=3, T=5, seed=0):
     q = q.view(B, T, H, 2 * D)[..., :D] if gated else q.view(B, T, H, D)  # strided heads, as the gated layer has
     k, v = k.view(B, T, KV, D), v.view(B, T, KV, D)
     positions = torch.arange(B * T, device=DEV).view(B, T) % 7 + 3
-    from pocketlab.layers.rotary import Rotary
-
     cos, sin = Rotary(rot, 1e4, 16, DEV, dtype).table(positions)
     norms = (1 + 0.1 * randn(D, dtype=dtype, seed=1), 1 + 0.1 * randn(D, dtype=dtype, seed=2), EPS, offset)
     return q, k, v, positions, (cos, sin), norms if norm else None
@@ -341,10 +342,6 @@ def rotate_inputs(case, dtype, B=3, T=5, seed=0):
 def test_norm_rotate_store_matches_the_torch_path(case, dtype):
     """The fused q/k norm + RoPE + K/V write gives torch's q (norm_and_rotate) and fills the cache where write_kv
     does, to a rounding step; the rest of the cache is untouched."""
-    from pocketlab.layers.attention import write_kv
-    from pocketlab.layers.invariant.rotate import norm_rotate_store
-    from pocketlab.layers.rotary import apply_rotary, norm_and_rotate
-
     q, k, v, positions, rope, norms = rotate_inputs(case, dtype)
     B, T, KV, D = k.shape
     slots = torch.tensor([2, 0, 1], device=DEV)[:, None].expand(B, T)
@@ -362,7 +359,6 @@ def test_norm_rotate_store_matches_the_torch_path(case, dtype):
 
 def test_norm_rotate_store_rows_are_batch_invariant():
     """A token's q comes out bitwise the same whatever tokens share the launch."""
-    from pocketlab.layers.invariant.rotate import norm_rotate_store
 
     q, k, v, positions, (cos, sin), norms = rotate_inputs("qwen3", torch.float32, B=12, T=1)
     q[:, :, :, 0] = 2.0**10  # an outlier channel: the sum of squares turns order-sensitive

@@ -150,12 +150,7 @@ def _sampled(eng, prompts, steps, tol, noise_of) -> pd.DataFrame:
     solo = []
     for p, sp in zip(prompts, params, strict=True):
         eng.reset()
-        run, r = Run(), eng.prefill(p, slot_id=0, sampling=sp)
-        run.add(r.next_token, r.logits)
-        for _ in range(steps):
-            r = eng.decode_step(r.next_token, slot_id=0, sampling=sp)
-            run.add(r.next_token, r.logits)
-        solo.append(run)
+        solo.append(solo_run(eng, p, steps, slot=0, sampling=sp))
     _clear(eng)
     eng.allocate_batch_slots(len(prompts))
     reqs = [
@@ -174,13 +169,7 @@ def _sampled(eng, prompts, steps, tol, noise_of) -> pd.DataFrame:
             for k, (t, x) in enumerate(zip(run.tokens, lg, strict=True))
         )
         c = compare_runs(ref, run, tol, own)
-        upto = len(run.tokens) if c["first_divergence"] < 0 else c["first_divergence"] + 1
-        noise_k = [None] * upto if own is None else own
-        within = all(
-            float((run.logits[k] - ref.logits[k]).abs().max()) <= tol.bound(ref.logits[k], noise=noise_k[k])
-            for k in range(upto)
-        )
-        ok = own_draws and within and (c["tokens_equal"] or not tol.exact_tokens)
+        ok = own_draws and c["within_tol"] and (c["tokens_equal"] or not tol.exact_tokens)
         rows.append(
             dict(
                 request_id=r.request_id,
@@ -190,7 +179,7 @@ def _sampled(eng, prompts, steps, tol, noise_of) -> pd.DataFrame:
                 tokens_equal=c["tokens_equal"],
                 first_divergence=c["first_divergence"],
                 own_uniform_draws=own_draws,
-                logits_within_tol=within,
+                logits_within_tol=c["within_tol"],
                 max_abs_diff=c["max_abs_diff"],
                 **{"pass": bool(ok)},
             )

@@ -103,9 +103,10 @@ class Run:
         self.logits.append(logits.detach().float().cpu().clone())
 
 
-def solo_run(eng: QwenEngine, prompt: list[int], steps: int, slot: int | None = None) -> Run:
-    """Prefill then greedy decode on one slot; slot=None uses the API's default slot."""
-    kw = {} if slot is None else {"slot_id": slot}
+def solo_run(eng: QwenEngine, prompt: list[int], steps: int, slot: int | None = None, sampling=None) -> Run:
+    """Prefill then decode on one slot, greedy unless `sampling` (SamplingParams); slot=None uses the API's
+    default slot."""
+    kw = ({} if slot is None else {"slot_id": slot}) | ({} if sampling is None else {"sampling": sampling})
     run = Run()
     r = eng.prefill(prompt, **kw)
     run.add(r.next_token, r.logits)
@@ -214,7 +215,7 @@ def step_metrics(
 
 def compare_runs(ref: Run, test: Run, tol: Tolerance, noise: list[float] | None = None) -> dict:
     """Judge a run against its reference; steps after the first token divergence are not comparable.
-    noise: per step of `ref`, its own |low precision - float32| distance (see `own_noise`), or None."""
+    noise: per step of `ref`, its own |low precision - float32| distance (see `NoiseMeter`), or None."""
     n = min(len(ref.tokens), len(test.tokens))
     equal = [a == b for a, b in zip(ref.tokens[:n], test.tokens[:n], strict=True)]
     first = equal.index(False) if False in equal else -1
@@ -234,6 +235,7 @@ def compare_runs(ref: Run, test: Run, tol: Tolerance, noise: list[float] | None 
         "max_abs_diff": max((s["max_abs_diff"] for s in steps), default=0.0),
         "bound": min((s["bound"] for s in steps), default=tol.atol),
         "bitwise": all(torch.equal(ref.logits[k], test.logits[k]) for k in range(n)),
+        "within_tol": all(s["within_tol"] for s in steps),  # every compared step's logits within its bound
         "pass": ok,
     }
 

@@ -126,13 +126,14 @@ def _matmul(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, arrived_ptr, rows, N, K, k_per
         parts = part_ptr + m[:, None] * stride_pm + n[None, :]
         tl.store(parts + s * stride_ps, acc, mask=live)
         # release our partial, acquire the others': the last arrival sees every slice's store
-        count = tl.atomic_add(arrived_ptr + pid_m * tl.num_programs(1) + pid_n, 1, sem="acq_rel")
+        arrivals = arrived_ptr + pid_m * tl.num_programs(1) + pid_n  # this tile's count
+        count = tl.atomic_add(arrivals, 1, sem="acq_rel")
         done = count == split_k - 1
         total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if done:
             for t in range(0, split_k):
                 total += tl.load(parts + t * stride_ps, mask=live, other=0.0, volatile=True)
-            tl.atomic_xchg(arrived_ptr + pid_m * tl.num_programs(1) + pid_n, 0)  # ready for the next launch
+            tl.atomic_xchg(arrivals, 0)  # ready for the next launch
     if done:
         if HAS_BIAS:
             total += tl.load(b_ptr + n, mask=live_n, other=0.0).to(tl.float32)[None, :]
