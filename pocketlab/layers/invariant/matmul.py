@@ -81,7 +81,9 @@ def tiles(M: int, N: int, dtype: torch.dtype, device: torch.device) -> Tiles:
         return Tiles(64, DECODE_BLOCK_N, 4, 3, mode)
     if mode == IN_PROGRAM:
         return Tiles(128, 128, 8, 3, mode)
-    return Tiles(min(64, max(16, triton.next_power_of_2(M))), DECODE_BLOCK_N, 4, 4, mode)
+    if M <= 16:  # 32 columns: twice the programs of 64 for the same weight, the faster at decode shapes
+        return Tiles(16, 32, 4, 4, mode)
+    return Tiles(min(64, triton.next_power_of_2(M)), DECODE_BLOCK_N, 4, 4, mode)
 
 
 @triton.jit
@@ -101,52 +103,39 @@ def _row_sums(x, ROWS: tl.constexpr, WIDTH: tl.constexpr):
 
 
 @triton.jit
-def _inv_rms(x_rows, live_m, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """1 / rms of each row over all K columns: squares added per column lane over the K blocks, then the lanes
-    by `_row_sums`: an order fixed by K and BLOCK_K alone."""
-    squares = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_rows + k[None, :], mask=live_m[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
-        squares += x * x
-    return tl.rsqrt(_row_sums(squares, BLOCK_M, BLOCK_K) / K + eps)
-
-
-@triton.jit
-def _normed(a, k, live_k, inv_rms, norm_w_ptr, NORM: tl.constexpr):
-    """The x tile as the unfused RMSNorm hands it to the matmul: w * x(normed, rounded), rounded (NORM 1), or
-    x * (1 + w) in float32, rounded once (NORM 2, Qwen3.5)."""
+def _scaled(a, k, live_k, norm_w_ptr, NORM: tl.constexpr):
+    """The x tile fed to the dots: x, or x * w (NORM 1) or x * (1 + w) (NORM 2, Qwen3.5), rounded once; each row's
+    1 / rms scales the sums afterwards (it is one number per row, so it factors out of every K slice)."""
     if NORM == 0:
         return a
     else:
-        dtype = a.dtype
         w = tl.load(norm_w_ptr + k, mask=live_k, other=0.0).to(tl.float32)[None, :]
-        x = a.to(tl.float32) * inv_rms[:, None]
-        if NORM == 1:
-            return cast(w * cast(x, dtype).to(tl.float32), dtype)
-        else:
-            return cast(x * (1.0 + w), dtype)
+        return cast(a.to(tl.float32) * (w if NORM == 1 else 1.0 + w), a.dtype)
 
 
 @triton.jit
-def _slice_sum(x_rows, w_cols, up_cols, live_m, live_n, k_start, k_end, K, stride_wk, inv_rms, norm_w_ptr,
+def _slice_sum(x_rows, w_cols, up_cols, live_m, live_n, k_start, k_end, K, stride_wk, norm_w_ptr,
                NORM: tl.constexpr, TWO: tl.constexpr, PRECISION: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """sum over k in [k_start, k_end) of x[m, k] w[n, k] (and, TWO: of x[m, k] up[n, k]): one chain of BLOCK_K-wide
-    dots from zero each, in fp32; the x tile normed first when NORM."""
+    dots from zero each, in fp32. NORM: x scaled by the norm weight first, and the slice's sum of squares of x per
+    row, added per column lane over the blocks and then across lanes by `_row_sums` (an order fixed by the slice)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    squares = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         live_k = k < K
         a = tl.load(x_rows + k[None, :], mask=live_m[:, None] & live_k[None, :], other=0.0)
-        a = _normed(a, k, live_k, inv_rms, norm_w_ptr, NORM)
+        if NORM != 0:
+            squares += a.to(tl.float32) * a.to(tl.float32)
+        a = _scaled(a, k, live_k, norm_w_ptr, NORM)
         b = tl.load(w_cols + k[:, None] * stride_wk, mask=live_k[:, None] & live_n[None, :], other=0.0)
         acc = dot(a, b, acc, PRECISION)
         if TWO:
             b_up = tl.load(up_cols + k[:, None] * stride_wk, mask=live_k[:, None] & live_n[None, :], other=0.0)
             acc_up = dot(a, b_up, acc_up, PRECISION)
-    return acc, acc_up
+    return acc, acc_up, _row_sums(squares, BLOCK_M, BLOCK_K)
 
 
 @triton.jit
@@ -155,7 +144,7 @@ def _sigmoid(x):
 
 
 @triton.jit(do_not_specialize=["rows"])
-def _matmul(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, arrived_ptr, norm_w_ptr, res_ptr, rows, N, K, k_per_split,
+def _matmul(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, ssq_ptr, arrived_ptr, norm_w_ptr, res_ptr, rows, N, K, k_per_split,
             split_k, eps, stride_xm, stride_wn, stride_wk, stride_ym, stride_ps, stride_pm, stride_rm,
             MODE: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, EPILOGUE: tl.constexpr,
             PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
@@ -171,31 +160,34 @@ def _matmul(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, arrived_ptr, norm_w_ptr, res_p
     w_cols = w_ptr + n.to(tl.int64)[None, :] * stride_wn
     up_cols = w_cols + N * stride_wn
     TWO: tl.constexpr = EPILOGUE == 2
-    inv_rms = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if NORM != 0:
-        inv_rms = _inv_rms(x_rows, live_m, K, eps, BLOCK_M, BLOCK_K)
     done = True
     total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     total_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    total_ssq = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if MODE == 0:  # IN_PROGRAM: ((slice 0 + slice 1) + slice 2) + ..., as LAST_SUMS adds the partials
         for s in range(0, split_k):
             k_start = s * k_per_split
-            acc, acc_up = _slice_sum(x_rows, w_cols, up_cols, live_m, live_n, k_start,
-                                     tl.minimum(k_start + k_per_split, K), K, stride_wk, inv_rms, norm_w_ptr,
-                                     NORM, TWO, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+            acc, acc_up, ssq = _slice_sum(x_rows, w_cols, up_cols, live_m, live_n, k_start,
+                                          tl.minimum(k_start + k_per_split, K), K, stride_wk, norm_w_ptr,
+                                          NORM, TWO, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
             total += acc
             total_up += acc_up
+            total_ssq += ssq
     else:  # LAST_SUMS
         s = tl.program_id(2)
         k_start = s * k_per_split
-        acc, acc_up = _slice_sum(x_rows, w_cols, up_cols, live_m, live_n, k_start,
-                                 tl.minimum(k_start + k_per_split, K), K, stride_wk, inv_rms, norm_w_ptr,
-                                 NORM, TWO, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+        acc, acc_up, ssq = _slice_sum(x_rows, w_cols, up_cols, live_m, live_n, k_start,
+                                      tl.minimum(k_start + k_per_split, K), K, stride_wk, norm_w_ptr,
+                                      NORM, TWO, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
         parts = part_ptr + m[:, None] * stride_pm + n[None, :]
         tl.store(parts + s * stride_ps, acc, mask=live)
         if TWO:
             tl.store(parts + s * stride_ps + N, acc_up, mask=live)
-        # release our partial, acquire the others': the last arrival sees every slice's store
+        # each tile's own copy of the slice's sums of squares (every tile of a row computes the same ones)
+        squares = ssq_ptr + (pid_n * split_k) * rows + m
+        if NORM != 0:
+            tl.store(squares + s * rows, ssq, mask=live_m)
+        # release our partials, acquire the others': the last arrival sees every slice's stores
         arrivals = arrived_ptr + pid_m * tl.num_programs(1) + pid_n  # this tile's count
         count = tl.atomic_add(arrivals, 1, sem="acq_rel")
         done = count == split_k - 1
@@ -204,9 +196,15 @@ def _matmul(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, arrived_ptr, norm_w_ptr, res_p
                 total += tl.load(parts + t * stride_ps, mask=live, other=0.0, volatile=True)
                 if TWO:
                     total_up += tl.load(parts + t * stride_ps + N, mask=live, other=0.0, volatile=True)
+                if NORM != 0:
+                    total_ssq += tl.load(squares + t * rows, mask=live_m, other=0.0, volatile=True)
             tl.atomic_xchg(arrivals, 0)  # ready for the next launch
     if done:
         dtype = y_ptr.dtype.element_ty
+        if NORM != 0:
+            inv_rms = tl.rsqrt(total_ssq / K + eps)[:, None]
+            total *= inv_rms
+            total_up *= inv_rms
         if HAS_BIAS:
             total += tl.load(b_ptr + n, mask=live_n, other=0.0).to(tl.float32)[None, :]
         y = cast(total, dtype)
@@ -299,12 +297,13 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
     if split:
         width = 2 * N if fused.epilogue == SWIGLU else N
         part = torch.empty(o.split_k, M, width, dtype=torch.float32, device=x2.device)
+        squares = torch.empty(grid_n * o.split_k * M if fused.norm is not None else 1, device=x2.device)
         arrived = _arrivals(x2.device, grid_m * grid_n)
     else:
-        part = arrived = y  # never read
+        part = squares = arrived = y  # never read
     norm, res = fused.norm, fused.residual
     _matmul[(grid_m, grid_n, o.split_k if split else 1)](
-        x2, weight, y if bias is None else bias, y, part, arrived, y if norm is None else norm.weight,
+        x2, weight, y if bias is None else bias, y, part, squares, arrived, y if norm is None else norm.weight,
         y if res is None else res, M, N, K, o.k_per_split, o.split_k, 0.0 if norm is None else float(norm.eps),
         x2.stride(0), weight.stride(0), weight.stride(1), y.stride(0), part.stride(0) if split else 0,
         part.stride(1) if split else 0, 0 if res is None else res.stride(0),
