@@ -41,7 +41,7 @@
 #   INVARIANT_MODELS [qwen3-8b qwen3.5-9b]  INVARIANT_STEPS [64]   the invariant step's shapes and decode steps
 #   INVARIANT_TESTS  [the mode's and its kernels' test files]  INVARIANT_TIMINGS [1]   (empty / 0: skip)
 #   FUSED_TESTS [the fused linear's tests + parity]  FUSED_SWEEP [1]  FUSED_MODELS [qwen3-0.6b qwen3-8b]
-#   FUSED_BATCHES [1,32]   the fused step: CUDA tests, launch sweep, kernel tables with fused_linear=torch, triton
+#   FUSED_BATCHES [1,32]  FUSED_MODES [torch triton]   the fused step: CUDA tests, launch sweep, kernel tables with fused_linear=torch, triton
 #   INVARIANT_SWEEP  [0]  1: the invariant matmul's launch sweep   INVARIANT_PROFILE []  a model: kernel tables, both modes
 #   REPORT_NOTEBOOKS [01,02,03,04,05,06,07]  the reports step's notebooks, in this order, each a step of its own
 #   TTFT_STRIDES     [512]              checkpoint strides the TTFT table is measured at, comma-separated
@@ -73,6 +73,7 @@ FUSED_TESTS=${FUSED_TESTS-tests/test_fused_linear.py tests/test_invariant_kernel
 FUSED_SWEEP=${FUSED_SWEEP:-1}
 FUSED_MODELS=${FUSED_MODELS-qwen3-0.6b qwen3-8b}
 FUSED_BATCHES=${FUSED_BATCHES:-1,32}
+FUSED_MODES=${FUSED_MODES:-torch triton}
 REPORT_NOTEBOOKS=${REPORT_NOTEBOOKS:-01,02,03,04,05,06,07}
 TTFT_STRIDES=${TTFT_STRIDES:-512}
 PEER_MODES=${PEER_MODES:-eager,static}
@@ -223,7 +224,7 @@ if wants fused; then
   [ "$FUSED_SWEEP" = 1 ] && step "fused linear launches (sweep)" 150 "$reserve" sh -c \
     "python3 -m pocketlab.layers.invariant.sweep --fused | tee reports/gpu/fused-linear-sweep-h200.txt"
   for m in $FUSED_MODELS; do
-    for fl in torch triton; do
+    for fl in $FUSED_MODES; do
       step "profile $m fused_linear=$fl" 100 "$reserve" sh -c "python3 -m pocketlab.tools.profile --model $m \
         --batch-sizes $FUSED_BATCHES --prefill-lens 4096 --steps 10 --top 25 --engine-option fused_linear=$fl \
         | tee reports/gpu/profile-$m-fused-$fl-h200.txt"
