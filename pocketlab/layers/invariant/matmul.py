@@ -87,55 +87,23 @@ def tiles(M: int, N: int, dtype: torch.dtype, device: torch.device) -> Tiles:
 
 
 @triton.jit
-def _pair_sums(x, ROWS: tl.constexpr, WIDTH: tl.constexpr):
-    """[ROWS, WIDTH] -> [ROWS, WIDTH // 2]: neighbours added, one add each (so in no layout-dependent order)."""
-    return tl.sum(tl.reshape(x, (ROWS, WIDTH // 2, 2)), axis=2)
-
-
-@triton.jit
-def _row_sums(x, ROWS: tl.constexpr, WIDTH: tl.constexpr):
-    """Each row of x [ROWS, WIDTH] (WIDTH 32 or 128) summed as a fixed pairwise tree, whatever the tile's rows
-    and warps (tl.sum's order follows the layout those choose)."""
-    if WIDTH == 128:
-        x = _pair_sums(_pair_sums(x, ROWS, 128), ROWS, 64)
-    x = _pair_sums(_pair_sums(_pair_sums(_pair_sums(_pair_sums(x, ROWS, 32), ROWS, 16), ROWS, 8), ROWS, 4), ROWS, 2)
-    return tl.reshape(x, (ROWS,))
-
-
-@triton.jit
-def _scaled(a, k, live_k, norm_w_ptr, NORM: tl.constexpr):
-    """The x tile fed to the dots: x, or x * w (NORM 1) or x * (1 + w) (NORM 2, Qwen3.5), rounded once; each row's
-    1 / rms scales the sums afterwards (it is one number per row, so it factors out of every K slice)."""
-    if NORM == 0:
-        return a
-    else:
-        w = tl.load(norm_w_ptr + k, mask=live_k, other=0.0).to(tl.float32)[None, :]
-        return cast(a.to(tl.float32) * (w if NORM == 1 else 1.0 + w), a.dtype)
-
-
-@triton.jit
-def _slice_sum(x_rows, w_cols, up_cols, live_m, live_n, k_start, k_end, K, stride_wk, norm_w_ptr,
-               NORM: tl.constexpr, TWO: tl.constexpr, PRECISION: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+def _slice_sum(x_rows, w_cols, up_cols, live_m, live_n, k_start, k_end, K, stride_wk, TWO: tl.constexpr,
+               PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):  # fmt: skip
     """sum over k in [k_start, k_end) of x[m, k] w[n, k] (and, TWO: of x[m, k] up[n, k]): one chain of BLOCK_K-wide
-    dots from zero each, in fp32. NORM: x scaled by the norm weight first, and the slice's sum of squares of x per
-    row, added per column lane over the blocks and then across lanes by `_row_sums` (an order fixed by the slice)."""
+    dots from zero each, in fp32."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    squares = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         live_k = k < K
         a = tl.load(x_rows + k[None, :], mask=live_m[:, None] & live_k[None, :], other=0.0)
-        if NORM != 0:
-            squares += a.to(tl.float32) * a.to(tl.float32)
-        a = _scaled(a, k, live_k, norm_w_ptr, NORM)
         b = tl.load(w_cols + k[:, None] * stride_wk, mask=live_k[:, None] & live_n[None, :], other=0.0)
         acc = dot(a, b, acc, PRECISION)
         if TWO:
             b_up = tl.load(up_cols + k[:, None] * stride_wk, mask=live_k[:, None] & live_n[None, :], other=0.0)
             acc_up = dot(a, b_up, acc_up, PRECISION)
-    return acc, acc_up, _row_sums(squares, BLOCK_M, BLOCK_K)
+    return acc, acc_up
 
 
 @triton.jit
@@ -144,13 +112,12 @@ def _sigmoid(x):
 
 
 @triton.jit(do_not_specialize=["rows"])
-def _matmul(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, ssq_ptr, arrived_ptr, norm_w_ptr, res_ptr, rows, N, K, k_per_split,
-            split_k, eps, stride_xm, stride_wn, stride_wk, stride_ym, stride_ps, stride_pm, stride_rm,
-            MODE: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, EPILOGUE: tl.constexpr,
+def _matmul(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, arrived_ptr, res_ptr, rows, N, K, k_per_split, split_k,
+            stride_xm, stride_wn, stride_wk, stride_ym, stride_ps, stride_pm, stride_rm,
+            MODE: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
             PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """One [BLOCK_M, BLOCK_N] tile of y: all K slices (IN_PROGRAM) or slice program_id(2) (LAST_SUMS).
-    NORM: x's rows RMS-normed first (1: w * x, 2: (1 + w) * x). EPILOGUE 1: y = residual + x @ W^T; EPILOGUE 2:
-    W is [gate | up] (2N rows) and y = silu(x @ gate^T) * (x @ up^T)."""
+    EPILOGUE 1: y = residual + x @ W^T; EPILOGUE 2: W is [gate | up] (2N rows) and y = silu(x @ gate^T) * (x @ up^T)."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -163,30 +130,24 @@ def _matmul(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, ssq_ptr, arrived_ptr, norm_w_p
     done = True
     total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     total_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    total_ssq = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if MODE == 0:  # IN_PROGRAM: ((slice 0 + slice 1) + slice 2) + ..., as LAST_SUMS adds the partials
         for s in range(0, split_k):
             k_start = s * k_per_split
-            acc, acc_up, ssq = _slice_sum(x_rows, w_cols, up_cols, live_m, live_n, k_start,
-                                          tl.minimum(k_start + k_per_split, K), K, stride_wk, norm_w_ptr,
-                                          NORM, TWO, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+            acc, acc_up = _slice_sum(x_rows, w_cols, up_cols, live_m, live_n, k_start,
+                                     tl.minimum(k_start + k_per_split, K), K, stride_wk, TWO, PRECISION,
+                                     BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
             total += acc
             total_up += acc_up
-            total_ssq += ssq
     else:  # LAST_SUMS
         s = tl.program_id(2)
         k_start = s * k_per_split
-        acc, acc_up, ssq = _slice_sum(x_rows, w_cols, up_cols, live_m, live_n, k_start,
-                                      tl.minimum(k_start + k_per_split, K), K, stride_wk, norm_w_ptr,
-                                      NORM, TWO, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+        acc, acc_up = _slice_sum(x_rows, w_cols, up_cols, live_m, live_n, k_start,
+                                 tl.minimum(k_start + k_per_split, K), K, stride_wk, TWO, PRECISION,
+                                 BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
         parts = part_ptr + m[:, None] * stride_pm + n[None, :]
         tl.store(parts + s * stride_ps, acc, mask=live)
         if TWO:
             tl.store(parts + s * stride_ps + N, acc_up, mask=live)
-        # each tile's own copy of the slice's sums of squares (every tile of a row computes the same ones)
-        squares = ssq_ptr + (pid_n * split_k) * rows + m
-        if NORM != 0:
-            tl.store(squares + s * rows, ssq, mask=live_m)
         # release our partials, acquire the others': the last arrival sees every slice's stores
         arrivals = arrived_ptr + pid_m * tl.num_programs(1) + pid_n  # this tile's count
         count = tl.atomic_add(arrivals, 1, sem="acq_rel")
@@ -196,15 +157,9 @@ def _matmul(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, ssq_ptr, arrived_ptr, norm_w_p
                 total += tl.load(parts + t * stride_ps, mask=live, other=0.0, volatile=True)
                 if TWO:
                     total_up += tl.load(parts + t * stride_ps + N, mask=live, other=0.0, volatile=True)
-                if NORM != 0:
-                    total_ssq += tl.load(squares + t * rows, mask=live_m, other=0.0, volatile=True)
             tl.atomic_xchg(arrivals, 0)  # ready for the next launch
     if done:
         dtype = y_ptr.dtype.element_ty
-        if NORM != 0:
-            inv_rms = tl.rsqrt(total_ssq / K + eps)[:, None]
-            total *= inv_rms
-            total_up *= inv_rms
         if HAS_BIAS:
             total += tl.load(b_ptr + n, mask=live_n, other=0.0).to(tl.float32)[None, :]
         y = cast(total, dtype)
@@ -236,9 +191,11 @@ def _arrivals(device: torch.device, tiles_needed: int) -> torch.Tensor:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, norm=None,
            residual: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:  # fmt: skip
     """F.linear(x, weight, bias) whose rows do not depend on one another: x [..., K], weight [N, K], bias [N];
-    fp32 accumulation, the bias added in fp32 before the one rounding to x's dtype. Fused into the same kernel:
-    `norm` (a layers.norm.RMSNorm) applied to x first; `residual` [..., N] added after (residual + y); `swiglu`:
-    weight is [gate | up] ([2N, K]) and y = silu(x @ gate^T) * (x @ up^T) [..., N]."""
+    fp32 accumulation, the bias added in fp32 before the one rounding to x's dtype. `norm` (a layers.norm.RMSNorm)
+    is applied to x first, by its own kernel: fused into the matmul's loop it cost more than it saved (the x tiles'
+    elementwise work in every program; reports/gpu/fused-linear-sweep-h200.txt). Fused into the same kernel:
+    `residual` [..., N] added after (residual + y); `swiglu`: weight is [gate | up] ([2N, K]) and
+    y = silu(x @ gate^T) * (x @ up^T) [..., N]."""
     if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
         raise ValueError(
             f"linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match as [..., K], [N, K]"
@@ -259,12 +216,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError(f"linear: residual {tuple(residual.shape)} {residual.dtype} should be {(*lead, N)} {x.dtype}")
     if norm is not None and tuple(norm.weight.shape) != (K,):
         raise ValueError(f"linear: norm weight {tuple(norm.weight.shape)} should be [{K}]")
-    x2 = _rows(x, K)
+    x2 = _rows(x if norm is None else norm(x), K)
     M = x2.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M:
         epilogue = RESIDUAL if residual is not None else SWIGLU if swiglu else PLAIN
-        fused = Fused(norm, None if residual is None else _rows(residual, N), epilogue)
+        fused = Fused(None if residual is None else _rows(residual, N), epilogue)
         launch(x2, weight, bias, y, order(N, K, x.dtype), tiles(M, N, x.dtype, x.device), fused)
     return y.reshape(*lead, N)
 
@@ -279,10 +236,8 @@ PLAIN, RESIDUAL, SWIGLU = 0, 1, 2  # the epilogues
 
 @dataclass(frozen=True)
 class Fused:
-    """What runs around the matmul in the same kernel: an RMSNorm of x's rows (layers.norm.RMSNorm) and an
-    epilogue (PLAIN, RESIDUAL with `residual` [M, N], or SWIGLU)."""
+    """What runs after the matmul in the same kernel: PLAIN, RESIDUAL (residual [M, N] + y) or SWIGLU."""
 
-    norm: object = None
     residual: torch.Tensor | None = None
     epilogue: int = PLAIN
 
@@ -297,18 +252,15 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
     if split:
         width = 2 * N if fused.epilogue == SWIGLU else N
         part = torch.empty(o.split_k, M, width, dtype=torch.float32, device=x2.device)
-        squares = torch.empty(grid_n * o.split_k * M if fused.norm is not None else 1, device=x2.device)
         arrived = _arrivals(x2.device, grid_m * grid_n)
     else:
-        part = squares = arrived = y  # never read
-    norm, res = fused.norm, fused.residual
+        part = arrived = y  # never read
+    res = fused.residual
     _matmul[(grid_m, grid_n, o.split_k if split else 1)](
-        x2, weight, y if bias is None else bias, y, part, squares, arrived, y if norm is None else norm.weight,
-        y if res is None else res, M, N, K, o.k_per_split, o.split_k, 0.0 if norm is None else float(norm.eps),
-        x2.stride(0), weight.stride(0), weight.stride(1), y.stride(0), part.stride(0) if split else 0,
+        x2, weight, y if bias is None else bias, y, part, arrived, y if res is None else res, M, N, K, o.k_per_split,
+        o.split_k, x2.stride(0), weight.stride(0), weight.stride(1), y.stride(0), part.stride(0) if split else 0,
         part.stride(1) if split else 0, 0 if res is None else res.stride(0),
-        MODE=LAST_SUMS if split else IN_PROGRAM, HAS_BIAS=bias is not None,
-        NORM=0 if norm is None else 2 if norm.offset else 1, EPILOGUE=fused.epilogue,
+        MODE=LAST_SUMS if split else IN_PROGRAM, HAS_BIAS=bias is not None, EPILOGUE=fused.epilogue,
         PRECISION=precision(x2.dtype, x2.device), BLOCK_M=t.block_m, BLOCK_N=t.block_n,
         BLOCK_K=o.block_k, num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
