@@ -109,11 +109,12 @@ def test_fused_linear_checks_its_inputs():
 
 
 def test_the_default_kernels_fuse_only_few_rows_with_something_to_fuse(monkeypatch):
-    """fused_at_few_rows sends decode-sized calls with a norm, residual or SwiGLU to the kernel, the rest to torch."""
+    """fused_at_few_rows sends decode-sized calls with a residual add or SwiGLU to the kernel, the rest to torch."""
     calls = []
     run = torch_linear.fused_at_few_rows(lambda *a, **k: calls.append(a[0].shape[0]) or F.linear(a[0], a[1]))
     w = randn(8, 16)
     run(randn(4, 16), w)
+    run(randn(4, 16), w, norm=RMSNorm(torch.ones(16, device=DEV), 1e-6))
     run(randn(torch_linear.FUSED_MAX_ROWS + 1, 16), w, residual=randn(torch_linear.FUSED_MAX_ROWS + 1, 8))
     run(randn(torch_linear.FUSED_MAX_ROWS, 16), w, residual=randn(torch_linear.FUSED_MAX_ROWS, 8))
     assert calls == [torch_linear.FUSED_MAX_ROWS]

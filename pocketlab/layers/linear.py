@@ -1,8 +1,8 @@
 """A projection with what runs around it: the pre-norm before, the residual add or SwiGLU after.
 
 `composed` runs them as separate steps (torch, or whatever kernels it is handed); the Triton kernel of
-layers.invariant.matmul runs all of it in one launch, which at few rows (decode) saves the norm, add and SwiGLU
-kernels and their gaps between the weight-streaming matmuls.
+layers.invariant.matmul runs the matmul and the add or SwiGLU in one launch, which at few rows (decode) saves
+those kernels (and cuBLAS's split-K reduction) and their gaps between the weight-streaming matmuls.
 """
 
 from __future__ import annotations
@@ -41,12 +41,11 @@ linear = functools.partial(composed, F.linear)
 
 
 def fused_at_few_rows(fused):
-    """The default engine's linear: `fused` (the Triton kernel) where it has something to fuse and the rows are
-    few, `linear` (cuBLAS and torch) everywhere else."""
+    """The default engine's linear: `fused` (the Triton kernel) where the rows are few and it has an epilogue to
+    fuse (residual add, SwiGLU), `linear` (cuBLAS and torch) everywhere else."""
 
     def run(x, weight, bias=None, *, norm=None, residual=None, swiglu=False):
-        extras = norm is not None or residual is not None or swiglu
-        if extras and x.numel() <= FUSED_MAX_ROWS * x.shape[-1]:
+        if (residual is not None or swiglu) and x.numel() <= FUSED_MAX_ROWS * x.shape[-1]:
             return fused(x, weight, bias, norm=norm, residual=residual, swiglu=swiglu)
         return linear(x, weight, bias, norm=norm, residual=residual, swiglu=swiglu)
 
