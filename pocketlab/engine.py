@@ -13,6 +13,7 @@ from .config import EngineOptions, ModelConfig
 from .forward import ForwardContext, Run
 from .generate import generate as continuous_batching
 from .graphs import StepGraphs
+from .layers.fused import LARGE, compiled_kernels
 from .loader import load_weights, validate_weights
 from .models import build_model
 from .prefix_cache import PrefixCache
@@ -252,7 +253,8 @@ class QwenEngine:
         layers' states at the (row, offset) `checkpoints`)."""
         self.forward_count += 1
         ctx = ForwardContext.build(runs, self.cache.scratch, self.options.device, checkpoints=checkpoints)
-        hidden = self.model.forward(ctx, self.cache)
+        with compiled_kernels(self.options.compile and not self.options.batch_invariant, min_elements=LARGE):
+            hidden = self.model.forward(ctx, self.cache)
         if self.speculator is not None:  # the MTP head writes its rows for these positions (prefill)
             self.speculator.observe(runs, hidden)
         return hidden, ctx
