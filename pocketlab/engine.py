@@ -13,7 +13,7 @@ from .config import EngineOptions, ModelConfig
 from .forward import ForwardContext, Run
 from .generate import generate as continuous_batching
 from .graphs import StepGraphs
-from .loader import load_weights, validate_weights
+from .loader import load_weights, optional_mtp, validate_weights
 from .models import build_model
 from .prefix_cache import PrefixCache
 from .requests import BatchDecodeResult, BatchedRequest, BatchPrefillResult, ForwardResult
@@ -36,7 +36,8 @@ def plan_pieces(start: int, end: int, chunk: int, stride: int = 0) -> list[tuple
 
 class QwenEngine:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], options: EngineOptions | None = None):
-        self.cfg, self.options = cfg, options or EngineOptions()
+        self.options = options or EngineOptions()
+        self.cfg = cfg = optional_mtp(cfg, weights, self.options.speculative_tokens)
         weights = validate_weights(dict(weights), cfg, self.options.device, self.options.torch_dtype)
         self.model = build_model(cfg, weights, self.options)
         self.cache = SlotCache(cfg, self.options)
@@ -51,7 +52,8 @@ class QwenEngine:
     def from_pretrained(cls, path: str | Path, options: EngineOptions | None = None) -> QwenEngine:
         options = options or EngineOptions()
         cfg = ModelConfig.from_pretrained(path)
-        return cls(cfg, load_weights(path, cfg, options.device, options.torch_dtype), options)
+        weights = load_weights(path, cfg, options.device, options.torch_dtype, options.speculative_tokens)
+        return cls(cfg, weights, options)
 
     # -- single-slot API -----------------------------------------------------------------------
     def prefill(self, tokens: list[int], slot_id: int = 0, sampling: SamplingParams = GREEDY) -> ForwardResult:
