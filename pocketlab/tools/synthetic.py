@@ -178,6 +178,18 @@ def ensure_checkpoint(preset: str = DEFAULT_PRESET, root: str | Path = "checkpoi
     return path
 
 
+def text_checkpoint(model: str | Path, root: str | Path = "checkpoints", seed: int = 0) -> Path:
+    """A folder with a tokenizer for `model`: a checkpoint folder as it is; a preset's tiny twin with the real
+    vocabulary of its family (tiny-qwen3 and qwen3-8b -> tiny-qwen3-text), written once under `root`."""
+    name = str(model)
+    if name not in PRESETS:
+        return Path(model)
+    if not (name in TOKENIZERS and name.startswith("tiny")):
+        twins = {kind: p for p in TOKENIZERS if p.startswith("tiny") for kind in [PRESETS[p][0]]}
+        name = twins[PRESETS[name][0]]
+    return ensure_checkpoint(name, root, seed)
+
+
 # -- multi-token prediction head ---------------------------------------------------------------------
 def mtp_weights(
     cfg, seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32, std: float | None = None
