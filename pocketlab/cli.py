@@ -2,12 +2,14 @@
 progress and timing on stderr, bad input reported in one line (exit status 2).
 
 PATH is a checkpoint folder (config.json, safetensors, tokenizer files) or a pocketlab.tools.synthetic preset
-name with a tokenizer (e.g. tiny-qwen3-text), written under checkpoints/ on first use.
+name with a tokenizer (e.g. tiny-qwen3-text), written under checkpoints/ on first use; a missing folder named
+<preset>-seed<N> (as ensure_checkpoint names them) is written there.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
@@ -44,7 +46,10 @@ def load(args, err):
     from .tools.synthetic import PRESETS, TOKENIZERS, ensure_checkpoint
 
     path = Path(args.path)
-    if not (path / "config.json").is_file():
+    written = re.fullmatch(r"(.+)-seed(\d+)", path.name)  # checkpoints/<preset>-seed<N>: write it if missing
+    if not (path / "config.json").is_file() and written and written[1] in PRESETS:
+        path = ensure_checkpoint(written[1], path.parent, int(written[2]))
+    elif not (path / "config.json").is_file():
         if args.path not in PRESETS:
             raise ValueError(
                 f"{args.path} is neither a checkpoint folder (no config.json) nor a preset; presets with a tokenizer: "

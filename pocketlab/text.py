@@ -106,7 +106,10 @@ def encode_prompt(tokenizer, prompt: Prompt, what: str = "prompt", enable_thinki
     if not tokenizer.chat_template:
         raise ValueError(f"{what} is a chat, but the checkpoint's tokenizer has no chat template: pass a string")
     kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
-    text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **kwargs)
+    try:
+        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - jinja's errors (raise_exception, undefined names) as a ValueError
+        raise ValueError(f"{what}: the checkpoint's chat template refused it: {exc}") from exc
     return tokenizer.encode(text, add_special_tokens=False)
 
 

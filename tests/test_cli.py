@@ -57,6 +57,8 @@ def test_bad_input_is_one_line_and_status_2(tmp_path, monkeypatch, capsys):
     assert "neither a checkpoint folder" in capsys.readouterr().err
     assert main(["generate", "tiny-qwen3", "--prompt", "x"]) == 2  # a preset without a tokenizer
     assert "need a tokenizer" in capsys.readouterr().err
+    assert main(["generate", "checkpoints/tiny-qwen3-seed1", "--prompt", "x"]) == 2  # written on first use
+    assert (tmp_path / "checkpoints/tiny-qwen3-seed1/config.json").is_file()
 
 
 def test_python_dash_m_pocketlab(path):

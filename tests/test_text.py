@@ -96,6 +96,7 @@ def test_bad_text_input_is_refused_and_changes_nothing(eng, checkpoint):
         (["fine", 3.5], "prompt 1 must be"),
         ("a bare string", "wrap a single string"),
         (["x " * 300], "max_seq_len"),
+        ([[{"role": "tool", "content": "42"}]], "chat template refused"),
     ]
     for prompts, message in bad:
         with pytest.raises(ValueError, match=message):
