@@ -63,6 +63,11 @@ class Detokenizer:
         self.start, self.read = self.read, len(self.ids)
         return now[len(before) :]
 
+    @property
+    def text(self) -> str:
+        """Everything decoded so far, as decode() gives it."""
+        return self._decode(self.ids)
+
     def flush(self) -> str:
         """Whatever is left at the end, an incomplete character included (as U+FFFD, like decode())."""
         before, now = self._decode(self.ids[self.start : self.read]), self._decode(self.ids[self.start :])
@@ -141,7 +146,7 @@ def _deltas(tok, prompt_ids: list[list[int]], steps) -> Iterator[TextDelta]:
             yield TextDelta(s.index, text, s.tokens)
             continue
         text += d.flush()
-        done = Completion(d._decode(d.ids), d.ids, prompt_ids[s.index], s.finished, reused[s.index])
+        done = Completion(d.text, d.ids, prompt_ids[s.index], s.finished, reused[s.index])
         yield TextDelta(s.index, text, s.tokens, True, done)
 
 
