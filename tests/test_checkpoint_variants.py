@@ -87,6 +87,7 @@ def test_yarn_on_a_hybrid_model_is_refused(checkpoint):
 # -- block FP8 ------------------------------------------------------------------------------------
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # as Qwen3-8B-FP8
+QUANTIZED += ("in_proj_qkv", "in_proj_z", "out_proj")  # Qwen3.5's Gated DeltaNet projections
 
 
 def quantize_blocks(w, block):
@@ -102,9 +103,12 @@ def quantize_blocks(w, block):
     return q, scale, deq
 
 
-@pytest.mark.parametrize("block", [[128, 128], [48, 32]])  # the real block; several and partial edge blocks
-def test_block_fp8_checkpoint_matches_transformers_on_its_dequantized_weights(checkpoint, tmp_path, block):
-    src = checkpoint("tiny-qwen3")
+@pytest.mark.parametrize(
+    "preset,block",
+    [("tiny-qwen3", [128, 128]), ("tiny-qwen3", [48, 32]), ("tiny-qwen3_5", [48, 32])],
+)  # the real block; several and partial edge blocks; a hybrid model
+def test_block_fp8_checkpoint_matches_transformers_on_its_dequantized_weights(checkpoint, tmp_path, preset, block):
+    src = checkpoint(preset)
     path = tmp_path / "fp8"
     shutil.copytree(src, path)
     tensors, stored, reference = load_file(src / "model.safetensors"), {}, {}
