@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..arrivals import arrival_counts
 from .dot import dot, precision
 from .rounding import cast
 
@@ -173,21 +174,6 @@ def _matmul(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, arrived_ptr, res_ptr, rows, N,
         tl.store(y_ptr + m.to(tl.int64)[:, None] * stride_ym + n[None, :], y, mask=live)
 
 
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}  # per device: zeroed arrival counts, reset by each launch
-
-
-def _arrivals(device: torch.device, tiles_needed: int) -> torch.Tensor:
-    """A zeroed int32 count per output tile, kept across launches (each launch leaves it zeroed), so a decode
-    step inside a CUDA graph needs no memset; grown (never during a graph capture) when a launch needs more."""
-    have = _ARRIVALS.get(device)
-    if have is None or have.numel() < tiles_needed:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"linear: arrival counts for {tiles_needed} tiles must exist before graph capture")
-        have = torch.zeros(max(tiles_needed, 4096), dtype=torch.int32, device=device)
-        _ARRIVALS[device] = have
-    return have
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, norm=None,
            residual: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:  # fmt: skip
     """F.linear(x, weight, bias) whose rows do not depend on one another: x [..., K], weight [N, K], bias [N];
@@ -252,7 +238,7 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
     if split:
         width = 2 * N if fused.epilogue == SWIGLU else N
         part = torch.empty(o.split_k, M, width, dtype=torch.float32, device=x2.device)
-        arrived = _arrivals(x2.device, grid_m * grid_n)
+        arrived = arrival_counts(x2.device, grid_m * grid_n)
     else:
         part = arrived = y  # never read
     res = fused.residual
