@@ -138,6 +138,6 @@ def test_gpu_fused_launches_keep_the_bits():
             want = inv.linear(x[:16], w, norm=extras["norm"], swiglu=extras["swiglu"],
                               residual=None if extras["residual"] is None else extras["residual"][:16])  # fmt: skip
             normed = extras["norm"](x)
-            for t in sweep.FUSED_FEW + [matmul.tiles(200, N, x.dtype, x.device)]:  # those that fit shared memory
+            for t in sweep.FUSED_FEW + [matmul.tiles(200, N, x.dtype, x.device, extras["swiglu"])]:
                 y = matmul.launch(normed, w, None, torch.empty(200, N, dtype=x.dtype, device=DEV), o, t, fused)
                 assert torch.equal(y[:16], want), (flavour, epilogue, N, K, t)

@@ -16,7 +16,7 @@ import torch
 import torch._dynamo
 
 _state = {"on": False, "min_elements": 0}
-LARGE = 1 << 20  # elements: a compiled call's host cost (tens of us) is far below what its eager kernels move
+LARGE = 1 << 23  # elements (16 MiB in bf16): here a compiled call's host cost is far below what its eager kernels move
 for _name in ("recompile_limit", "cache_size_limit"):
     if hasattr(torch._dynamo.config, _name):
         setattr(torch._dynamo.config, _name, max(getattr(torch._dynamo.config, _name), 64))

@@ -70,7 +70,7 @@ def order(N: int, K: int, dtype: torch.dtype) -> Order:
     return Order(block_k, triton.cdiv(K, k_per_split), k_per_split)  # no empty slice
 
 
-def tiles(M: int, N: int, dtype: torch.dtype, device: torch.device) -> Tiles:
+def tiles(M: int, N: int, dtype: torch.dtype, device: torch.device, two_weights: bool = False) -> Tiles:
     """The launch for M rows: from MANY_ROWS rows on, one program runs all slices of its tile; fewer rows run
     a program per slice. GPU tiles: 16-64 rows (the fewest covering M, so each weight tile is read once) x 64
     for few rows, 128 x 128 for many (float32: 64 x 128 over 8 warps, 32 accumulators a thread, no spills);
@@ -80,8 +80,8 @@ def tiles(M: int, N: int, dtype: torch.dtype, device: torch.device) -> Tiles:
         return Tiles(64, 128, 8, 3, mode)
     if device.type != "cuda":
         return Tiles(64, DECODE_BLOCK_N, 4, 3, mode)
-    if mode == IN_PROGRAM:
-        return Tiles(128, 128, 8, 3, mode)
+    if mode == IN_PROGRAM:  # SwiGLU streams two weight tiles: three stages of them overflow an H200's shared memory
+        return Tiles(128, 128, 8, 2 if two_weights else 3, mode)
     if M <= 16:  # 32 columns: twice the programs of 64 for the same weight, the faster at decode shapes
         return Tiles(16, 32, 4, 4, mode)
     return Tiles(min(64, triton.next_power_of_2(M)), DECODE_BLOCK_N, 4, 4, mode)
@@ -208,7 +208,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if M:
         epilogue = RESIDUAL if residual is not None else SWIGLU if swiglu else PLAIN
         fused = Fused(None if residual is None else _rows(residual, N), epilogue)
-        launch(x2, weight, bias, y, order(N, K, x.dtype), tiles(M, N, x.dtype, x.device), fused)
+        launch(x2, weight, bias, y, order(N, K, x.dtype), tiles(M, N, x.dtype, x.device, swiglu), fused)
     return y.reshape(*lead, N)
 
 
