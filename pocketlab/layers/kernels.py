@@ -31,8 +31,8 @@ DEFAULT = Kernels()
 
 
 def fuses_linear(options) -> bool:
-    """Whether the default kernels run few-row projections through the fused Triton kernel (norm, matmul and
-    residual add or SwiGLU in one launch): options.fused_linear, "auto" meaning on CUDA with Triton."""
+    """Whether the default kernels run few-row projections through the fused Triton kernel (matmul and residual
+    add or SwiGLU in one launch): options.fused_linear, "auto" meaning on CUDA with Triton."""
     if options.fused_linear == "auto":
         return torch.device(options.device).type == "cuda" and importlib.util.find_spec("triton") is not None
     return options.fused_linear == "triton"

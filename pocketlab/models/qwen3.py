@@ -24,7 +24,7 @@ class MLP:
         self.linear = kernels.linear
 
     def __call__(self, h, norm):
-        """h + down(silu(gate(norm(h))) * up(norm(h))): two kernels where the linear fuses."""
+        """h + down(silu(gate(norm(h))) * up(norm(h))): the norm, then two kernels where the linear fuses."""
         return self.linear(self.linear(h, self.gate_up, norm=norm, swiglu=True), self.down, residual=h)
 
 
@@ -44,7 +44,7 @@ class Attention:
         self.k_norm = w.pop(p + "k_norm.weight", None)
 
     def __call__(self, h, norm, ctx: ForwardContext, cache: SlotCache):
-        """h + attention(norm(h)), the norm and the residual add inside the projections where the linear fuses."""
+        """h + attention(norm(h)), the residual add inside o_proj's kernel where the linear fuses."""
         B, T, _ = h.shape
         q, k, v = self.kernels.linear(h, self.qkv, self.qkv_bias, norm=norm).split(
             [self.q_size, self.nkv * self.hd, self.nkv * self.hd], dim=-1

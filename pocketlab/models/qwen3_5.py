@@ -35,7 +35,7 @@ class GatedDeltaNet:
         self.out = w.pop(p + "out_proj.weight")
 
     def __call__(self, h, norm, ctx: ForwardContext, cache: SlotCache):
-        """h + gated_delta_net(norm(h)), the norm and the residual add inside the projections where they fuse."""
+        """h + gated_delta_net(norm(h)), the residual add inside out_proj's kernel where the linear fuses."""
         B, T, _ = h.shape
         qkv, z, b, a = self.kernels.linear(h, self.in_proj, norm=norm).split(self.splits, dim=-1)
         conv, rec = cache.conv[self.layer], cache.rec[self.layer]
