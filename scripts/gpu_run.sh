@@ -28,6 +28,16 @@
 # Still owed: the invariant kernel timings and sweep with the 32-row decode tile (INVARIANT_TIMINGS=1
 # INVARIANT_SWEEP=1), a profile after the fused norm/RoPE/write kernel (INVARIANT_PROFILE=qwen3-8b), the 8B notebooks
 # under the calibrated verdicts (REPORT_MODELS=qwen3-8b REPORT_NOTEBOOKS=02,03,07).
+# Seen on 2026-12-01 (sixth session, one H200, issue 14): STEPS=fused with its CUDA tests 75-200 s (Triton
+# compiles; -n 4 for the engine files), the fused sweep 27-33 s, a profile 33-63 s per model and mode; the bench
+# with PEER_MODES=static 152 s at 0.6B, > 190 s at 8B (HF's compiled batch-32 step). Calls made:
+#   STEPS=fused FUSED_TESTS=tests/test_fused_linear.py BUDGET_S=560   (before/after tables, sweep)
+#   STEPS="fused bench" FUSED_SWEEP=0 FUSED_MODES=triton MODELS="qwen3-0.6b qwen3-8b" PEER_MODES=static BUDGET_S=550
+#   STEPS=fused FUSED_TESTS="-n 4 tests/test_fused_linear.py tests/test_decode_attention.py tests/test_parity.py
+#     tests/test_graphs.py tests/test_slots.py tests/test_speculative.py" FUSED_SWEEP=0 FUSED_MODES=triton BUDGET_S=330
+# Still owed: the whole bench (all four shapes with the HF peers) after the fused linear, in-kernel attention merge
+# and the 2**23 compile threshold; profiles at the Qwen3.5 shapes (FUSED_MODELS="qwen3.5-0.8b qwen3.5-9b"); the
+# batch-invariant step again (its matmul now carries the epilogues; SwiGLU at many rows runs two stages).
 # Leave ~30 s between BUDGET_S and the call's limit: the final tar must run, or nothing comes back.
 # After each call unpack each lane's reports.tgz and commit what it measured (reports/bench, reports/gpu,
 # reports/baseline, reports/<model>/): every call starts from your tree, so a later call's reports reuse the
