@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -58,7 +59,8 @@ class QwenEngine:
         """Make `tokens` the slot's sequence (reusing the prefix it already holds) and predict the next token."""
         items = [(slot_id, list(tokens), sampling)]
         self._check_prefill(items, ["prompt"])
-        return self._run_prefill(items)[0]
+        with self._transaction([slot_id]):
+            return self._run_prefill(items)[0]
 
     def decode_step(self, token: int, slot_id: int = 0, sampling: SamplingParams = GREEDY) -> ForwardResult:
         """Append one token to the slot's sequence and predict the next (with speculative_tokens > 0, maybe
@@ -79,10 +81,11 @@ class QwenEngine:
             )
         items = [(s, r.prompt_tokens, r.sampling) for s, r in zip(chosen, requests, strict=True)]
         self._check_prefill(items, [f"request {r.request_id} prompt" for r in requests])
-        for r in requests:
-            if r.slot_id is None:
+        fresh = [r for r in requests if r.slot_id is None]
+        with self._transaction(chosen, allocated=fresh):
+            for r in fresh:
                 r.slot_id = self.allocate_slot(r.request_id)
-        results = self._run_prefill(items)
+            results = self._run_prefill(items)
         for r, res in zip(requests, results, strict=True):
             r.generated_tokens = [res.next_token]
         return BatchPrefillResult(results)
@@ -125,17 +128,20 @@ class QwenEngine:
 
     def release_slot(self, slot_id: int) -> None:
         self._check_slot(slot_id)
-        self.cache.clear(slot_id)
+        with self._transaction([slot_id]):
+            self.cache.clear(slot_id)
         self.cache.slots[slot_id].owner = None
 
     def reset(self, slot_id: int | None = None) -> None:
         """Forget the sequence of one slot, or of every slot (allocations are kept)."""
         if slot_id is not None:
             self._check_slot(slot_id)
-        for s in range(self.num_slots) if slot_id is None else [slot_id]:
-            self.cache.clear(s)
-        if self.prefix is not None:  # a reset engine computes like a fresh one: nothing before it is reused
-            self.prefix.forget(slot_id)
+        slots = list(range(self.num_slots)) if slot_id is None else [slot_id]
+        with self._transaction(slots):
+            for s in slots:
+                self.cache.clear(s)
+            if self.prefix is not None:  # a reset engine computes like a fresh one: nothing before it is reused
+                self.prefix.forget(slot_id)
 
     def position(self, slot_id: int = 0) -> int:
         self._check_slot(slot_id)
@@ -149,7 +155,32 @@ class QwenEngine:
         self._check_slot(slot_id)
         self.cache.check_snapshot(snapshot)
         self.check_tokens(snapshot.tokens, "snapshot history", allow_empty=True)
-        self.cache.restore(snapshot, slot_id)
+        with self._transaction([slot_id]):
+            self.cache.restore(snapshot, slot_id)
+
+    # -- interrupted calls: the slots a call touches are committed whole or cleanly reset -----------
+    @contextmanager
+    def _transaction(self, slots: list[int], allocated: Sequence[BatchedRequest] = ()):
+        """Run a call that changes `slots`. If anything inside raises (an error, a KeyboardInterrupt), those slots
+        are cleanly reset (empty history, zeroed state, owner as before the call: slots it allocated to
+        `allocated` requests are free again), every other slot is as it was, and the prefix cache, which may
+        have been mid-update, starts over empty: it is a cache, so only reuse is lost. Then it re-raises."""
+        try:
+            yield
+        except BaseException:
+            self._abort(slots, allocated)
+            raise
+
+    def _abort(self, slots: list[int], allocated: Sequence[BatchedRequest]) -> None:
+        self.cache.listen(None)  # the slots' live state may be half-written: nothing may checkpoint it
+        for s in slots:
+            self.cache.clear(s)
+        for r in allocated:
+            if r.slot_id is not None:
+                self.cache.slots[r.slot_id].owner = None
+                r.slot_id = None
+        if self.prefix is not None:
+            self.prefix = PrefixCache(self.cache, self.options)  # registers itself as the listener
 
     # -- validation: every check runs before any state changes --------------------------------
     def _check_slot(self, slot_id) -> None:
@@ -224,16 +255,17 @@ class QwenEngine:
         for s, tok, _ in items:
             self.check_tokens([tok], f"decode token for slot {s}")
         self._check_plan([s for s, _, _ in items], [(s, [t]) for s, t, _ in items], prefill=False)
-        if self.speculator is not None:  # tokens per item: accepted drafts + one, from one verify forward
-            out = self.speculator.step(items)
-            self.forward_count += 1
-            return out
-        runs = [Run(s, self.cache.slots[s].position, [tok]) for s, tok, _ in items]
-        logits = self._decode_logits(runs)
-        for s, tok, _ in items:
-            self.cache.slots[s].extend([tok])
-        positions = [self.cache.slots[s].position for s, _, _ in items]
-        tokens = sample(logits, [sp for _, _, sp in items], positions).tolist()
+        with self._transaction([s for s, _, _ in items]):
+            if self.speculator is not None:  # tokens per item: accepted drafts + one, from one verify forward
+                out = self.speculator.step(items)
+                self.forward_count += 1
+                return out
+            runs = [Run(s, self.cache.slots[s].position, [tok]) for s, tok, _ in items]
+            logits = self._decode_logits(runs)
+            positions = [run.start + 1 for run in runs]
+            tokens = sample(logits, [sp for _, _, sp in items], positions).tolist()
+            for s, tok, _ in items:
+                self.cache.slots[s].extend([tok])
         return [[t] for t in tokens], logits, positions
 
     @torch.inference_mode()

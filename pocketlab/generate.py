@@ -45,21 +45,27 @@ def generate(
             running.remove(r)
             bar.update()
 
-    while waiting or running:
-        admit = [waiting.popleft() for _ in range(min(len(waiting), len(engine.free_slots())))]
-        zero = [r for r in admit if r.sampling.max_new_tokens == 0]
-        for r in zero:
-            outputs[r.request_id] = []
-            bar.update()
-        admit = [r for r in admit if r.sampling.max_new_tokens > 0]
-        if admit:
-            engine.batch_prefill(admit)
-            running.extend(admit)
-            retire([r for r in admit if _finished(engine, r)])
-        if running:
-            engine.batch_decode_step(running)
-            retire([r for r in running if _finished(engine, r)])
-    bar.close()
+    try:
+        while waiting or running:
+            admit = [waiting.popleft() for _ in range(min(len(waiting), len(engine.free_slots())))]
+            zero = [r for r in admit if r.sampling.max_new_tokens == 0]
+            for r in zero:
+                outputs[r.request_id] = []
+                bar.update()
+            admit = [r for r in admit if r.sampling.max_new_tokens > 0]
+            if admit:
+                engine.batch_prefill(admit)
+                running.extend(admit)
+                retire([r for r in admit if _finished(engine, r)])
+            if running:
+                engine.batch_decode_step(running)
+                retire([r for r in running if _finished(engine, r)])
+    except BaseException:  # an error or a KeyboardInterrupt: the slots this call took are free again
+        for r in running:
+            engine.release_slot(r.slot_id)
+        raise
+    finally:
+        bar.close()
     return [outputs[i] for i in range(len(prompts))]
 
 
