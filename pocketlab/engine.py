@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from .cache import SlotCache, Snapshot
+from .cache import SlotCache, Snapshot, model_id
 from .config import EngineOptions, ModelConfig
 from .forward import ForwardContext, Run
 from .generate import generate as continuous_batching
@@ -39,8 +39,10 @@ class QwenEngine:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], options: EngineOptions | None = None):
         self.cfg, self.options = cfg, options or EngineOptions()
         weights = validate_weights(dict(weights), cfg, self.options.device, self.options.torch_dtype)
+        self.model_id = model_id(cfg, weights)  # snapshots carry it: one restores only into its own model
         self.model = build_model(cfg, weights, self.options)
         self.cache = SlotCache(cfg, self.options)
+        self.cache.model_id = self.model_id
         self.prefix = PrefixCache(self.cache, self.options) if self.options.prefix_cache else None
         self.num_slots = self.options.max_slots
         self.forward_count = 0  # model forwards run; batch calls must add exactly one
@@ -81,10 +83,10 @@ class QwenEngine:
             )
         items = [(s, r.prompt_tokens, r.sampling) for s, r in zip(chosen, requests, strict=True)]
         self._check_prefill(items, [f"request {r.request_id} prompt" for r in requests])
-        fresh = [r for r in requests if r.slot_id is None]
-        with self._transaction(chosen, allocated=fresh):
-            for r in fresh:
-                r.slot_id = self.allocate_slot(r.request_id)
+        fresh = [(r, s) for r, s in zip(requests, chosen, strict=True) if r.slot_id is None]
+        with self._transaction(chosen, allocated=[r for r, _ in fresh]):
+            for r, s in fresh:  # the slot its prompt is prefilled into (not the first free: that may be a given one)
+                self.cache.slots[s].owner, r.slot_id = r.request_id, s
             results = self._run_prefill(items)
         for r, res in zip(requests, results, strict=True):
             r.generated_tokens = [res.next_token]

@@ -30,6 +30,8 @@ def generate(
             raise ValueError(
                 f"prompt {i} has {len(p)} tokens; max_seq_len={engine.options.max_seq_len} leaves no room to generate"
             )
+    if prompts and not engine.free_slots():  # nothing could ever be admitted: refuse rather than wait forever
+        raise ValueError(f"generate needs a free slot, but all {engine.num_slots} are taken; release one first")
     waiting = deque(
         BatchedRequest(i, list(p), sampling=sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
     )

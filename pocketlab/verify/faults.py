@@ -112,3 +112,29 @@ def count_steps(engine, call) -> int:
     with Faults(engine) as faults:
         call()
     return faults.calls
+
+
+def prefix_cache_problems(prefix) -> list[str]:
+    """What is inconsistent in a PrefixCache's bookkeeping (empty: nothing): the budget matches what it holds, every
+    checkpoint and entry is accounted for once, and the block index agrees with each cached prefix's tokens."""
+    from ..prefix_cache import chain_hashes
+
+    if prefix is None:
+        return []
+    problems, known = [], set(prefix.slots) | set(prefix.entries)
+    if prefix.used != sum(prefix.lru.values()) or prefix.used > prefix.budget:
+        problems.append(f"used {prefix.used} bytes, the LRU holds {sum(prefix.lru.values())}, budget {prefix.budget}")
+    for p, pos in prefix.lru:
+        if p not in known or (pos is None) != (p.slot is None) or (pos is not None and pos not in p.states):
+            problems.append(f"LRU key ({p.slot}, {pos}) is not a held checkpoint or entry")
+    for p in known:
+        missing = [pos for pos in p.states if (p, pos) not in prefix.lru and p.slot is not None]
+        if missing or (p.slot is None and (p, None) not in prefix.lru):
+            problems.append(f"prefix of slot {p.slot} holds unaccounted checkpoints {missing}")
+        if p.hashes != chain_hashes(p.tokens, prefix.block, len(p.hashes)):
+            problems.append(f"prefix of slot {p.slot}: its block hashes do not match its tokens")
+        if any(p not in prefix.index.get(h, ()) for h in p.hashes):
+            problems.append(f"prefix of slot {p.slot}: a block hash is missing from the index")
+    if any(p not in known for holders in prefix.index.values() for p in holders):
+        problems.append("the index names a prefix the cache no longer holds")
+    return problems
