@@ -1,5 +1,6 @@
 """PocketLab: a compact, verified inference engine for Qwen2, Qwen3 and Qwen3.5 with a slot API."""
 
+from . import memory
 from .cache import Snapshot
 from .config import EngineOptions, ModelConfig
 from .engine import QwenEngine
@@ -7,6 +8,7 @@ from .requests import BatchDecodeResult, BatchedRequest, BatchPrefillResult, For
 from .sampling import SamplingParams
 
 __all__ = [
+    "memory",
     "QwenEngine",
     "EngineOptions",
     "ModelConfig",

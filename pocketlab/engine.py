@@ -15,6 +15,7 @@ from .forward import ForwardContext, Run
 from .generate import generate as continuous_batching
 from .graphs import StepGraphs
 from .loader import load_weights, validate_weights
+from .memory import MemoryPlan, resolve
 from .models import build_model
 from .prefix_cache import PrefixCache
 from .requests import BatchDecodeResult, BatchedRequest, BatchPrefillResult, ForwardResult
@@ -37,7 +38,11 @@ def plan_pieces(start: int, end: int, chunk: int, stride: int = 0) -> list[tuple
 
 class QwenEngine:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], options: EngineOptions | None = None):
-        self.cfg, self.options = cfg, options or EngineOptions()
+        self.cfg, options = cfg, options or EngineOptions()
+        device = torch.device(options.device).type
+        resident = bool(weights) and all(t.device.type == device for t in weights.values())
+        self.memory: MemoryPlan = resolve(cfg, options, weights_resident=resident)  # refuses what cannot fit
+        self.options = self.memory.options  # max_slots="auto" resolved
         weights = validate_weights(dict(weights), cfg, self.options.device, self.options.torch_dtype)
         self.model_id = model_id(cfg, weights)  # snapshots carry it: one restores only into its own model
         self.model = build_model(cfg, weights, self.options)
@@ -54,6 +59,7 @@ class QwenEngine:
     def from_pretrained(cls, path: str | Path, options: EngineOptions | None = None) -> QwenEngine:
         options = options or EngineOptions()
         cfg = ModelConfig.from_pretrained(path)
+        options = resolve(cfg, options).options  # before reading any weights: refuse what cannot fit
         return cls(cfg, load_weights(path, cfg, options.device, options.torch_dtype), options)
 
     # -- single-slot API -----------------------------------------------------------------------
