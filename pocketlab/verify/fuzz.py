@@ -30,7 +30,7 @@ from ..requests import BatchedRequest
 from ..sampling import SamplingParams
 from ..tools.synthetic import ensure_checkpoint
 from .common import checkpoint_root, tolerance
-from .faults import Faults, InjectedInterrupt
+from .faults import Faults, InjectedInterrupt, prefix_cache_problems
 
 TOL = tolerance("float32").atol
 VOCAB, MAX_SLOTS, MAX_SEQ = 512, 3, 40
@@ -109,6 +109,14 @@ def fingerprint(eng: QwenEngine) -> list:
     return slots + [eng.num_slots]
 
 
+def prefix_summary(prefix) -> tuple | None:
+    """What the prefix cache holds, in numbers: entries, checkpoints, bytes, indexed blocks."""
+    if prefix is None:
+        return None
+    held = [(p.slot, len(p.tokens), pos, n) for (p, pos), n in prefix.lru.items()]
+    return len(prefix.entries), held, prefix.used, sorted(map(len, prefix.index.values()))
+
+
 def same_slot(a, b) -> bool:
     return a[:2] == b[:2] and a[2].keys() == b[2].keys() and all(torch.equal(a[2][k], b[2][k]) for k in a[2])
 
@@ -180,7 +188,7 @@ class EngineMachine(RuleBasedStateMachine):
 
     def refused(self, call) -> None:
         """A call the model says is invalid: a ValueError/IndexError, and nothing changed."""
-        before = fingerprint(self.eng)
+        before, cache = fingerprint(self.eng), prefix_summary(self.eng.prefix)
         try:
             call()
         except (ValueError, IndexError):
@@ -190,6 +198,7 @@ class EngineMachine(RuleBasedStateMachine):
         after = fingerprint(self.eng)
         unchanged = all(same_slot(a, b) for a, b in zip(before[:-1], after[:-1], strict=True))
         assert unchanged and before[-1] == after[-1], "a refused call changed state"
+        assert prefix_summary(self.eng.prefix) == cache, "a refused call changed the prefix cache"
 
     def run(self, call, touched: list[int], fault: int | None):
         """(True, call()) or, when the injected fault interrupted it, (False, None) after checking that every slot
@@ -397,6 +406,7 @@ class EngineMachine(RuleBasedStateMachine):
             return
         STATS["checks"] += 1
         assert self.eng.num_slots == self.n
+        assert not prefix_cache_problems(self.eng.prefix), prefix_cache_problems(self.eng.prefix)
         for s in range(self.n):
             slot = self.eng.cache.slots[s]
             assert list(slot.tokens) == self.hist[s], f"slot {s} holds another history than the model's"
@@ -442,3 +452,41 @@ def write_stats(path: str | Path) -> dict:
 
 _WRITTEN: Counter = Counter()
 STATS_FILE = os.environ.get("POCKETLAB_RELIABILITY")  # where the runs add their counts (make fuzz)
+
+
+def table(stats: dict, seed: str | None = None) -> str:
+    """The README's reliability table, from the counts a passing `make fuzz` wrote (a failing run writes none)."""
+    schedules, calls = stats.get("schedules", 0), stats.get("calls", 0) + stats.get("refused", 0)
+    configs = ", ".join(f"{k.split(': ', 1)[1]} {v}" for k, v in stats.items() if k.startswith("schedules: "))
+    interrupts = stats.get("interrupted", 0) + stats.get("interrupts injected (test_interrupts)", 0)
+    files = stats.get("hostile weight files tried", 0) + stats.get("hostile snapshot files tried", 0)
+    rows = [
+        ("schedules fuzzed", f"{schedules} ({configs})" + (f", seed {seed}" if seed else "")),
+        ("calls per schedule", f"{calls / max(schedules, 1):.1f} on average (at most 24), {calls} in all"),
+        ("calls refused as bad input (state compared bitwise)", stats.get("refused", 0)),
+        ("slot-vs-solo-replay checks (after every call)", stats.get("checks", 0)),
+        (
+            "interrupts injected",
+            f"{interrupts} ({stats.get('interrupted', 0)} in schedules, "
+            f"{stats.get('interrupts injected (test_interrupts)', 0)} at every step of each call)",
+        ),
+        (
+            "hostile files tried",
+            f"{files} ({stats.get('hostile weight files tried', 0)} weights, "
+            f"{stats.get('hostile snapshot files tried', 0)} snapshots)",
+        ),
+        ("wall time of the schedules", f"{stats.get('fuzz seconds', 0)} s"),
+        ("divergences", "0 (the first one fails the run, and no table is written)"),
+        ("corrupted states", "0 (likewise)"),
+    ]
+    return "| | |\n|---|---|\n" + "\n".join(f"| {a} | {b} |" for a, b in rows)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="print the reliability table from a make fuzz counts file")
+    ap.add_argument("--table", required=True, help="the JSON counts file (POCKETLAB_RELIABILITY)")
+    ap.add_argument("--seed", default=None)
+    args = ap.parse_args()
+    print(table(json.loads(Path(args.table).read_text()), args.seed))
