@@ -18,7 +18,7 @@ from .loader import load_weights, validate_weights
 from .memory import MemoryPlan, resolve
 from .models import build_model
 from .prefix_cache import PrefixCache
-from .requests import BatchDecodeResult, BatchedRequest, BatchPrefillResult, ForwardResult
+from .requests import BatchDecodeResult, BatchedRequest, BatchPrefillResult, ForwardResult, Refusal
 from .sampling import GREEDY, SamplingParams, sample
 from .speculative import Speculator
 
@@ -172,9 +172,12 @@ class QwenEngine:
         """Run a call that changes `slots`. If anything inside raises (an error, a KeyboardInterrupt), those slots
         are cleanly reset (empty history, zeroed state, owner as before the call: slots it allocated to
         `allocated` requests are free again), every other slot is as it was, and the prefix cache, which may
-        have been mid-update, starts over empty: it is a cache, so only reuse is lost. Then it re-raises."""
+        have been mid-update, starts over empty: it is a cache, so only reuse is lost. Then it re-raises. A `Refusal`
+        (bad input found before anything changed) passes through and leaves the slots alone."""
         try:
             yield
+        except Refusal:  # found before anything changed
+            raise
         except BaseException:
             self._abort(slots, allocated)
             raise
