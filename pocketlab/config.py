@@ -109,6 +109,7 @@ class EngineOptions:
     compile: bool = True  # fuse elementwise chains with torch.compile in captured decode graphs
     decode_attention: str = "auto"  # "triton" (live keys read in place), "sdpa", or "auto": triton on CUDA
     linear_decode: str = "auto"  # Gated DeltaNet decode: "triton" (states updated in place), "torch", "auto"
+    fused_linear: str = "auto"  # few-row projections with their norm / residual add / SwiGLU in one Triton kernel
     graph_batch_sizes: tuple[int, ...] = field(default=(1, 2, 4, 8, 16, 32, 64))
     batch_invariant: bool = False  # logits bitwise independent of the batch (Triton kernels; CPU: interpreter)
     speculative_tokens: int = 0  # drafts per decode step (MTP head), verified in one forward; 0: off
@@ -129,12 +130,13 @@ class EngineOptions:
             raise ValueError(f"dtype {self.dtype!r} is not one of {list(DTYPES)}")
         if self.decode_attention not in ("auto", "triton", "sdpa"):
             raise ValueError(f"decode_attention {self.decode_attention!r} is not one of auto, triton, sdpa")
-        if self.linear_decode not in ("auto", "triton", "torch"):
-            raise ValueError(f"linear_decode {self.linear_decode!r} is not one of auto, triton, torch")
+        for name in ("linear_decode", "fused_linear"):
+            if getattr(self, name) not in ("auto", "triton", "torch"):
+                raise ValueError(f"{name} {getattr(self, name)!r} is not one of auto, triton, torch")
         if self.max_slots != "auto" and not (isinstance(self.max_slots, int) and self.max_slots >= 1):
             raise ValueError(f"max_slots={self.max_slots!r}: an int >= 1, or 'auto'")
         if self.max_seq_len < 2 or self.prefill_chunk < 1:
-            raise ValueError("max_slots >= 1, max_seq_len >= 2 and prefill_chunk >= 1 are required")
+            raise ValueError("max_seq_len >= 2 and prefill_chunk >= 1 are required")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction={self.memory_fraction}: need 0 < fraction <= 1")
         if self.prefix_cache_bytes < 0 or self.prefix_block < 1 or self.checkpoint_stride < 0:

@@ -34,12 +34,14 @@
 # bench JSONs only once they are committed.
 #
 # Knobs (env vars, defaults in brackets):
-#   STEPS            [profile tests bench baseline extras invariant reports]  which steps run, in this order
+#   STEPS            [profile tests bench baseline extras invariant fused reports]  which steps run, in this order
 #   MODELS           [qwen3-0.6b qwen3-8b qwen3.5-0.8b qwen3.5-9b]  benched, one after the other
 #   REPORT_MODELS    [qwen3-0.6b]       `make reports DEVICE=cuda MODEL=m` for each
 #   TTFT_MODELS      [qwen3-8b qwen3.5-9b]  MTP_MODELS [qwen3.5-9b]   the extras step's models
 #   INVARIANT_MODELS [qwen3-8b qwen3.5-9b]  INVARIANT_STEPS [64]   the invariant step's shapes and decode steps
 #   INVARIANT_TESTS  [the mode's and its kernels' test files]  INVARIANT_TIMINGS [1]   (empty / 0: skip)
+#   FUSED_TESTS [the fused linear's tests + parity]  FUSED_SWEEP [1]  FUSED_MODELS [qwen3-0.6b qwen3-8b]
+#   FUSED_BATCHES [1,32]  FUSED_MODES [torch triton]   the fused step: CUDA tests, launch sweep, kernel tables with fused_linear=torch, triton
 #   INVARIANT_SWEEP  [0]  1: the invariant matmul's launch sweep   INVARIANT_PROFILE []  a model: kernel tables, both modes
 #   REPORT_NOTEBOOKS [01,02,03,04,05,06,07]  the reports step's notebooks, in this order, each a step of its own
 #   TTFT_STRIDES     [512]              checkpoint strides the TTFT table is measured at, comma-separated
@@ -56,7 +58,7 @@
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
-STEPS=${STEPS:-profile tests bench baseline extras invariant reports}
+STEPS=${STEPS:-profile tests bench baseline extras invariant fused reports}
 MODELS=${MODELS:-qwen3-0.6b qwen3-8b qwen3.5-0.8b qwen3.5-9b}
 REPORT_MODELS=${REPORT_MODELS:-qwen3-0.6b}
 TTFT_MODELS=${TTFT_MODELS-qwen3-8b qwen3.5-9b}  # set empty for none
@@ -67,6 +69,11 @@ INVARIANT_TESTS=${INVARIANT_TESTS-tests/test_batch_invariant.py tests/test_invar
 INVARIANT_TIMINGS=${INVARIANT_TIMINGS:-1}
 INVARIANT_SWEEP=${INVARIANT_SWEEP:-0}
 INVARIANT_PROFILE=${INVARIANT_PROFILE-}
+FUSED_TESTS=${FUSED_TESTS-tests/test_fused_linear.py tests/test_invariant_kernels.py tests/test_parity.py}
+FUSED_SWEEP=${FUSED_SWEEP:-1}
+FUSED_MODELS=${FUSED_MODELS-qwen3-0.6b qwen3-8b}
+FUSED_BATCHES=${FUSED_BATCHES:-1,32}
+FUSED_MODES=${FUSED_MODES:-torch triton}
 REPORT_NOTEBOOKS=${REPORT_NOTEBOOKS:-01,02,03,04,05,06,07}
 TTFT_STRIDES=${TTFT_STRIDES:-512}
 PEER_MODES=${PEER_MODES:-eager,static}
@@ -204,6 +211,24 @@ if wants invariant; then
     step "profile $INVARIANT_PROFILE batch_invariant=$bi" 90 "$reserve" sh -c "python3 -m pocketlab.tools.profile \
       --model $INVARIANT_PROFILE --batch-sizes 1,32 --prefill-lens 4096 --steps 10 --top 25 \
       --engine-option batch_invariant=$bi | tee reports/gpu/profile-$INVARIANT_PROFILE-invariant-$bi.txt"
+  done
+fi
+
+# -- 5b. the fused linear (issue 14): its CUDA tests, its launches' bandwidth, and kernel tables before (fused_linear
+#        =torch: cuBLAS + separate norm/add/SwiGLU) and after (triton) per model -> reports/gpu/profile-*-fused-* --
+if wants fused; then
+  mkdir -p reports/gpu
+  # shellcheck disable=SC2086
+  [ -n "$FUSED_TESTS" ] && step "pytest fused linear (cuda)" 200 "$reserve" \
+    env POCKETLAB_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider --tb=short $FUSED_TESTS
+  [ "$FUSED_SWEEP" = 1 ] && step "fused linear launches (sweep)" 150 "$reserve" sh -c \
+    "python3 -m pocketlab.layers.invariant.sweep --fused | tee reports/gpu/fused-linear-sweep-h200.txt"
+  for m in $FUSED_MODELS; do
+    for fl in $FUSED_MODES; do
+      step "profile $m fused_linear=$fl" 100 "$reserve" sh -c "python3 -m pocketlab.tools.profile --model $m \
+        --batch-sizes $FUSED_BATCHES --prefill-lens 4096 --steps 10 --top 25 --engine-option fused_linear=$fl \
+        | tee reports/gpu/profile-$m-fused-$fl-h200.txt"
+    done
   done
 fi
 

@@ -13,12 +13,14 @@ import torch
 import torch.nn.functional as F
 from conftest import DEVICE, greedy_run, random_prompt
 
+import pocketlab.layers.invariant as inv
 import pocketlab.models.qwen3 as qwen3
 from pocketlab import EngineOptions
 from pocketlab.layers import activations
 from pocketlab.layers.attention import write_kv
 from pocketlab.layers.gated_delta import backend_name
 from pocketlab.layers.kernels import kernels_for
+from pocketlab.layers.linear import composed
 from pocketlab.layers.rotary import apply_rotary
 from pocketlab.verify.common import load_pair
 from pocketlab.verify.invariance import CASES, _solo, compare, invariance
@@ -67,11 +69,22 @@ def _rows(x):
     return x.reshape(-1, x.shape[-1]).shape[0]
 
 
-def split_k_linear(x, w, bias=None):
+def split_k_matmul(x, w, bias=None):
     """cuBLAS-style split-K whose split count depends on the number of rows."""
     parts = 1 + _rows(x) % 3
     y = sum(F.linear(xs, ws) for xs, ws in zip(x.tensor_split(parts, -1), w.tensor_split(parts, -1), strict=True))
     return y if bias is None else y + bias
+
+
+def _around(matmul, rms_norm=None):
+    """A linear whose matmul (and, given, pre-norm) is `matmul` (`rms_norm`); the rest the invariant kernels."""
+
+    def linear(x, weight, bias=None, *, norm=None, residual=None, swiglu=False):
+        if norm is not None and rms_norm is not None:
+            x, norm = rms_norm(x, norm.weight, norm.eps, norm.offset), None
+        return composed(matmul, x, weight, bias, norm=norm, residual=residual, swiglu=swiglu, activation=inv.swiglu)
+
+    return linear
 
 
 def _split_sum_norm(x, weight, eps, offset):
@@ -81,11 +94,6 @@ def _split_sum_norm(x, weight, eps, offset):
     ss = sum(p.pow(2).sum(-1, keepdim=True) for p in xf.tensor_split(parts, -1))
     xf = xf * torch.rsqrt(ss / x.shape[-1] + eps)
     return (xf * (1.0 + weight.float())).to(x.dtype) if offset else weight * xf.to(x.dtype)
-
-
-def split_sum_add_norm(x, update, weight, eps, offset=False):
-    h = x + update
-    return h, _split_sum_norm(h, weight, eps, offset)
 
 
 def split_norm_rotate_store(q, k, v, k_cache, v_cache, targets, rope, norms):
@@ -99,9 +107,9 @@ def split_norm_rotate_store(q, k, v, k_cache, v_cache, targets, rope, norms):
 
 MUTANTS = {
     # the default kernels where they are batch-variant on this device, else a stand-in that behaves like them
-    "linear: split-K by batch size": ("linear", F.linear if DEVICE == "cuda" else split_k_linear),
-    # torch's own add+norm happened to reduce hidden size 64 in one order at every batch size on the H200
-    "add_rms_norm: row split by batch size": ("add_rms_norm", split_sum_add_norm),
+    "linear: split-K by batch size": ("linear", _around(F.linear if DEVICE == "cuda" else split_k_matmul)),
+    # torch's own norm happened to reduce hidden size 64 in one order at every batch size on the H200
+    "linear's pre-norm: row split by batch size": ("linear", _around(inv.linear, _split_sum_norm)),
     "attention: the default SDPA / decode kernel": ("attention", None),
     "norm_rotate_store: q/k norms split by batch size": ("norm_rotate_store", split_norm_rotate_store),
 }

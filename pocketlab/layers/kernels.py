@@ -4,21 +4,22 @@ shapes, never by the number of rows), so a request's logits do not depend on wha
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch.nn.functional as F
+import torch
 
 from . import activations, norm
+from .linear import fused_at_few_rows
+from .linear import linear as composed_linear
 
 
 @dataclass(frozen=True)
 class Kernels:
-    linear: Callable = F.linear
+    linear: Callable = composed_linear  # (x, weight, bias=None, *, norm=None, residual=None, swiglu=False)
     rms_norm: Callable = norm.rms_norm
-    add_rms_norm: Callable = norm.add_rms_norm
     gated_rms_norm: Callable = norm.gated_rms_norm
-    swiglu: Callable = activations.swiglu
     sigmoid_gate: Callable = activations.sigmoid_gate
     decay_and_beta: Callable = activations.decay_and_beta
     attention: Callable | None = None  # over the slot cache for every query; None: SDPA / the decode kernel
@@ -29,9 +30,21 @@ class Kernels:
 DEFAULT = Kernels()
 
 
+def fuses_linear(options) -> bool:
+    """Whether the default kernels run few-row projections through the fused Triton kernel (norm, matmul and
+    residual add or SwiGLU in one launch): options.fused_linear, "auto" meaning on CUDA with Triton."""
+    if options.fused_linear == "auto":
+        return torch.device(options.device).type == "cuda" and importlib.util.find_spec("triton") is not None
+    return options.fused_linear == "triton"
+
+
 def kernels_for(options) -> Kernels:
     if not options.batch_invariant:
-        return DEFAULT
+        if not fuses_linear(options):
+            return DEFAULT
+        from .invariant.matmul import linear as fused
+
+        return Kernels(fused_at_few_rows(fused))
     from . import invariant
     from .invariant.attention import attention
     from .invariant.rotate import norm_rotate_store
@@ -39,9 +52,7 @@ def kernels_for(options) -> Kernels:
     return Kernels(
         invariant.linear,
         invariant.rms_norm,
-        invariant.add_rms_norm,
         invariant.gated_rms_norm,
-        invariant.swiglu,
         invariant.sigmoid_gate,
         invariant.decay_and_beta,
         attention,

@@ -18,13 +18,6 @@ rms_norm = compiled_in_graphs(_rms_norm)
 
 
 @compiled_in_graphs
-def add_rms_norm(x: torch.Tensor, update: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False):
-    """(x + update, its norm): the residual add and the next pre-norm in one kernel on CUDA."""
-    x = x + update
-    return x, _rms_norm(x, weight, eps, offset)
-
-
-@compiled_in_graphs
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Gated DeltaNet output norm: w * norm(x) * silu(gate), computed in float32."""
     xf = x.float()
@@ -33,17 +26,12 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 
 
 class RMSNorm:
-    """A pre-norm with the residual add before it: (h, None) -> (norm(h), h) for the first layer, then
-    (h, residual) -> (norm(residual + h), residual + h), the add and the norm one kernel on CUDA.
-    `kernels`: the layers.kernels set whose rms_norm / add_rms_norm run (None: these torch ones)."""
+    """A pre-norm: its weight, eps and flavour, applied by `kernels.rms_norm` (None: the torch one) when called,
+    or handed to a linear that norms its input itself (layers.linear)."""
 
     def __init__(self, weight: torch.Tensor, eps: float, offset: bool = False, kernels=None):
         self.weight, self.eps, self.offset = weight, eps, offset
         self.norm = kernels.rms_norm if kernels is not None else rms_norm
-        self.add_norm = kernels.add_rms_norm if kernels is not None else add_rms_norm
 
-    def __call__(self, h: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            return self.norm(h, self.weight, self.eps, self.offset), h
-        residual, h = self.add_norm(residual, h, self.weight, self.eps, self.offset)
-        return h, residual
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        return self.norm(h, self.weight, self.eps, self.offset)

@@ -21,10 +21,11 @@ class MLP:
         # gate and up fused into one matmul: one weight read per step instead of two launches
         self.gate_up = torch.cat([w.pop(p + "gate_proj.weight"), w.pop(p + "up_proj.weight")])
         self.down = w.pop(p + "down_proj.weight")
-        self.linear, self.swiglu = kernels.linear, kernels.swiglu
+        self.linear = kernels.linear
 
-    def __call__(self, x):
-        return self.linear(self.swiglu(self.linear(x, self.gate_up)), self.down)
+    def __call__(self, h, norm):
+        """h + down(silu(gate(norm(h))) * up(norm(h))): two kernels where the linear fuses."""
+        return self.linear(self.linear(h, self.gate_up, norm=norm, swiglu=True), self.down, residual=h)
 
 
 class Attention:
@@ -42,9 +43,10 @@ class Attention:
         self.q_norm = w.pop(p + "q_norm.weight", None)
         self.k_norm = w.pop(p + "k_norm.weight", None)
 
-    def __call__(self, x, ctx: ForwardContext, cache: SlotCache):
-        B, T, _ = x.shape
-        q, k, v = self.kernels.linear(x, self.qkv, self.qkv_bias).split(
+    def __call__(self, h, norm, ctx: ForwardContext, cache: SlotCache):
+        """h + attention(norm(h)), the norm and the residual add inside the projections where the linear fuses."""
+        B, T, _ = h.shape
+        q, k, v = self.kernels.linear(h, self.qkv, self.qkv_bias, norm=norm).split(
             [self.q_size, self.nkv * self.hd, self.nkv * self.hd], dim=-1
         )
         if self.gated:  # per head: [q_h | gate_h]
@@ -80,12 +82,12 @@ class Attention:
         out = out.reshape(B, T, self.nq * self.hd)
         if self.gated:
             out = self.kernels.sigmoid_gate(out, gate)
-        return self.kernels.linear(out, self.o)
+        return self.kernels.linear(out, self.o, residual=h)
 
 
 class DecoderLayer:
     """One pre-norm decoder block: a token mixer (Attention, or Qwen3.5's GatedDeltaNet) then an MLP, each
-    behind a residual add that RMSNorm fuses with the norm after it. residual None: the first block."""
+    reading the normed residual stream and adding to it."""
 
     def __init__(self, w: dict, p: str, mixer, eps: float, offset: bool, kernels: Kernels):
         self.input_norm = RMSNorm(w.pop(p + "input_layernorm.weight"), eps, offset, kernels)
@@ -93,12 +95,9 @@ class DecoderLayer:
         self.post_norm = RMSNorm(w.pop(p + "post_attention_layernorm.weight"), eps, offset, kernels)
         self.mlp = MLP(w, p + "mlp.", kernels)
 
-    def __call__(self, h, residual, ctx: ForwardContext, cache: SlotCache):
-        h, residual = self.input_norm(h, residual)
-        h = self.mixer(h, ctx, cache)
-        h, residual = self.post_norm(h, residual)
-        h = self.mlp(h)
-        return h, residual
+    def __call__(self, h, ctx: ForwardContext, cache: SlotCache):
+        h = self.mixer(h, self.input_norm, ctx, cache)  # h + mixer(input_norm(h))
+        return self.mlp(h, self.post_norm)  # h + mlp(post_norm(h))
 
 
 class DecoderModel:
@@ -127,10 +126,10 @@ class DecoderModel:
     def forward(self, ctx: ForwardContext, cache: SlotCache) -> torch.Tensor:
         """Final-normed hidden states [B, T, hidden] for every token of the context's runs."""
         self.prepare(ctx)
-        h, residual = F.embedding(ctx.tokens, self.embed), None
+        h = F.embedding(ctx.tokens, self.embed)
         for layer in self.layers:
-            h, residual = layer(h, residual, ctx, cache)
-        return self.final_norm(h, residual)[0]
+            h = layer(h, ctx, cache)
+        return self.final_norm(h)
 
     def prepare(self, ctx: ForwardContext) -> None:
         ctx.prepare(self.rotary, self.decode_kernel, invariant=self.kernels.attention is not None)

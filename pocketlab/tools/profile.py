@@ -41,7 +41,7 @@ def kernel_table(prof, cuda: bool = True) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["kernel", "count", "us"])
 
 
-def profile(step, steps: int, batch: int, what: str, setup=None):
+def profile(step, steps: int, batch: int, what: str, setup=None, layers: int = 1):
     """(summary dict, per-kernel DataFrame) of `steps` calls of step() after a warm-up. setup() runs before each
     call, outside both the wall clock and the profiler."""
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
@@ -80,6 +80,7 @@ def profile(step, steps: int, batch: int, what: str, setup=None):
         "wall_us": wall * 1e6,
         "gpu_busy_us": kernels.us_per_step.sum(),
         "kernels_per_step": kernels.per_step.sum(),
+        "kernels_per_layer": kernels.per_step.sum() / layers,  # the step's, head and sampling included
         "tokens_per_s": batch / wall,
     }
     return summary, kernels
@@ -120,7 +121,7 @@ def main(argv=None) -> None:
     for what, n, use_graphs in runs:
         if use_graphs is not None:
             engine.graphs = graphs if use_graphs else None
-            summary, kernels = profile(decode_step(engine, n), a.steps, n, what)
+            summary, kernels = profile(decode_step(engine, n), a.steps, n, what, layers=engine.cfg.num_hidden_layers)
         else:
             summary, kernels = profile(
                 prefill_call(engine, n), max(a.steps // 4, 2), n, what, setup=lambda: engine.reset(0)

@@ -30,6 +30,7 @@ from .. import prefix_cache as prefix_module
 from ..cache import SlotCache
 from ..config import ModelConfig
 from ..layers.gated_delta import conv_inputs, gated_delta_rule, window_at
+from ..layers.linear import composed
 from ..models import qwen3 as qwen3_module
 from ..models.qwen3 import Attention
 from ..requests import BatchedRequest
@@ -68,16 +69,16 @@ def _kv_other_slot():
     bug in one layer's gather). Rows whose position 0 this forward writes are spared, so prompts look right."""
     original = Attention.__call__
 
-    def call(self, x, ctx, cache):
+    def call(self, x, norm, ctx, cache):
         if self.kv_key != _last_attention_layer(cache):
-            return original(self, x, ctx, cache)
+            return original(self, x, norm, ctx, cache)
         k, v, slots = cache.k[self.kv_key], cache.v[self.kv_key], ctx.slot_ids
         other, stale = (slots + 1) % k.shape[0], (ctx.start > 0)[:, None, None]
         own_k, own_v = k[slots, :, 0].clone(), v[slots, :, 0].clone()
         k[slots, :, 0] = torch.where(stale, k[other, :, 0], own_k)
         v[slots, :, 0] = torch.where(stale, v[other, :, 0], own_v)
         try:
-            return original(self, x, ctx, cache)
+            return original(self, x, norm, ctx, cache)
         finally:  # only the read was wrong: the slot's own rows are put back
             k[slots, :, 0] = torch.where(stale, own_k, k[slots, :, 0])
             v[slots, :, 0] = torch.where(stale, own_v, v[slots, :, 0])
@@ -90,14 +91,14 @@ def _shared_position():
     engine's shared `position_`, surviving in one layer's rotary lookup. K/V still land at each row's position."""
     original = Attention.__call__
 
-    def call(self, x, ctx, cache):
+    def call(self, x, norm, ctx, cache):
         B, T = ctx.tokens.shape
         if T != 1 or B < 2 or self.kv_key != _last_attention_layer(cache):
-            return original(self, x, ctx, cache)
+            return original(self, x, norm, ctx, cache)
         rope = ctx.rope
         ctx.rope = tuple(t[:1].expand_as(t).contiguous() for t in rope)
         try:
-            return original(self, x, ctx, cache)
+            return original(self, x, norm, ctx, cache)
         finally:
             ctx.rope = rope
 
@@ -148,13 +149,13 @@ def _kv_written_late():
     before reading, so each step misses the previous token's key and sees a stale row instead."""
     original = Attention.__call__
 
-    def call(self, x, ctx, cache):
+    def call(self, x, norm, ctx, cache):
         if x.shape[1] != 1 or self.kv_key != _last_attention_layer(cache):
-            return original(self, x, ctx, cache)
+            return original(self, x, norm, ctx, cache)
         k, v, slots, pos = cache.k[self.kv_key], cache.v[self.kv_key], ctx.slot_ids, ctx.start
         late = (pos + 1).clamp(max=k.shape[2] - 1)
         old_k, old_v = k[slots, :, pos].clone(), v[slots, :, pos].clone()
-        out = original(self, x, ctx, cache)
+        out = original(self, x, norm, ctx, cache)
         new_k, new_v = k[slots, :, pos].clone(), v[slots, :, pos].clone()
         k[slots, :, late], v[slots, :, late] = new_k, new_v
         k[slots, :, pos], v[slots, :, pos] = old_k, old_v
@@ -200,7 +201,7 @@ def _split_k_by_batch():
     engines only)."""
     original = qwen3_module.kernels_for
 
-    def linear(x, w, bias=None):
+    def matmul(x, w, bias=None):
         parts = 1 + x.reshape(-1, x.shape[-1]).shape[0] % 3
         pieces = zip(x.tensor_split(parts, -1), w.tensor_split(parts, -1), strict=True)
         y = sum(F.linear(xs, ws) for xs, ws in pieces)
@@ -208,7 +209,11 @@ def _split_k_by_batch():
 
     def kernels_for(options):
         kernels = original(options)
-        return dataclasses.replace(kernels, linear=linear) if options.batch_invariant else kernels
+        if not options.batch_invariant:
+            return kernels
+        from ..layers.invariant import swiglu
+
+        return dataclasses.replace(kernels, linear=functools.partial(composed, matmul, activation=swiglu))
 
     return patched(qwen3_module, "kernels_for", kernels_for)
 

@@ -81,29 +81,43 @@ def tiles(M: int, N: int, dtype: torch.dtype, device: torch.device) -> Tiles:
         return Tiles(64, DECODE_BLOCK_N, 4, 3, mode)
     if mode == IN_PROGRAM:
         return Tiles(128, 128, 8, 3, mode)
-    return Tiles(min(64, max(16, triton.next_power_of_2(M))), DECODE_BLOCK_N, 4, 4, mode)
+    if M <= 16:  # 32 columns: twice the programs of 64 for the same weight, the faster at decode shapes
+        return Tiles(16, 32, 4, 4, mode)
+    return Tiles(min(64, triton.next_power_of_2(M)), DECODE_BLOCK_N, 4, 4, mode)
 
 
 @triton.jit
-def _slice_sum(x_rows, w_cols, live_m, live_n, k_start, k_end, K, stride_wk, PRECISION: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    """sum over k in [k_start, k_end) of x[m, k] w[n, k]: one chain of BLOCK_K-wide dots from zero, in fp32."""
+def _slice_sum(x_rows, w_cols, up_cols, live_m, live_n, k_start, k_end, K, stride_wk, TWO: tl.constexpr,
+               PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):  # fmt: skip
+    """sum over k in [k_start, k_end) of x[m, k] w[n, k] (and, TWO: of x[m, k] up[n, k]): one chain of BLOCK_K-wide
+    dots from zero each, in fp32."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         live_k = k < K
         a = tl.load(x_rows + k[None, :], mask=live_m[:, None] & live_k[None, :], other=0.0)
         b = tl.load(w_cols + k[:, None] * stride_wk, mask=live_k[:, None] & live_n[None, :], other=0.0)
         acc = dot(a, b, acc, PRECISION)
-    return acc
+        if TWO:
+            b_up = tl.load(up_cols + k[:, None] * stride_wk, mask=live_k[:, None] & live_n[None, :], other=0.0)
+            acc_up = dot(a, b_up, acc_up, PRECISION)
+    return acc, acc_up
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
 
 
 @triton.jit(do_not_specialize=["rows"])
-def _matmul(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, arrived_ptr, rows, N, K, k_per_split, split_k,
-            stride_xm, stride_wn, stride_wk, stride_ym, stride_ps, stride_pm,
-            MODE: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    """One [BLOCK_M, BLOCK_N] tile of y: all K slices (IN_PROGRAM) or slice program_id(2) (LAST_SUMS)."""
+def _matmul(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, arrived_ptr, res_ptr, rows, N, K, k_per_split, split_k,
+            stride_xm, stride_wn, stride_wk, stride_ym, stride_ps, stride_pm, stride_rm,
+            MODE: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
+            PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """One [BLOCK_M, BLOCK_N] tile of y: all K slices (IN_PROGRAM) or slice program_id(2) (LAST_SUMS).
+    EPILOGUE 1: y = residual + x @ W^T; EPILOGUE 2: W is [gate | up] (2N rows) and y = silu(x @ gate^T) * (x @ up^T)."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -111,34 +125,52 @@ def _matmul(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, arrived_ptr, rows, N, K, k_per
     live = live_m[:, None] & live_n[None, :]
     x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
     w_cols = w_ptr + n.to(tl.int64)[None, :] * stride_wn
+    up_cols = w_cols + N * stride_wn
+    TWO: tl.constexpr = EPILOGUE == 2
     done = True
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    total_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if MODE == 0:  # IN_PROGRAM: ((slice 0 + slice 1) + slice 2) + ..., as LAST_SUMS adds the partials
-        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for s in range(0, split_k):
             k_start = s * k_per_split
-            total += _slice_sum(x_rows, w_cols, live_m, live_n, k_start, tl.minimum(k_start + k_per_split, K), K,
-                                stride_wk, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+            acc, acc_up = _slice_sum(x_rows, w_cols, up_cols, live_m, live_n, k_start,
+                                     tl.minimum(k_start + k_per_split, K), K, stride_wk, TWO, PRECISION,
+                                     BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+            total += acc
+            total_up += acc_up
     else:  # LAST_SUMS
         s = tl.program_id(2)
         k_start = s * k_per_split
-        acc = _slice_sum(x_rows, w_cols, live_m, live_n, k_start, tl.minimum(k_start + k_per_split, K), K,
-                         stride_wk, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+        acc, acc_up = _slice_sum(x_rows, w_cols, up_cols, live_m, live_n, k_start,
+                                 tl.minimum(k_start + k_per_split, K), K, stride_wk, TWO, PRECISION,
+                                 BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
         parts = part_ptr + m[:, None] * stride_pm + n[None, :]
         tl.store(parts + s * stride_ps, acc, mask=live)
-        # release our partial, acquire the others': the last arrival sees every slice's store
+        if TWO:
+            tl.store(parts + s * stride_ps + N, acc_up, mask=live)
+        # release our partials, acquire the others': the last arrival sees every slice's stores
         arrivals = arrived_ptr + pid_m * tl.num_programs(1) + pid_n  # this tile's count
         count = tl.atomic_add(arrivals, 1, sem="acq_rel")
         done = count == split_k - 1
-        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if done:
             for t in range(0, split_k):
                 total += tl.load(parts + t * stride_ps, mask=live, other=0.0, volatile=True)
+                if TWO:
+                    total_up += tl.load(parts + t * stride_ps + N, mask=live, other=0.0, volatile=True)
             tl.atomic_xchg(arrivals, 0)  # ready for the next launch
     if done:
+        dtype = y_ptr.dtype.element_ty
         if HAS_BIAS:
             total += tl.load(b_ptr + n, mask=live_n, other=0.0).to(tl.float32)[None, :]
-        y = y_ptr + m.to(tl.int64)[:, None] * stride_ym + n[None, :]
-        tl.store(y, cast(total, y_ptr.dtype.element_ty), mask=live)
+        y = cast(total, dtype)
+        if EPILOGUE == 1:  # the residual add after the projection, in the dtype
+            r = tl.load(res_ptr + m.to(tl.int64)[:, None] * stride_rm + n[None, :], mask=live, other=0.0)
+            y = cast(y.to(tl.float32) + r.to(tl.float32), dtype)
+        elif EPILOGUE == 2:  # silu(gate) rounded, times up (rounded), rounded: as layers.activations.swiglu
+            gate = y.to(tl.float32)
+            silu = cast(gate * _sigmoid(gate), dtype).to(tl.float32)
+            y = cast(silu * cast(total_up, dtype).to(tl.float32), dtype)
+        tl.store(y_ptr + m.to(tl.int64)[:, None] * stride_ym + n[None, :], y, mask=live)
 
 
 _ARRIVALS: dict[torch.device, torch.Tensor] = {}  # per device: zeroed arrival counts, reset by each launch
@@ -156,9 +188,14 @@ def _arrivals(device: torch.device, tiles_needed: int) -> torch.Tensor:
     return have
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, norm=None,
+           residual: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:  # fmt: skip
     """F.linear(x, weight, bias) whose rows do not depend on one another: x [..., K], weight [N, K], bias [N];
-    fp32 accumulation, the bias added in fp32 before the one rounding to x's dtype."""
+    fp32 accumulation, the bias added in fp32 before the one rounding to x's dtype. `norm` (a layers.norm.RMSNorm)
+    is applied to x first, by its own kernel: fused into the matmul's loop it cost more than it saved (the x tiles'
+    elementwise work in every program; reports/gpu/fused-linear-sweep-h200.txt). Fused into the same kernel:
+    `residual` [..., N] added after (residual + y); `swiglu`: weight is [gate | up] ([2N, K]) and
+    y = silu(x @ gate^T) * (x @ up^T) [..., N]."""
     if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
         raise ValueError(
             f"linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match as [..., K], [N, K]"
@@ -169,36 +206,61 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             f"{None if bias is None else bias.dtype}"
         )
     N, K = weight.shape
+    if swiglu and (N % 2 or bias is not None or residual is not None):
+        raise ValueError(f"linear: swiglu needs a [gate | up] weight of even rows ({N}), no bias, no residual")
+    N = N // 2 if swiglu else N
     if bias is not None and tuple(bias.shape) != (N,):
         raise ValueError(f"linear: bias {tuple(bias.shape)} should be [{N}]")
-    o = order(N, K, x.dtype)
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    if residual is not None and (residual.shape != (*lead, N) or residual.dtype != x.dtype):
+        raise ValueError(f"linear: residual {tuple(residual.shape)} {residual.dtype} should be {(*lead, N)} {x.dtype}")
+    if norm is not None and tuple(norm.weight.shape) != (K,):
+        raise ValueError(f"linear: norm weight {tuple(norm.weight.shape)} should be [{K}]")
+    x2 = _rows(x if norm is None else norm(x), K)
     M = x2.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    if M == 0:
-        return y.reshape(*lead, N)
-    return launch(x2, weight, bias, y, o, tiles(M, N, x.dtype, x.device)).reshape(*lead, N)
+    if M:
+        epilogue = RESIDUAL if residual is not None else SWIGLU if swiglu else PLAIN
+        fused = Fused(None if residual is None else _rows(residual, N), epilogue)
+        launch(x2, weight, bias, y, order(N, K, x.dtype), tiles(M, N, x.dtype, x.device), fused)
+    return y.reshape(*lead, N)
+
+
+def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    t = t.reshape(-1, n)
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+PLAIN, RESIDUAL, SWIGLU = 0, 1, 2  # the epilogues
+
+
+@dataclass(frozen=True)
+class Fused:
+    """What runs after the matmul in the same kernel: PLAIN, RESIDUAL (residual [M, N] + y) or SWIGLU."""
+
+    residual: torch.Tensor | None = None
+    epilogue: int = PLAIN
 
 
 def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, o: Order,
-           t: Tiles) -> torch.Tensor:  # fmt: skip
+           t: Tiles, fused: Fused = Fused()) -> torch.Tensor:  # fmt: skip
     """y[M, N] = x2 @ weight^T (+ bias) in order `o` with the launch `t` (the sweep tries others)."""
     M, K = x2.shape
-    N = weight.shape[0]
+    N = y.shape[1]
     grid_m, grid_n = triton.cdiv(M, t.block_m), triton.cdiv(N, t.block_n)
     split = t.mode == LAST_SUMS and o.split_k > 1
     if split:
-        part = torch.empty(o.split_k, M, N, dtype=torch.float32, device=x2.device)
+        width = 2 * N if fused.epilogue == SWIGLU else N
+        part = torch.empty(o.split_k, M, width, dtype=torch.float32, device=x2.device)
         arrived = _arrivals(x2.device, grid_m * grid_n)
     else:
         part = arrived = y  # never read
+    res = fused.residual
     _matmul[(grid_m, grid_n, o.split_k if split else 1)](
-        x2, weight, y if bias is None else bias, y, part, arrived, M, N, K, o.k_per_split, o.split_k,
-        x2.stride(0), weight.stride(0), weight.stride(1), y.stride(0), part.stride(0) if split else 0,
-        part.stride(1) if split else 0, MODE=LAST_SUMS if split else IN_PROGRAM, HAS_BIAS=bias is not None,
+        x2, weight, y if bias is None else bias, y, part, arrived, y if res is None else res, M, N, K, o.k_per_split,
+        o.split_k, x2.stride(0), weight.stride(0), weight.stride(1), y.stride(0), part.stride(0) if split else 0,
+        part.stride(1) if split else 0, 0 if res is None else res.stride(0),
+        MODE=LAST_SUMS if split else IN_PROGRAM, HAS_BIAS=bias is not None, EPILOGUE=fused.epilogue,
         PRECISION=precision(x2.dtype, x2.device), BLOCK_M=t.block_m, BLOCK_N=t.block_n,
         BLOCK_K=o.block_k, num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip

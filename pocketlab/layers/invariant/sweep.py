@@ -89,12 +89,62 @@ def sweep_shape(name: str, N: int, K: int, x: torch.Tensor, few, many, splits) -
             line(M, chosen, t, launch_ms(xs[M], weights, chosen, t), bits)
 
 
+FUSED_SHAPES = {  # (N, K, the epilogue) at the Qwen3-0.6B and Qwen3-8B decode shapes
+    "0.6b o+res": (1024, 2048, "residual"), "0.6b gate_up+swiglu": (3072, 1024, "swiglu"),
+    "0.6b down+res": (1024, 3072, "residual"), "8b o+res": (4096, 4096, "residual"),
+    "8b gate_up+swiglu": (12288, 4096, "swiglu"), "8b down+res": (4096, 12288, "residual"),
+}  # fmt: skip
+FUSED_FEW = [Tiles(16, 32, 4, 4, LAST_SUMS), Tiles(16, 64, 4, 4, LAST_SUMS), Tiles(16, 32, 4, 2, LAST_SUMS),
+             Tiles(16, 64, 8, 4, LAST_SUMS), Tiles(32, 64, 4, 4, LAST_SUMS)]  # fmt: skip
+
+
+def sweep_fused(rows: list[int], splits: list[int]) -> None:
+    """The fused kernel (residual add or SwiGLU after the matmul) per order and launch at decode rows, as weight-read
+    bandwidth, against cuBLAS's bare matmul of the same weight (which fuses nothing); '*' marks the order in use,
+    whose launches are checked bitwise against its default launch."""
+    print(f"{'shape':<20}{'M':>4}  {'order':<18}{'launch':<24}{'ms':>8}{'TB/s':>7}{'cuBLAS':>8}{'TB/s':>7}  bits")
+    for name, (N, K, extra) in FUSED_SHAPES.items():
+        rows_w = 2 * N if extra == "swiglu" else N
+        copies = max(1, min(16, (800 * 2**20) // (rows_w * K * 2)))
+        weights = [torch.randn(rows_w, K, device="cuda", dtype=torch.bfloat16) * K**-0.5 for _ in range(copies)]
+        chosen, tb = matmul.order(N, K, torch.bfloat16), rows_w * K * 2 / 1e9
+        k_blocks = -(-K // chosen.block_k)
+        orders = {
+            Order(chosen.block_k, -(-K // kps), kps) for kps in {-(-k_blocks // s) * chosen.block_k for s in splits}
+        }
+        for M in rows:
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            res = torch.randn(M, N, device="cuda", dtype=torch.bfloat16) if extra == "residual" else None
+            fused = matmul.Fused(res, matmul.SWIGLU if extra == "swiglu" else matmul.RESIDUAL)
+            y = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+            cublas = graph_ms(lambda w, x=x: F.linear(x, w), weights)
+            ref = matmul.launch(x, weights[0], None, y.clone(), chosen, matmul.tiles(M, N, x.dtype, x.device), fused)
+            for o in sorted(orders, key=lambda o: o.split_k):
+                for t in FUSED_FEW:
+                    ms = graph_ms(lambda w, a=(x, y, o, t, fused): matmul.launch(a[0], w, None, *a[1:]), weights)
+                    bits = ""
+                    if o == chosen:
+                        same = torch.equal(matmul.launch(x, weights[0], None, y, o, t, fused), ref)
+                        bits = "equal" if same else "DIFFER"
+                    ords, launch = describe(o, t)
+                    ords += " *" if o == chosen else ""
+                    print(
+                        f"{name:<20}{M:>4}  {ords:<18}{launch:<24}{ms:>8.4f}{tb / ms:>7.2f}{cublas:>8.4f}"
+                        f"{tb / cublas:>7.2f}  {bits}"
+                    )
+        del weights
+        torch.cuda.empty_cache()
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--few", default="1,8,32")
     ap.add_argument("--many", default="128,4096")
     ap.add_argument("--splits", default="1,2,4,8")
+    ap.add_argument("--fused", action="store_true", help="the fused kernel's launches at the --few rows instead")
     a = ap.parse_args(argv)
+    if a.fused:
+        return sweep_fused([int(v) for v in a.few.split(",")], [int(v) for v in a.splits.split(",")])
     few, many, splits = ([int(v) for v in s.split(",")] for s in (a.few, a.many, a.splits))
     x = torch.randn(max(many), 12288, device="cuda", dtype=torch.bfloat16)
     head = f"{'shape':<12}{'M':>6}  {'order (bk, split, k/split)':<28}{'launch':<34}{'ms':>8}{'cuBLAS':>8}{'ratio':>7}"

@@ -1,0 +1,140 @@
+"""The fused linear (layers.invariant.matmul): matmul and residual add or SwiGLU in one kernel (after the pre-norm)
+give what the unfused torch steps give, and each row the same bits in any batch (natively on CUDA, through Triton's
+interpreter on the CPU)."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+    pytest.skip("needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
+
+from invariance import assert_rows_invariant  # noqa: E402
+
+from pocketlab.layers import invariant as inv  # noqa: E402
+from pocketlab.layers import linear as torch_linear  # noqa: E402
+from pocketlab.layers.invariant import matmul  # noqa: E402
+from pocketlab.layers.norm import RMSNorm  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# (N, K): K in several slices at few rows, and a shape off the tiles in one slice
+SHAPES = {torch.float32: [(40, 300), (100, 70)], torch.bfloat16: [(40, 1030), (100, 70)]}
+FLAVOURS = {"no norm": None, "w * x": False, "(1 + w) * x": True}
+EPILOGUES = ["plain", "bias", "residual", "swiglu"]
+
+
+def randn(*shape, dtype=torch.float32, scale=1.0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen) * scale).to(DEV, dtype)
+
+
+def inputs(M, N, K, dtype, flavour, epilogue, seed=0):
+    """x [M, K] at a scale the norm must undo, the weight (2N rows for swiglu) and the fused extras."""
+    x = randn(M, K, dtype=dtype, scale=3.0, seed=seed)
+    w = randn(2 * N if epilogue == "swiglu" else N, K, dtype=dtype, scale=K**-0.5, seed=seed + 1)
+    offset = FLAVOURS[flavour]
+    norm = None if offset is None else RMSNorm(randn(K, dtype=dtype, scale=0.3, seed=seed + 2) + 1.0, 1e-6, offset)
+    extras = dict(
+        norm=norm,
+        residual=randn(M, N, dtype=dtype, seed=seed + 3) if epilogue == "residual" else None,
+        swiglu=epilogue == "swiglu",
+    )
+    bias = randn(N, dtype=dtype, seed=seed + 4) if epilogue == "bias" else None
+    return x, w, bias, extras
+
+
+def fp32_matmul(x, w, bias=None):
+    """x @ w^T summed in float32 and rounded once to x's dtype, as cuBLAS does for 16-bit inputs."""
+    return F.linear(x.float(), w.float(), None if bias is None else bias.float()).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("flavour", list(FLAVOURS))
+@pytest.mark.parametrize("epilogue", EPILOGUES)
+def test_fused_linear_matches_the_unfused_torch_steps(dtype, flavour, epilogue):
+    """Against the unfused torch steps (layers.linear.composed: norm, matmul, SwiGLU or residual add), at rows that
+    take a program per K slice and at rows that take every slice in one program. float32: a few ulps. bf16: every
+    rounding in the same place, so the two differ only where the float32 sums' order tips a rounding (well under
+    1% of the outputs, by an ulp or two); a rounding moved or missed would change about a third of them."""
+    for N, K in SHAPES[dtype]:
+        for M in (1, 5, matmul.MANY_ROWS + 3):
+            x, w, bias, extras = inputs(M, N, K, dtype, flavour, epilogue, seed=M)
+            want = torch_linear.composed(fp32_matmul, x, w, bias, **extras)
+            got = inv.linear(x, w, bias, **extras)
+            assert got.shape == want.shape and got.dtype == dtype
+            err = (got.float() - want.float()).abs()
+            if dtype == torch.float32:
+                assert err.max() <= 3e-6 * max(1.0, want.abs().max().item()), (N, K, M, err.max())
+            else:  # two bf16 ulps at most (a tipped gate rounding carries through silu and the product)
+                assert (err / want.float().abs().clamp(min=1e-3)).max() <= 2**-6, (N, K, M, err.max())
+                assert (got != want).float().mean() < 0.01, (N, K, M, (got != want).float().mean())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("flavour,epilogue", [("w * x", "swiglu"), ("(1 + w) * x", "residual"), ("w * x", "bias")])
+def test_fused_rows_are_batch_invariant(dtype, flavour, epilogue):
+    """Each row's bits are its own in any batch: the K slices in a fixed order, epilogues row by row."""
+    N, K = SHAPES[dtype][0]
+    x, w, bias, extras = inputs(20, N, K, dtype, flavour, epilogue)
+    residual = extras.pop("residual")
+    if residual is None:
+        assert_rows_invariant(lambda x: inv.linear(x, w, bias, **extras), x)
+    else:
+        assert_rows_invariant(lambda x, r: inv.linear(x, w, bias, residual=r, **extras), x, residual)
+
+
+def test_both_launches_give_a_fused_row_the_same_bits():
+    """A program per K slice (few rows) and every slice in one program (many rows) agree bit for bit, SwiGLU
+    included."""
+    N, K = SHAPES[torch.bfloat16][0]
+    x, w, _, extras = inputs(matmul.MANY_ROWS + 2, N, K, torch.bfloat16, "w * x", "swiglu")
+    many = inv.linear(x, w, **extras)
+    for rows in (1, 7, matmul.MANY_ROWS - 1):
+        assert torch.equal(inv.linear(x[:rows], w, **extras), many[:rows])
+
+
+def test_fused_linear_checks_its_inputs():
+    x, w, _, extras = inputs(3, 40, 64, torch.float32, "w * x", "residual")
+    with pytest.raises(ValueError, match="residual"):
+        inv.linear(x, w, residual=extras["residual"][:, :-1])
+    with pytest.raises(ValueError, match="norm weight"):
+        inv.linear(x, w, norm=RMSNorm(torch.ones(63, device=DEV), 1e-6))
+    with pytest.raises(ValueError, match="swiglu"):
+        inv.linear(x, w[:-1], swiglu=True)
+    with pytest.raises(ValueError, match="swiglu"):
+        inv.linear(x, w, residual=extras["residual"], swiglu=True)
+
+
+def test_the_default_kernels_fuse_only_few_rows_with_something_to_fuse(monkeypatch):
+    """fused_at_few_rows sends decode-sized calls with a residual add or SwiGLU to the kernel, the rest to torch."""
+    calls = []
+    run = torch_linear.fused_at_few_rows(lambda *a, **k: calls.append(a[0].shape[0]) or F.linear(a[0], a[1]))
+    w = randn(8, 16)
+    run(randn(4, 16), w)
+    run(randn(4, 16), w, norm=RMSNorm(torch.ones(16, device=DEV), 1e-6))
+    run(randn(torch_linear.FUSED_MAX_ROWS + 1, 16), w, residual=randn(torch_linear.FUSED_MAX_ROWS + 1, 8))
+    run(randn(torch_linear.FUSED_MAX_ROWS, 16), w, residual=randn(torch_linear.FUSED_MAX_ROWS, 8))
+    assert calls == [torch_linear.FUSED_MAX_ROWS]
+
+
+def test_gpu_fused_launches_keep_the_bits():
+    """On the GPU every launch the sweeps try (tile rows and columns, warps, stages, one program per slice or all
+    slices in one) gives a fused row the default launch's bits."""
+    if DEV != "cuda":
+        pytest.skip("the GPU's launch choices (the interpreter keeps one tile shape)")
+    from pocketlab.layers.invariant import sweep
+
+    for flavour, epilogue in [("w * x", "swiglu"), ("(1 + w) * x", "residual"), ("w * x", "plain")]:
+        for N, K in [(1536, 4096), (1024, 6144)]:
+            x, w, _, extras = inputs(200, N, K, torch.bfloat16, flavour, epilogue)
+            fused = matmul.Fused(extras["residual"], getattr(matmul, epilogue.upper()))
+            o = inv.order(N, K, torch.bfloat16)
+            want = inv.linear(x[:16], w, norm=extras["norm"], swiglu=extras["swiglu"],
+                              residual=None if extras["residual"] is None else extras["residual"][:16])  # fmt: skip
+            normed = extras["norm"](x)
+            for t in sweep.FUSED_FEW + sweep.MANY:
+                y = matmul.launch(normed, w, None, torch.empty(200, N, dtype=x.dtype, device=DEV), o, t, fused)
+                assert torch.equal(y[:16], want), (flavour, epilogue, N, K, t)
