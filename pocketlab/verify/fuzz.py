@@ -461,7 +461,7 @@ def table(stats: dict, seed: str | None = None) -> str:
     interrupts = stats.get("interrupted", 0) + stats.get("interrupts injected (test_interrupts)", 0)
     files = stats.get("hostile weight files tried", 0) + stats.get("hostile snapshot files tried", 0)
     rows = [
-        ("schedules fuzzed", f"{schedules} ({configs})" + (f", seed {seed}" if seed else "")),
+        ("schedules run", f"{schedules} ({configs})" + (f", seed {seed}" if seed else "")),
         ("calls per schedule", f"{calls / max(schedules, 1):.1f} on average (at most 24), {calls} in all"),
         ("calls refused as bad input (state compared bitwise)", stats.get("refused", 0)),
         ("slot-vs-solo-replay checks (after every call)", stats.get("checks", 0)),
