@@ -6,6 +6,7 @@ from .config import EngineOptions, ModelConfig
 from .engine import QwenEngine
 from .requests import BatchDecodeResult, BatchedRequest, BatchPrefillResult, ForwardResult
 from .sampling import SamplingParams
+from .text import Completion, TextDelta
 
 __all__ = [
     "memory",
@@ -18,4 +19,6 @@ __all__ = [
     "BatchPrefillResult",
     "BatchDecodeResult",
     "Snapshot",
+    "Completion",
+    "TextDelta",
 ]

@@ -14,6 +14,8 @@ DENSE_TYPES = ("qwen2", "qwen3")
 HYBRID_TYPES = ("qwen3_5", "qwen3_5_text")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_SPECULATIVE_TOKENS = 7
+YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "mscale")
+YARN_KEYS += ("mscale_all_dim", "truncate")
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,12 @@ class ModelConfig:
     linear_num_value_heads: int = 32
     mtp_num_hidden_layers: int = 0
     mtp_use_dedicated_embeddings: bool = False  # Qwen3.5 checkpoints: False (the head shares embed_tokens)
+    rope_scaling: tuple[tuple[str, object], ...] = ()  # YaRN's parameters as sorted items; () for plain RoPE
+    fp8_weight_block: tuple[int, ...] = ()  # block-FP8 checkpoint (rows, cols per scale): dequantized at load
+
+    @property
+    def yarn(self) -> dict | None:
+        return dict(self.rope_scaling) if self.rope_scaling else None
 
     @property
     def is_hybrid(self) -> bool:
@@ -64,6 +72,7 @@ class ModelConfig:
             raise ValueError(f"unsupported model_type {model_type!r}; pocketlab serves {DENSE_TYPES + HYBRID_TYPES}")
         text = dict(raw.get("text_config") or raw)  # qwen3_5 nests the language model under text_config
         text.setdefault("tie_word_embeddings", raw.get("tie_word_embeddings", False))
+        # transformers v5 writes rope_parameters; older configs rope_theta + rope_scaling {"type": ...}
         rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
         n_layers = text["num_hidden_layers"]
         hybrid = model_type in HYBRID_TYPES
@@ -84,9 +93,9 @@ class ModelConfig:
             ),
             attention_bias=text.get("attention_bias", model_type == "qwen2"),
             layer_types=tuple(layer_types),
+            rope_scaling=_rope_scaling(rope, text, model_type),
+            fp8_weight_block=_fp8_block(raw.get("quantization_config") or text.get("quantization_config")),
         )
-        if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"rope_type {rope['rope_type']!r} is not supported (only the default rotary embedding)")
         return cls(**values)
 
     @classmethod
@@ -95,6 +104,70 @@ class ModelConfig:
         if not file.is_file():
             raise ValueError(f"{path}: no config.json; expected a Hugging Face checkpoint folder")
         return cls.from_dict(json.loads(file.read_text()))
+
+
+def generation_defaults(path: str | Path) -> dict:
+    """SamplingParams fields from the checkpoint's generation_config.json (config.json's eos_token_id when it has
+    none), read as transformers reads them: eos ids stop a request; do_sample false (its default) means greedy,
+    true means temperature / top_p / top_k with transformers' defaults 1.0 / 1.0 / 50."""
+    path = Path(path)
+    gen_file, cfg_file = path / "generation_config.json", path / "config.json"
+    gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+    raw = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+    eos = gen.get("eos_token_id", raw.get("eos_token_id", (raw.get("text_config") or {}).get("eos_token_id")))
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    out: dict = {"stop_token_ids": tuple(int(t) for t in eos)}
+    if gen.get("do_sample"):
+        out |= dict(
+            temperature=float(gen.get("temperature", 1.0)),
+            top_p=float(gen.get("top_p", 1.0)),
+            top_k=int(gen.get("top_k", 50) or 0),
+        )
+    if gen.get("max_new_tokens"):
+        out["max_new_tokens"] = int(gen["max_new_tokens"])
+    return out
+
+
+def _rope_scaling(rope: dict, text: dict, model_type: str) -> tuple:
+    """YaRN's parameters resolved as HF transformers resolves them; any other scaled RoPE is refused."""
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return ()
+    if kind != "yarn":
+        raise ValueError(
+            f"rope_type {kind!r} is not supported: pocketlab runs the default rotary embedding and YaRN "
+            "(rope_type 'yarn'); running it as plain RoPE would give wrong logits"
+        )
+    if model_type not in DENSE_TYPES:
+        raise ValueError(f"YaRN is supported for {DENSE_TYPES} only, not {model_type!r}")
+    if "factor" not in rope:
+        raise ValueError("a yarn rope config needs 'factor'")
+    params = {k: rope[k] for k in YARN_KEYS if rope.get(k) is not None}
+    # a top-level original_max_position_embeddings wins, as in transformers
+    params["original_max_position_embeddings"] = text.get(
+        "original_max_position_embeddings",
+        rope.get("original_max_position_embeddings") or text.get("max_position_embeddings", 32768),
+    )
+    if rope["factor"] is None:
+        params["factor"] = text["max_position_embeddings"] / params["original_max_position_embeddings"]
+    return tuple(sorted(params.items()))
+
+
+def _fp8_block(quant: dict | None) -> tuple[int, ...]:
+    """The FP8 weight block of a quantized checkpoint we can run (dequantized at load); ValueError for any
+    other quantization, instead of failing later on tensors the engine does not know."""
+    if not quant:
+        return ()
+    method = quant.get("quant_method")
+    block = quant.get("weight_block_size")
+    if method == "fp8" and block and len(block) == 2 and quant.get("activation_scheme", "dynamic") == "dynamic":
+        return tuple(int(b) for b in block)
+    what = f"quant_method {method!r}" + (" without weight_block_size" if method == "fp8" and not block else "")
+    raise ValueError(
+        f"this checkpoint is quantized ({what}, quantization_config {quant}); pocketlab runs unquantized weights "
+        "and block-FP8 ones (quant_method 'fp8' with weight_block_size, dynamic activations), dequantized at "
+        "load. Use the unquantized checkpoint."
+    )
 
 
 @dataclass

@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
+from . import text
 from .cache import SlotCache, Snapshot, model_id
-from .config import EngineOptions, ModelConfig
+from .config import EngineOptions, ModelConfig, generation_defaults
 from .forward import ForwardContext, Run
 from .generate import generate as continuous_batching
 from .graphs import StepGraphs
-from .loader import load_weights, validate_weights
+from .layers.fused import LARGE, compiled_kernels
+from .loader import load_weights, optional_mtp, validate_weights
 from .memory import MemoryPlan, resolve
 from .models import build_model
 from .prefix_cache import PrefixCache
@@ -37,8 +40,24 @@ def plan_pieces(start: int, end: int, chunk: int, stride: int = 0) -> list[tuple
 
 
 class QwenEngine:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], options: EngineOptions | None = None):
-        self.cfg, options = cfg, options or EngineOptions()
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        options: EngineOptions | None = None,
+        tokenizer=None,
+        generation: dict | None = None,
+    ):
+        """tokenizer: a transformers tokenizer for the text API (from_pretrained loads the folder's); generation:
+        SamplingParams fields the text API uses by default (from_pretrained reads generation_config.json)."""
+        if tokenizer is not None and len(tokenizer) > cfg.vocab_size:
+            raise ValueError(
+                f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary holds {cfg.vocab_size}: "
+                "tokenizer and weights are from different checkpoints"
+            )
+        self.tokenizer, self.generation = tokenizer, dict(generation or {})
+        options = options or EngineOptions()
+        self.cfg = cfg = optional_mtp(cfg, weights, options.speculative_tokens)
         device = torch.device(options.device).type
         resident = bool(weights) and all(t.device.type == device for t in weights.values())
         self.memory: MemoryPlan = resolve(cfg, options, weights_resident=resident)  # refuses what cannot fit
@@ -60,7 +79,8 @@ class QwenEngine:
         options = options or EngineOptions()
         cfg = ModelConfig.from_pretrained(path)
         options = resolve(cfg, options).options  # before reading any weights: refuse what cannot fit
-        return cls(cfg, load_weights(path, cfg, options.device, options.torch_dtype), options)
+        weights = load_weights(path, cfg, options.device, options.torch_dtype, options.speculative_tokens)
+        return cls(cfg, weights, options, text.load_tokenizer(path), generation_defaults(path))
 
     # -- single-slot API -----------------------------------------------------------------------
     def prefill(self, tokens: list[int], slot_id: int = 0, sampling: SamplingParams = GREEDY) -> ForwardResult:
@@ -109,10 +129,36 @@ class QwenEngine:
         return BatchDecodeResult([t[-1] for t in tokens], logits, positions, tokens)
 
     def generate(
-        self, prompts: list[list[int]], sampling: SamplingParams | list = GREEDY, progress: bool = False
-    ) -> list[list[int]]:
-        """Continuous batching over the free slots; see pocketlab.generate."""
-        return continuous_batching(self, prompts, sampling, progress)
+        self,
+        prompts: list,
+        sampling: SamplingParams | list | None = None,
+        progress: bool = False,
+        enable_thinking: bool | None = None,
+    ) -> list:
+        """Continuous batching over the free slots; see pocketlab.generate. Token-id prompts give token lists
+        (sampling=None: greedy); if any prompt is a string or a chat (list of {"role", "content"}), every prompt
+        gives a text.Completion (sampling=None: the checkpoint's defaults, see default_sampling)."""
+        if all(text.is_token_ids(p) for p in prompts):
+            return continuous_batching(self, prompts, GREEDY if sampling is None else sampling, progress)
+        return text.complete(self, prompts, sampling, enable_thinking, progress)
+
+    def stream(
+        self, prompts: list, sampling: SamplingParams | list | None = None, enable_thinking: bool | None = None
+    ) -> Iterator[text.TextDelta]:
+        """generate() as it happens: a TextDelta (index, new text, new tokens, done) per request per forward."""
+        return text.stream(self, prompts, sampling, enable_thinking)
+
+    def default_sampling(self, **overrides) -> SamplingParams:
+        """The checkpoint's generation defaults (eos stop ids, temperature, top_p, top_k), with `overrides`."""
+        return dataclasses.replace(SamplingParams(**self.generation), **overrides)
+
+    def require_tokenizer(self):
+        if self.tokenizer is None:
+            raise ValueError(
+                "text prompts need a tokenizer: this engine has none (the checkpoint folder ships no tokenizer.json "
+                "/ tokenizer_config.json); pass token ids, or QwenEngine(..., tokenizer=...)"
+            )
+        return self.tokenizer
 
     # -- slots ---------------------------------------------------------------------------------
     def allocate_batch_slots(self, n: int) -> None:
@@ -295,7 +341,8 @@ class QwenEngine:
         layers' states at the (row, offset) `checkpoints`)."""
         self.forward_count += 1
         ctx = ForwardContext.build(runs, self.cache.scratch, self.options.device, checkpoints=checkpoints)
-        hidden = self.model.forward(ctx, self.cache)
+        with compiled_kernels(self.options.compile and not self.options.batch_invariant, min_elements=LARGE):
+            hidden = self.model.forward(ctx, self.cache)
         if self.speculator is not None:  # the MTP head writes its rows for these positions (prefill)
             self.speculator.observe(runs, hidden)
         return hidden, ctx

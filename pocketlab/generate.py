@@ -1,11 +1,14 @@
 """generate(): continuous batching over slots.
 
 Waiting prompts take slots as they free up; every running request advances in one batch_decode_step.
+stream_tokens() is the same loop as an iterator: what each forward produced, per request, as it arrives.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tqdm.auto import tqdm
@@ -17,10 +20,32 @@ if TYPE_CHECKING:
     from .engine import QwenEngine
 
 
+@dataclass
+class Step:
+    """What one forward gave one request: its new tokens (truncated at a stop token or max_new_tokens) and,
+    once it is done, why: "stop" (a stop token, kept) or "length" (max_new_tokens or max_seq_len)."""
+
+    index: int  # the prompt's position in the call
+    tokens: list[int]
+    finished: str | None = None
+    reused_tokens: int = 0  # prompt tokens the prefix cache supplied (prefill step)
+
+
 def generate(
     engine: QwenEngine, prompts: list[list[int]], sampling: SamplingParams | list = GREEDY, progress: bool = False
 ) -> list[list[int]]:
     """Generated tokens per prompt (prompt excluded), in prompt order."""
+    outputs: list[list[int]] = [[] for _ in prompts]
+    for step in stream_tokens(engine, prompts, sampling, progress):
+        outputs[step.index].extend(step.tokens)
+    return outputs
+
+
+def stream_tokens(
+    engine: QwenEngine, prompts: list[list[int]], sampling: SamplingParams | list = GREEDY, progress: bool = False
+) -> Iterator[Step]:
+    """The same continuous batching, as an iterator of Steps as tokens arrive. Bad input raises here, before any
+    slot changes; a stream left unfinished (closed, or garbage-collected) releases the slots it took."""
     params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
     if len(params) != len(prompts):
         raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
@@ -30,45 +55,55 @@ def generate(
             raise ValueError(
                 f"prompt {i} has {len(p)} tokens; max_seq_len={engine.options.max_seq_len} leaves no room to generate"
             )
-    if prompts and not engine.free_slots():  # nothing could ever be admitted: refuse rather than wait forever
-        raise ValueError(f"generate needs a free slot, but all {engine.num_slots} are taken; release one first")
+    if len(engine.free_slots()) == 0:
+        raise ValueError(f"all {engine.num_slots} slots are taken; release one before generating")
+    return _run(engine, prompts, params, progress)
+
+
+def _run(engine: QwenEngine, prompts, params, progress) -> Iterator[Step]:
     waiting = deque(
         BatchedRequest(i, list(p), sampling=sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
     )
     running: list[BatchedRequest] = []
-    outputs: dict[int, list[int]] = {}
+    sent: dict[int, int] = {}  # tokens already yielded per request
     bar = tqdm(total=len(prompts), desc="generate", disable=not progress)
 
-    def retire(done: list[BatchedRequest]):
-        for r in done:
-            r.generated_tokens = _truncate(r.generated_tokens, r.sampling)
-            outputs[r.request_id] = r.generated_tokens
-            engine.release_slot(r.slot_id)
-            running.remove(r)
-            bar.update()
+    def advance(batch: list[BatchedRequest], reused: list[int]) -> list[Step]:
+        """Steps for `batch` after a forward; finished requests give their slot back first."""
+        steps = []
+        for r, n in zip(batch, reused, strict=True):
+            done = _finished(engine, r)
+            tokens = _truncate(r.generated_tokens, r.sampling) if done else r.generated_tokens
+            reason = None
+            if done:
+                reason = "stop" if tokens and tokens[-1] in r.sampling.stop_token_ids else "length"
+                engine.release_slot(r.slot_id)
+                running.remove(r)
+                bar.update()
+            steps.append(Step(r.request_id, tokens[sent.get(r.request_id, 0) :], reason, n))
+            sent[r.request_id] = len(tokens)
+        return steps
 
     try:
         while waiting or running:
             admit = [waiting.popleft() for _ in range(min(len(waiting), len(engine.free_slots())))]
-            zero = [r for r in admit if r.sampling.max_new_tokens == 0]
-            for r in zero:
-                outputs[r.request_id] = []
-                bar.update()
+            for r in admit:
+                if r.sampling.max_new_tokens == 0:
+                    bar.update()
+                    yield Step(r.request_id, [], "length")
             admit = [r for r in admit if r.sampling.max_new_tokens > 0]
             if admit:
-                engine.batch_prefill(admit)
+                results = engine.batch_prefill(admit).results
                 running.extend(admit)
-                retire([r for r in admit if _finished(engine, r)])
+                yield from advance(admit, [res.reused_tokens for res in results])
             if running:
-                engine.batch_decode_step(running)
-                retire([r for r in running if _finished(engine, r)])
-    except BaseException:  # an error or a KeyboardInterrupt: the slots this call took are free again
+                batch = list(running)
+                engine.batch_decode_step(batch)
+                yield from advance(batch, [0] * len(batch))
+    finally:  # normal end: nothing left; a stream abandoned midway frees what it holds
         for r in running:
             engine.release_slot(r.slot_id)
-        raise
-    finally:
         bar.close()
-    return [outputs[i] for i in range(len(prompts))]
 
 
 def _finished(engine: QwenEngine, r: BatchedRequest) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 from contextlib import contextmanager
@@ -123,9 +124,10 @@ def checkpoint_files(path: Path) -> list[Path]:
 
 
 def load_weights(
-    path: str | Path, cfg: ModelConfig, device: str = "cpu", dtype: torch.dtype = torch.float32
+    path: str | Path, cfg: ModelConfig, device: str = "cpu", dtype: torch.dtype = torch.float32, speculative_tokens=0
 ) -> dict[str, torch.Tensor]:
-    """Read and validate every tensor; a missing, extra or misshapen tensor is an error naming it."""
+    """Read and validate every tensor; a missing, extra or misshapen tensor is an error naming it. Block-FP8
+    weights are dequantized here (to `dtype`); a declared MTP head may be absent unless speculation is asked for."""
     path = Path(path)
     tensors = {}
     for file in checkpoint_files(path):
@@ -137,7 +139,56 @@ def load_weights(
                 if canon in tensors:
                     raise ValueError(f"{file.name}: tensor {name!r} appears twice in the checkpoint")
                 tensors[canon] = f.get_tensor(name)
-    return warn_nonfinite(validate_weights(tensors, cfg, device, dtype), path)
+    tensors = dequantize_fp8(tensors, cfg.fp8_weight_block)
+    return warn_nonfinite(
+        validate_weights(tensors, optional_mtp(cfg, tensors, speculative_tokens), device, dtype), path
+    )
+
+
+def optional_mtp(cfg: ModelConfig, tensors: dict, speculative_tokens: int) -> ModelConfig:
+    """cfg, or cfg without its MTP head when the weights lack every mtp.* tensor (transformers drops them when it
+    re-saves a checkpoint) and no speculation is asked for; asking for it then is an error that says why."""
+    if not cfg.mtp_num_hidden_layers or any(n.startswith("mtp.") for n in tensors):
+        return cfg
+    if speculative_tokens:
+        raise ValueError(
+            f"speculative_tokens={speculative_tokens} drafts with the MTP head, but this checkpoint declares "
+            f"mtp_num_hidden_layers={cfg.mtp_num_hidden_layers} and holds no mtp.* tensors (transformers drops "
+            "them when it re-saves a model): use the original checkpoint, or speculative_tokens=0"
+        )
+    return dataclasses.replace(cfg, mtp_num_hidden_layers=0)
+
+
+def dequantize_fp8(tensors: dict[str, torch.Tensor], block: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    """Block-FP8 checkpoints (e.g. Qwen/Qwen3-8B-FP8): each quantized `X.weight` is float8_e4m3fn with a float32
+    `X.weight_scale_inv` holding one multiplier per block of `block` rows x cols (edge blocks partial); embeddings,
+    norms and lm_head stay unquantized. Returns float32 weights in place of each pair."""
+    scales = {n for n in tensors if n.endswith(".weight_scale_inv")}
+    if not block:
+        if scales:
+            raise ValueError(
+                f"the checkpoint holds {len(scales)} FP8 scale tensor(s), e.g. {sorted(scales)[:2]}, but config.json "
+                "has no quantization_config with quant_method 'fp8' and weight_block_size"
+            )
+        return tensors
+    out = {n: t for n, t in tensors.items() if n not in scales}
+    for name in sorted(scales):
+        wname = name.removesuffix("_scale_inv")
+        w, s = tensors.get(wname), tensors[name]
+        if w is None:
+            raise ValueError(f"FP8 scale {name!r} has no weight {wname!r}")
+        rows, cols = -(-w.shape[0] // block[0]), -(-w.shape[1] // block[1])
+        if w.dim() != 2 or tuple(s.shape) != (rows, cols):
+            raise ValueError(
+                f"FP8 weight {wname!r} {tuple(w.shape)} needs scales of shape {(rows, cols)} for blocks of {block}, "
+                f"found {tuple(s.shape)}"
+            )
+        full = s.float().repeat_interleave(block[0], 0)[: w.shape[0]].repeat_interleave(block[1], 1)[:, : w.shape[1]]
+        out[wname] = w.float() * full
+    raw = sorted(n for n, t in out.items() if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2))
+    if raw:
+        raise ValueError(f"{len(raw)} FP8 tensor(s) have no weight_scale_inv, e.g. {raw[:3]}")
+    return out
 
 
 @contextmanager

@@ -41,5 +41,5 @@ def test_generate_with_every_slot_taken_is_refused_not_a_hang(make_engine):
     eng = make_engine("tiny-qwen3", max_slots=2)
     eng.allocate_slot(1)
     eng.allocate_slot(2)
-    with pytest.raises(ValueError, match="needs a free slot"):
+    with pytest.raises(ValueError, match="slots are taken"):
         eng.generate([[1, 2, 3]])

@@ -5,12 +5,13 @@ One query token per sequence. Each program reads only the live keys of its own s
 padded key bucket costs nothing. The new token's raw q/k/v arrive as inputs: each program applies the
 per-head RMSNorm and rotary embedding itself, and the program whose split holds the last position stores
 the new K/V into the cache, so no separate norm, rotary or write kernel runs. Splits over the key axis keep
-the GPU busy at batch 1; a short epilogue merges the partial softmaxes.
+the GPU busy at batch 1; the last split of each (sequence, kv head) to finish merges the partial softmaxes in
+split order, in the same launch.
 """
 
 import torch
 
-from .fused import compiled_in_graphs
+from .arrivals import arrival_counts
 
 try:
     import triton
@@ -66,6 +67,8 @@ if triton is not None:
         len_ptr,
         o_ptr,
         lse_ptr,
+        out_ptr,
+        arrived_ptr,
         scale,
         qw_ptr,
         kw_ptr,
@@ -87,6 +90,8 @@ if triton is not None:
         stride_os,
         stride_lb,
         stride_lh,
+        stride_yb,
+        stride_yh,
         G: tl.constexpr,
         BLOCK_G: tl.constexpr,
         D: tl.constexpr,
@@ -95,9 +100,11 @@ if triton is not None:
         OFFSET: tl.constexpr,
         BLOCK_N: tl.constexpr,
         SPLIT_LEN: tl.constexpr,
+        BLOCK_S: tl.constexpr,
         PRECISION: tl.constexpr,
     ):
         b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        splits = tl.num_programs(2)
         slot = tl.load(slot_ptr + b).to(tl.int64)
         length = tl.load(len_ptr + b)
         last = length - 1  # the new token: its K/V come from kn/vn, not the cache
@@ -171,6 +178,26 @@ if triton is not None:
         o_off = b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
         tl.store(o_ptr + o_off, out, mask=g[:, None] < G)
         tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=g < G)
+        # release our split, acquire the others': the last of (b, kvh)'s splits to finish merges them all
+        arrivals = arrived_ptr + b * tl.num_programs(1) + kvh
+        if tl.atomic_add(arrivals, 1, sem="acq_rel") == splits - 1:
+            s_idx = tl.arange(0, BLOCK_S)
+            live = (g[:, None] < G) & (s_idx[None, :] < splits)
+            lses = tl.load(lse_ptr + b * stride_lb + heads[:, None] * stride_lh + s_idx[None, :], mask=live,
+                           other=float("-inf"), volatile=True)  # fmt: skip
+            top = tl.max(lses, axis=1)
+            top = tl.where(top == float("-inf"), 0.0, top)  # no live key at all: every weight is 0
+            weights = tl.exp(lses - top[:, None])
+            weights = weights / tl.where(tl.sum(weights, axis=1) == 0, 1.0, tl.sum(weights, axis=1))[:, None]
+            merged = tl.zeros([BLOCK_G, D], tl.float32)
+            for t in range(0, splits):  # in split order
+                w_t = tl.sum(tl.where(s_idx[None, :] == t, weights, 0.0), axis=1)
+                part = tl.load(o_ptr + b * stride_ob + heads[:, None] * stride_oh + t * stride_os + d[None, :],
+                               mask=g[:, None] < G, other=0.0, volatile=True)  # fmt: skip
+                merged += w_t[:, None] * part
+            y = out_ptr + b * stride_yb + heads[:, None] * stride_yh + d[None, :]
+            tl.store(y, merged.to(out_ptr.dtype.element_ty), mask=g[:, None] < G)
+            tl.atomic_xchg(arrivals, 0)  # ready for the next launch
 
 
 def available(device) -> bool:
@@ -204,6 +231,8 @@ def decode_attention(
     splits = triton.cdiv(max_len, split_len)
     o = torch.empty(B, H, splits, D, device=q.device, dtype=torch.float32)
     lse = torch.empty(B, H, splits, device=q.device, dtype=torch.float32)
+    out = torch.empty(B, H, D, device=q.device, dtype=q.dtype)
+    arrived = arrival_counts(q.device, B * kvh)
     G = H // kvh
     cos, sin = rope
     q_w, k_w, eps, offset = norms if norms is not None else (cos, cos, 0.0, False)  # weights unused without norms
@@ -217,6 +246,8 @@ def decode_attention(
         lengths,
         o,
         lse,
+        out,
+        arrived,
         scale,
         q_w,
         k_w,
@@ -238,6 +269,8 @@ def decode_attention(
         o.stride(2),
         lse.stride(0),
         lse.stride(1),
+        out.stride(0),
+        out.stride(1),
         G=G,
         BLOCK_G=max(triton.next_power_of_2(G), 16),
         D=D,
@@ -246,10 +279,11 @@ def decode_attention(
         OFFSET=bool(offset),
         BLOCK_N=block_n,
         SPLIT_LEN=split_len,
+        BLOCK_S=max(triton.next_power_of_2(splits), 2),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_stages=2,
     )
-    return merge_splits(o, lse, q)
+    return out
 
 
 def split_length(programs: int, max_len: int, block_n: int, target: int = 256) -> int:
@@ -258,10 +292,3 @@ def split_length(programs: int, max_len: int, block_n: int, target: int = 256) -
     want = max(1, min(64, target // programs))
     per_split = triton.cdiv(max_len, want)
     return max(block_n, triton.next_power_of_2(per_split))
-
-
-@compiled_in_graphs
-def merge_splits(o: torch.Tensor, lse: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """Combine the per-split softmaxes [B, H, S, D] by their log-sum-exps (one kernel on CUDA)."""
-    weights = torch.softmax(lse, dim=-1).nan_to_num(0.0)  # splits past the end have lse = -inf
-    return (o * weights[..., None]).sum(dim=2).to(like.dtype)

@@ -114,7 +114,7 @@ class DecoderModel:
         self.decode_kernel = opts.decode_attention == "triton" or (
             opts.decode_attention == "auto" and decode_attention_available(opts.device)
         )
-        self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta, opts.max_seq_len, opts.device, opts.torch_dtype)
+        self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta, opts.max_seq_len, opts.device, opts.torch_dtype, cfg.yarn)
         self.layers = []
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."

@@ -38,10 +38,16 @@ _TINY_HYBRID = dict(
     rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25),
 )
 
+# Tiny presets with a real Qwen vocabulary and its tokenizer (see TOKENIZERS): text in, text out. Their embedding
+# is tied and 151,936 (248,320) rows deep, ~10M (16M) parameters, so only the text tests and notebook use them.
+_TEXT = dict(tie_word_embeddings=True, num_hidden_layers=2)
 PRESETS: dict[str, tuple[str, dict]] = {
     "tiny-qwen2": ("qwen2", dict(_TINY, num_hidden_layers=2)),
     "tiny-qwen3": ("qwen3", dict(_TINY, num_hidden_layers=2)),
     "tiny-qwen3_5": ("qwen3_5_text", _TINY_HYBRID),
+    "tiny-qwen2-text": ("qwen2", dict(_TINY, **_TEXT, vocab_size=151936, eos_token_id=151645)),
+    "tiny-qwen3-text": ("qwen3", dict(_TINY, **_TEXT, vocab_size=151936, eos_token_id=151645)),
+    "tiny-qwen3_5-text": ("qwen3_5_text", dict(_TINY_HYBRID, **_TEXT, vocab_size=248320, eos_token_id=248046)),
     # with a multi-token-prediction head: HF ignores the config key and the mtp.* tensors; see add_mtp()
     "tiny-qwen3_5-mtp": ("qwen3_5_text", dict(_TINY_HYBRID, mtp_num_hidden_layers=1)),
     "qwen3-0.6b": (
@@ -112,6 +118,16 @@ PRESETS: dict[str, tuple[str, dict]] = {
     ),
 }
 DEFAULT_PRESET = "tiny-qwen3"
+# presets whose checkpoint folder gets the real tokenizer and generation_config.json of their family
+TOKENIZERS = {
+    "tiny-qwen2-text": "qwen2",
+    "tiny-qwen3-text": "qwen3",
+    "tiny-qwen3_5-text": "qwen3_5",
+    "qwen3-0.6b": "qwen3",
+    "qwen3-8b": "qwen3",
+    "qwen3.5-0.8b": "qwen3_5",
+    "qwen3.5-9b": "qwen3_5",
+}
 
 _CONFIGS = {"qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "qwen3_5_text": "Qwen3_5TextConfig"}
 _MODELS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM"}
@@ -136,13 +152,20 @@ def build_hf_model(preset: str, seed: int = 0, device: str = "cpu", dtype: torch
 def write_checkpoint(
     preset: str, path: str | Path, seed: int = 0, max_shard_size: str | None = None, **overrides
 ) -> Path:
-    """Write config.json + safetensors (sharded with an index when `max_shard_size` is given)."""
+    """Write config.json + safetensors (sharded with an index when `max_shard_size` is given), and for presets
+    with a real vocabulary the tokenizer files and generation_config.json of their family."""
     path = Path(path)
     model = build_hf_model(preset, seed, **overrides)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
     if getattr(model.config, "mtp_num_hidden_layers", 0):
         add_mtp(path, seed)
+    if preset in TOKENIZERS:
+        from .tokenizers import FAMILIES, write_tokenizer
+
+        write_tokenizer(TOKENIZERS[preset], path)
+        gen = FAMILIES[TOKENIZERS[preset]].generation
+        (path / "generation_config.json").write_text(json.dumps(gen, indent=2))
     (path / "pocketlab_preset.json").write_text(json.dumps({"preset": preset, "seed": seed}))
     return path
 
@@ -153,6 +176,18 @@ def ensure_checkpoint(preset: str = DEFAULT_PRESET, root: str | Path = "checkpoi
     if not (path / "config.json").is_file():
         write_checkpoint(preset, path, seed)
     return path
+
+
+def text_checkpoint(model: str | Path, root: str | Path = "checkpoints", seed: int = 0) -> Path:
+    """A folder with a tokenizer for `model`: a checkpoint folder as it is; a preset's tiny twin with the real
+    vocabulary of its family (tiny-qwen3 and qwen3-8b -> tiny-qwen3-text), written once under `root`."""
+    name = str(model)
+    if name not in PRESETS:
+        return Path(model)
+    if not (name in TOKENIZERS and name.startswith("tiny")):
+        twins = {kind: p for p in TOKENIZERS if p.startswith("tiny") for kind in [PRESETS[p][0]]}
+        name = twins[PRESETS[name][0]]
+    return ensure_checkpoint(name, root, seed)
 
 
 # -- multi-token prediction head ---------------------------------------------------------------------

@@ -7,7 +7,7 @@ request's logits. Needs Triton (a GPU, or TRITON_INTERPRET=1 on the CPU).
 
 from .elementwise import decay_and_beta, sigmoid_gate, swiglu
 from .matmul import Order, Tiles, linear, order, tiles
-from .norm import add_rms_norm, gated_rms_norm, rms_norm
+from .norm import gated_rms_norm, rms_norm
 
 __all__ = [
     "attention",
@@ -16,7 +16,6 @@ __all__ = [
     "swiglu",
     "Order",
     "Tiles",
-    "add_rms_norm",
     "order",
     "tiles",
     "gated_rms_norm",

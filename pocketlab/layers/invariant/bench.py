@@ -57,12 +57,6 @@ def cases(dtype: torch.dtype):
         lambda x: torch_norm._rms_norm(x, w, EPS),
         lambda M: (M, HIDDEN),
     )
-    yield (
-        "add_rms_norm",
-        lambda x: norm.add_rms_norm(x, x, w, EPS)[1],
-        lambda x: torch_norm.add_rms_norm(x, x, w, EPS)[1],
-        lambda M: (M, HIDDEN),
-    )
     wg = 1 + 0.1 * torch.randn(GATED_DIM, device=dev, dtype=dtype)
     yield (
         "gated_norm",

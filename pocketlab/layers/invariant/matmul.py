@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..arrivals import arrival_counts
 from .dot import dot, precision
 from .rounding import cast
 
@@ -69,7 +70,7 @@ def order(N: int, K: int, dtype: torch.dtype) -> Order:
     return Order(block_k, triton.cdiv(K, k_per_split), k_per_split)  # no empty slice
 
 
-def tiles(M: int, N: int, dtype: torch.dtype, device: torch.device) -> Tiles:
+def tiles(M: int, N: int, dtype: torch.dtype, device: torch.device, two_weights: bool = False) -> Tiles:
     """The launch for M rows: from MANY_ROWS rows on, one program runs all slices of its tile; fewer rows run
     a program per slice. GPU tiles: 16-64 rows (the fewest covering M, so each weight tile is read once) x 64
     for few rows, 128 x 128 for many (float32: 64 x 128 over 8 warps, 32 accumulators a thread, no spills);
@@ -79,8 +80,8 @@ def tiles(M: int, N: int, dtype: torch.dtype, device: torch.device) -> Tiles:
         return Tiles(64, 128, 8, 3, mode)
     if device.type != "cuda":
         return Tiles(64, DECODE_BLOCK_N, 4, 3, mode)
-    if mode == IN_PROGRAM:
-        return Tiles(128, 128, 8, 3, mode)
+    if mode == IN_PROGRAM:  # SwiGLU streams two weight tiles: three stages of them overflow an H200's shared memory
+        return Tiles(128, 128, 8, 2 if two_weights else 3, mode)
     if M <= 16:  # 32 columns: twice the programs of 64 for the same weight, the faster at decode shapes
         return Tiles(16, 32, 4, 4, mode)
     return Tiles(min(64, triton.next_power_of_2(M)), DECODE_BLOCK_N, 4, 4, mode)
@@ -173,21 +174,6 @@ def _matmul(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, arrived_ptr, res_ptr, rows, N,
         tl.store(y_ptr + m.to(tl.int64)[:, None] * stride_ym + n[None, :], y, mask=live)
 
 
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}  # per device: zeroed arrival counts, reset by each launch
-
-
-def _arrivals(device: torch.device, tiles_needed: int) -> torch.Tensor:
-    """A zeroed int32 count per output tile, kept across launches (each launch leaves it zeroed), so a decode
-    step inside a CUDA graph needs no memset; grown (never during a graph capture) when a launch needs more."""
-    have = _ARRIVALS.get(device)
-    if have is None or have.numel() < tiles_needed:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"linear: arrival counts for {tiles_needed} tiles must exist before graph capture")
-        have = torch.zeros(max(tiles_needed, 4096), dtype=torch.int32, device=device)
-        _ARRIVALS[device] = have
-    return have
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, norm=None,
            residual: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:  # fmt: skip
     """F.linear(x, weight, bias) whose rows do not depend on one another: x [..., K], weight [N, K], bias [N];
@@ -222,7 +208,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if M:
         epilogue = RESIDUAL if residual is not None else SWIGLU if swiglu else PLAIN
         fused = Fused(None if residual is None else _rows(residual, N), epilogue)
-        launch(x2, weight, bias, y, order(N, K, x.dtype), tiles(M, N, x.dtype, x.device), fused)
+        launch(x2, weight, bias, y, order(N, K, x.dtype), tiles(M, N, x.dtype, x.device, swiglu), fused)
     return y.reshape(*lead, N)
 
 
@@ -252,7 +238,7 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
     if split:
         width = 2 * N if fused.epilogue == SWIGLU else N
         part = torch.empty(o.split_k, M, width, dtype=torch.float32, device=x2.device)
-        arrived = _arrivals(x2.device, grid_m * grid_n)
+        arrived = arrival_counts(x2.device, grid_m * grid_n)
     else:
         part = arrived = y  # never read
     res = fused.residual
