@@ -9,7 +9,7 @@ export PYTHONUNBUFFERED := 1
 # on the CPU our Triton kernels (the batch-invariant mode, test-kernels) run in Triton's interpreter
 export TRITON_INTERPRET := $(if $(filter cuda,$(DEVICE)),0,1)
 
-.PHONY: lint test test-kernels reports baseline lab bench clean
+.PHONY: lint test test-kernels fuzz reports baseline lab bench clean
 
 # pocketlab (editable) with every extra of pyproject.toml, at the versions requirements.txt pins
 .venv/.installed: requirements.txt pyproject.toml
@@ -31,6 +31,19 @@ test-kernels: .venv/.installed
 		tests/test_linear_decode.py tests/test_slots.py tests/test_snapshot.py tests/test_prefix_cache.py \
 		tests/test_parity.py tests/test_errors.py tests/test_generate.py tests/test_graphs.py
 	POCKETLAB_KERNELS=triton TRITON_INTERPRET=1 $(PY) -m pytest -q tests/test_speculative.py -k "rolled_back or half or graphed"
+
+# FUZZ_SCHEDULES random call schedules (make test runs 100 fixed ones) from FUZZ_SEED, printed so a run can be repeated;
+# a failure is shrunk to a minimal schedule and kept in .hypothesis/ (tried first next time). Then the interrupt and
+# hostile-file tests; their counts go to reports/reliability.json, the README's table to reports/reliability.md
+FUZZ_SCHEDULES ?= 1000
+FUZZ_SEED ?= $(shell date +%s)
+fuzz: .venv/.installed
+	rm -f reports/reliability.json
+	@echo "fuzz seed $(FUZZ_SEED) (repeat: make fuzz FUZZ_SEED=$(FUZZ_SEED))"
+	POCKETLAB_RELIABILITY=reports/reliability.json POCKETLAB_FUZZ_SCHEDULES=$(FUZZ_SCHEDULES) $(PY) -m pytest -q -s \
+		--hypothesis-seed=$(FUZZ_SEED) --hypothesis-show-statistics \
+		tests/test_fuzz.py tests/test_interrupts.py tests/test_hostile_files.py
+	$(PY) -m pocketlab.verify.fuzz --table reports/reliability.json --seed $(FUZZ_SEED) | tee reports/reliability.md
 
 reports: .venv/.installed
 	$(PY) -m pocketlab.verify.reports --device $(DEVICE) --dtype $(DTYPE) \

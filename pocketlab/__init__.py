@@ -1,5 +1,6 @@
 """PocketLab: a compact, verified inference engine for Qwen2, Qwen3 and Qwen3.5 with a slot API."""
 
+from . import memory
 from .cache import Snapshot
 from .config import EngineOptions, ModelConfig
 from .engine import QwenEngine
@@ -8,6 +9,7 @@ from .sampling import SamplingParams
 from .text import Completion, TextDelta
 
 __all__ = [
+    "memory",
     "QwenEngine",
     "EngineOptions",
     "ModelConfig",

@@ -9,12 +9,17 @@ request. The history is read-only outside its methods, which report every change
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import importlib.metadata
+import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from .config import EngineOptions, ModelConfig
@@ -113,38 +118,97 @@ class SlotState:
             self._listener.history_changed(self.index, first)
 
 
+SNAPSHOT_FORMAT = "pocketlab-snapshot"
+SNAPSHOT_VERSION = "1"  # bump when what a snapshot holds changes: older or newer files are refused
+
+
 @dataclass
 class Snapshot:
-    """A slot's complete state, restorable into any slot (same engine shape)."""
+    """A slot's complete state, restorable into any slot of an engine of the same model, dtype and shape. On disk: a
+    safetensors file whose metadata holds the token history, the model's id, the dtype, the format version and a
+    sha256 of all of it and of the tensor bytes, so a truncated, tampered or foreign file is refused, not restored."""
 
     tokens: list[int]
     tensors: dict[str, torch.Tensor]
+    model: str = ""  # the engine's model_id (cfg and weights digest); "" only for hand-made snapshots
+    dtype: str = ""  # the engine's dtype name
 
     @property
     def position(self) -> int:
         return len(self.tokens)
 
     def save(self, path: str | Path) -> None:
-        save_file(
-            {k: v.contiguous().cpu() for k, v in self.tensors.items()},
-            str(path),
-            metadata={"tokens": ",".join(map(str, self.tokens))},
+        tensors = {k: v.detach().contiguous().cpu() for k, v in self.tensors.items()}
+        meta = self._metadata()
+        save_file(tensors, str(path), metadata=meta | {"sha256": _digest(meta, tensors)})
+
+    def _metadata(self) -> dict[str, str]:
+        return dict(
+            format=SNAPSHOT_FORMAT,
+            version=SNAPSHOT_VERSION,
+            engine=_engine_version(),
+            model=self.model,
+            dtype=self.dtype,
+            tokens=",".join(map(str, self.tokens)),
         )
 
     @classmethod
     def load(cls, path: str | Path) -> Snapshot:
-        from safetensors import safe_open
+        """Read and verify a snapshot file: a ValueError naming the file and what is wrong, never a half-read one."""
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+            if meta.get("format") != SNAPSHOT_FORMAT or "tokens" not in meta:
+                raise ValueError("not a pocketlab snapshot (no snapshot metadata)")
+            if meta.get("version") != SNAPSHOT_VERSION:
+                raise ValueError(
+                    f"snapshot format version {meta.get('version')!r} (written by pocketlab {meta.get('engine')}); "
+                    f"this engine reads version {SNAPSHOT_VERSION!r}"
+                )
+            tensors = load_file(str(path))
+            fields = {k: v for k, v in meta.items() if k != "sha256"}
+            if meta.get("sha256") != _digest(fields, tensors):
+                raise ValueError("checksum mismatch: the file was changed or damaged after it was written")
+            tokens = [int(t) for t in meta["tokens"].split(",") if t]
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+        return cls(tokens, tensors, meta.get("model", ""), meta.get("dtype", ""))
 
-        with safe_open(str(path), framework="pt") as f:
-            text = (f.metadata() or {}).get("tokens")
-        if text is None:
-            raise ValueError(f"{path}: not a pocketlab snapshot (no token metadata)")
-        return cls(tokens=[int(t) for t in text.split(",") if t], tensors=load_file(str(path)))
+
+def _digest(meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 of the metadata and of every tensor's name, dtype, shape and bytes."""
+    h = hashlib.sha256(json.dumps(meta, sort_keys=True).encode())
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _engine_version() -> str:
+    try:
+        return importlib.metadata.version("pocketlab")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def model_id(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> str:
+    """A short digest of the config and the weights (names, shapes, first values at bf16 precision, so every dtype of
+    one checkpoint agrees): a snapshot restores only into the model that made it."""
+    h = hashlib.sha256(json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str).encode())
+    for name in sorted(weights):
+        t = weights[name]
+        h.update(f"{name}:{tuple(t.shape)}".encode())
+        h.update(t.detach().reshape(-1)[:64].to("cpu", torch.bfloat16).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 class SlotCache:
     def __init__(self, cfg: ModelConfig, opts: EngineOptions):
         self.cfg, self.max_seq = cfg, opts.max_seq_len
+        self.model_id, self.dtype = "", opts.dtype  # the engine sets model_id once the weights are known
         self.num_slots = opts.max_slots
         self.scratch = opts.max_slots  # padding and graph filler rows write here
         rows, dev, dt = opts.max_slots + 1, opts.device, opts.torch_dtype
@@ -210,9 +274,14 @@ class SlotCache:
             tensors[f"rec.{i}"] = self.rec[i][slot].clone()
         for name, x in self.extra.items():
             tensors[f"x.{name}"] = x[slot].clone()
-        return Snapshot(list(self.slots[slot].tokens), tensors)
+        return Snapshot(list(self.slots[slot].tokens), tensors, self.model_id, self.dtype)
 
     def check_snapshot(self, snap: Snapshot) -> None:
+        """ValueError unless the snapshot came from this model, in this dtype, with exactly this engine's tensors."""
+        if snap.model and snap.model != self.model_id:
+            raise ValueError(f"snapshot was taken from another model (id {snap.model}; this engine: {self.model_id})")
+        if snap.dtype and snap.dtype != self.dtype:
+            raise ValueError(f"snapshot holds {snap.dtype} state; this engine runs {self.dtype}")
         expected = self.snapshot_shapes(snap.position)
         if snap.position > self.max_seq:
             raise ValueError(f"snapshot holds {snap.position} tokens, more than max_seq_len={self.max_seq}")
@@ -227,6 +296,18 @@ class SlotCache:
                 raise ValueError(
                     f"snapshot tensor {name} has shape {tuple(snap.tensors[name].shape)}, this engine needs {shape}"
                 )
+            if snap.tensors[name].dtype != self.bank_dtype(name):
+                raise ValueError(
+                    f"snapshot tensor {name} is {snap.tensors[name].dtype}, this engine holds {self.bank_dtype(name)}"
+                )
+            if snap.tensors[name].is_floating_point() and not bool(snap.tensors[name].isfinite().all()):
+                raise ValueError(f"snapshot tensor {name} holds NaN or inf")
+
+    def bank_dtype(self, name: str) -> torch.dtype:
+        """The dtype of the bank a snapshot tensor name ("k.0", "rec.1", "x.mtp_queue") belongs to."""
+        kind, key = name.split(".", 1)
+        bank = {"k": self.k, "v": self.v, "conv": self.conv, "rec": self.rec, "x": self.extra}[kind]
+        return next(t.dtype for k, t in bank.items() if str(k) == key)
 
     def snapshot_shapes(self, n: int) -> dict[str, tuple]:
         shapes = {}

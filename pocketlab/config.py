@@ -172,7 +172,8 @@ def _fp8_block(quant: dict | None) -> tuple[int, ...]:
 
 @dataclass
 class EngineOptions:
-    max_slots: int = 4
+    max_slots: int | str = 4  # "auto": as many as memory_fraction of the free device memory holds (pocketlab.memory)
+    memory_fraction: float = 0.9  # of the device memory free at start that the engine may plan to use
     max_seq_len: int = 1024
     prefill_chunk: int = 2048  # longer prompts are prefilled in chunks of this many tokens
     device: str = "cpu"
@@ -205,8 +206,12 @@ class EngineOptions:
         for name in ("linear_decode", "fused_linear"):
             if getattr(self, name) not in ("auto", "triton", "torch"):
                 raise ValueError(f"{name} {getattr(self, name)!r} is not one of auto, triton, torch")
-        if self.max_slots < 1 or self.max_seq_len < 2 or self.prefill_chunk < 1:
-            raise ValueError("max_slots >= 1, max_seq_len >= 2 and prefill_chunk >= 1 are required")
+        if self.max_slots != "auto" and not (isinstance(self.max_slots, int) and self.max_slots >= 1):
+            raise ValueError(f"max_slots={self.max_slots!r}: an int >= 1, or 'auto'")
+        if self.max_seq_len < 2 or self.prefill_chunk < 1:
+            raise ValueError("max_seq_len >= 2 and prefill_chunk >= 1 are required")
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"memory_fraction={self.memory_fraction}: need 0 < fraction <= 1")
         if self.prefix_cache_bytes < 0 or self.prefix_block < 1 or self.checkpoint_stride < 0:
             raise ValueError("prefix_cache_bytes >= 0, prefix_block >= 1 and checkpoint_stride >= 0 are required")
 

@@ -5,21 +5,23 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from . import text
-from .cache import SlotCache, Snapshot
+from .cache import SlotCache, Snapshot, model_id
 from .config import EngineOptions, ModelConfig, generation_defaults
 from .forward import ForwardContext, Run
 from .generate import generate as continuous_batching
 from .graphs import StepGraphs
 from .layers.fused import LARGE, compiled_kernels
 from .loader import load_weights, optional_mtp, validate_weights
+from .memory import MemoryPlan, resolve
 from .models import build_model
 from .prefix_cache import PrefixCache
-from .requests import BatchDecodeResult, BatchedRequest, BatchPrefillResult, ForwardResult
+from .requests import BatchDecodeResult, BatchedRequest, BatchPrefillResult, ForwardResult, Refusal
 from .sampling import GREEDY, SamplingParams, sample
 from .speculative import Speculator
 
@@ -54,11 +56,17 @@ class QwenEngine:
                 "tokenizer and weights are from different checkpoints"
             )
         self.tokenizer, self.generation = tokenizer, dict(generation or {})
-        self.options = options or EngineOptions()
-        self.cfg = cfg = optional_mtp(cfg, weights, self.options.speculative_tokens)
+        options = options or EngineOptions()
+        self.cfg = cfg = optional_mtp(cfg, weights, options.speculative_tokens)
+        device = torch.device(options.device).type
+        resident = bool(weights) and all(t.device.type == device for t in weights.values())
+        self.memory: MemoryPlan = resolve(cfg, options, weights_resident=resident)  # refuses what cannot fit
+        self.options = self.memory.options  # max_slots="auto" resolved
         weights = validate_weights(dict(weights), cfg, self.options.device, self.options.torch_dtype)
+        self.model_id = model_id(cfg, weights)  # snapshots carry it: one restores only into its own model
         self.model = build_model(cfg, weights, self.options)
         self.cache = SlotCache(cfg, self.options)
+        self.cache.model_id = self.model_id
         self.prefix = PrefixCache(self.cache, self.options) if self.options.prefix_cache else None
         self.num_slots = self.options.max_slots
         self.forward_count = 0  # model forwards run; batch calls must add exactly one
@@ -70,6 +78,7 @@ class QwenEngine:
     def from_pretrained(cls, path: str | Path, options: EngineOptions | None = None) -> QwenEngine:
         options = options or EngineOptions()
         cfg = ModelConfig.from_pretrained(path)
+        options = resolve(cfg, options).options  # before reading any weights: refuse what cannot fit
         weights = load_weights(path, cfg, options.device, options.torch_dtype, options.speculative_tokens)
         return cls(cfg, weights, options, text.load_tokenizer(path), generation_defaults(path))
 
@@ -78,7 +87,8 @@ class QwenEngine:
         """Make `tokens` the slot's sequence (reusing the prefix it already holds) and predict the next token."""
         items = [(slot_id, list(tokens), sampling)]
         self._check_prefill(items, ["prompt"])
-        return self._run_prefill(items)[0]
+        with self._transaction([slot_id]):
+            return self._run_prefill(items)[0]
 
     def decode_step(self, token: int, slot_id: int = 0, sampling: SamplingParams = GREEDY) -> ForwardResult:
         """Append one token to the slot's sequence and predict the next (with speculative_tokens > 0, maybe
@@ -99,10 +109,11 @@ class QwenEngine:
             )
         items = [(s, r.prompt_tokens, r.sampling) for s, r in zip(chosen, requests, strict=True)]
         self._check_prefill(items, [f"request {r.request_id} prompt" for r in requests])
-        for r in requests:
-            if r.slot_id is None:
-                r.slot_id = self.allocate_slot(r.request_id)
-        results = self._run_prefill(items)
+        fresh = [(r, s) for r, s in zip(requests, chosen, strict=True) if r.slot_id is None]
+        with self._transaction(chosen, allocated=[r for r, _ in fresh]):
+            for r, s in fresh:  # the slot its prompt is prefilled into (not the first free: that may be a given one)
+                self.cache.slots[s].owner, r.slot_id = r.request_id, s
+            results = self._run_prefill(items)
         for r, res in zip(requests, results, strict=True):
             r.generated_tokens = [res.next_token]
         return BatchPrefillResult(results)
@@ -171,17 +182,20 @@ class QwenEngine:
 
     def release_slot(self, slot_id: int) -> None:
         self._check_slot(slot_id)
-        self.cache.clear(slot_id)
+        with self._transaction([slot_id]):
+            self.cache.clear(slot_id)
         self.cache.slots[slot_id].owner = None
 
     def reset(self, slot_id: int | None = None) -> None:
         """Forget the sequence of one slot, or of every slot (allocations are kept)."""
         if slot_id is not None:
             self._check_slot(slot_id)
-        for s in range(self.num_slots) if slot_id is None else [slot_id]:
-            self.cache.clear(s)
-        if self.prefix is not None:  # a reset engine computes like a fresh one: nothing before it is reused
-            self.prefix.forget(slot_id)
+        slots = list(range(self.num_slots)) if slot_id is None else [slot_id]
+        with self._transaction(slots):
+            for s in slots:
+                self.cache.clear(s)
+            if self.prefix is not None:  # a reset engine computes like a fresh one: nothing before it is reused
+                self.prefix.forget(slot_id)
 
     def position(self, slot_id: int = 0) -> int:
         self._check_slot(slot_id)
@@ -195,7 +209,35 @@ class QwenEngine:
         self._check_slot(slot_id)
         self.cache.check_snapshot(snapshot)
         self.check_tokens(snapshot.tokens, "snapshot history", allow_empty=True)
-        self.cache.restore(snapshot, slot_id)
+        with self._transaction([slot_id]):
+            self.cache.restore(snapshot, slot_id)
+
+    # -- interrupted calls: the slots a call touches are committed whole or cleanly reset -----------
+    @contextmanager
+    def _transaction(self, slots: list[int], allocated: Sequence[BatchedRequest] = ()):
+        """Run a call that changes `slots`. If anything inside raises (an error, a KeyboardInterrupt), those slots
+        are cleanly reset (empty history, zeroed state, owner as before the call: slots it allocated to
+        `allocated` requests are free again), every other slot is as it was, and the prefix cache, which may
+        have been mid-update, starts over empty: it is a cache, so only reuse is lost. Then it re-raises. A `Refusal`
+        (bad input found before anything changed) passes through and leaves the slots alone."""
+        try:
+            yield
+        except Refusal:  # found before anything changed
+            raise
+        except BaseException:
+            self._abort(slots, allocated)
+            raise
+
+    def _abort(self, slots: list[int], allocated: Sequence[BatchedRequest]) -> None:
+        self.cache.listen(None)  # the slots' live state may be half-written: nothing may checkpoint it
+        for s in slots:
+            self.cache.clear(s)
+        for r in allocated:
+            if r.slot_id is not None:
+                self.cache.slots[r.slot_id].owner = None
+                r.slot_id = None
+        if self.prefix is not None:
+            self.prefix = PrefixCache(self.cache, self.options)  # registers itself as the listener
 
     # -- validation: every check runs before any state changes --------------------------------
     def _check_slot(self, slot_id) -> None:
@@ -270,16 +312,17 @@ class QwenEngine:
         for s, tok, _ in items:
             self.check_tokens([tok], f"decode token for slot {s}")
         self._check_plan([s for s, _, _ in items], [(s, [t]) for s, t, _ in items], prefill=False)
-        if self.speculator is not None:  # tokens per item: accepted drafts + one, from one verify forward
-            out = self.speculator.step(items)
-            self.forward_count += 1
-            return out
-        runs = [Run(s, self.cache.slots[s].position, [tok]) for s, tok, _ in items]
-        logits = self._decode_logits(runs)
-        for s, tok, _ in items:
-            self.cache.slots[s].extend([tok])
-        positions = [self.cache.slots[s].position for s, _, _ in items]
-        tokens = sample(logits, [sp for _, _, sp in items], positions).tolist()
+        with self._transaction([s for s, _, _ in items]):
+            if self.speculator is not None:  # tokens per item: accepted drafts + one, from one verify forward
+                out = self.speculator.step(items)
+                self.forward_count += 1
+                return out
+            runs = [Run(s, self.cache.slots[s].position, [tok]) for s, tok, _ in items]
+            logits = self._decode_logits(runs)
+            positions = [run.start + 1 for run in runs]
+            tokens = sample(logits, [sp for _, _, sp in items], positions).tolist()
+            for s, tok, _ in items:
+                self.cache.slots[s].extend([tok])
         return [[t] for t in tokens], logits, positions
 
     @torch.inference_mode()

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from .config import ModelConfig
 
@@ -129,7 +131,7 @@ def load_weights(
     path = Path(path)
     tensors = {}
     for file in checkpoint_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        with readable(file), safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
                 canon = canonical_name(name)
                 if canon is None or (canon.startswith("mtp.") and not cfg.mtp_num_hidden_layers):
@@ -138,7 +140,9 @@ def load_weights(
                     raise ValueError(f"{file.name}: tensor {name!r} appears twice in the checkpoint")
                 tensors[canon] = f.get_tensor(name)
     tensors = dequantize_fp8(tensors, cfg.fp8_weight_block)
-    return validate_weights(tensors, optional_mtp(cfg, tensors, speculative_tokens), device, dtype)
+    return warn_nonfinite(
+        validate_weights(tensors, optional_mtp(cfg, tensors, speculative_tokens), device, dtype), path
+    )
 
 
 def optional_mtp(cfg: ModelConfig, tensors: dict, speculative_tokens: int) -> ModelConfig:
@@ -185,6 +189,25 @@ def dequantize_fp8(tensors: dict[str, torch.Tensor], block: tuple[int, ...]) -> 
     if raw:
         raise ValueError(f"{len(raw)} FP8 tensor(s) have no weight_scale_inv, e.g. {raw[:3]}")
     return out
+
+
+@contextmanager
+def readable(file: Path):
+    """safetensors' own errors (truncated file, a header claiming more bytes than there are, broken JSON, offsets
+    past the end) and OS errors, as a ValueError naming the file."""
+    try:
+        yield
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{file}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+
+
+def warn_nonfinite(tensors: dict[str, torch.Tensor], path) -> dict[str, torch.Tensor]:
+    """Warn about NaN/inf weights (a damaged file or a diverged training run): they load, but every logit they touch
+    is NaN. safetensors has no checksum, so this is the one trace a flipped data bit may leave."""
+    bad = [n for n, t in tensors.items() if not bool(torch.isfinite(t).all())]
+    if bad:
+        warnings.warn(f"{path}: {len(bad)} tensor(s) hold NaN or inf, e.g. {bad[:3]}", RuntimeWarning, stacklevel=3)
+    return tensors
 
 
 def validate_weights(

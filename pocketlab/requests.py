@@ -9,6 +9,11 @@ import torch
 from .sampling import GREEDY, SamplingParams
 
 
+class Refusal(ValueError):
+    """Bad input found inside a call before it changed any slot (e.g. a drafter's drafts): the slots stay as they
+    were, where any other exception inside a call resets the slots it was working on (QwenEngine._transaction)."""
+
+
 @dataclass
 class ForwardResult:
     """One slot's outcome of a prefill or decode call."""

@@ -24,6 +24,7 @@ import torch
 from ..forward import ForwardContext, Run
 from ..layers.gated_delta import L2_EPS, backend_name, conv_inputs, gated_delta_rule, window_at
 from ..layers.linear_decode import recurrent_step
+from ..requests import Refusal
 from ..sampling import SamplingParams
 from .acceptance import accept
 from .drafters import Drafter, MTPDrafter, Row
@@ -115,12 +116,12 @@ class Speculator:
         ]
         drafts = self.drafter.draft(self, rows)
         if len(drafts.tokens) != len(rows):
-            raise ValueError(f"drafter {self.drafter.name!r} drafted for {len(drafts.tokens)} rows, not {len(rows)}")
+            raise Refusal(f"drafter {self.drafter.name!r} drafted for {len(drafts.tokens)} rows, not {len(rows)}")
         for r, d in zip(rows, drafts.tokens, strict=True):
             del d[r.k :]
             bad = [t for t in d if not isinstance(t, int) or not 0 <= t < eng.cfg.vocab_size]
             if bad:
-                raise ValueError(f"drafter {self.drafter.name!r} proposed token(s) outside the vocabulary: {bad[:5]}")
+                raise Refusal(f"drafter {self.drafter.name!r} proposed token(s) outside the vocabulary: {bad[:5]}")
         runs = [Run(r.slot, r.position, [r.token] + d) for r, d in zip(rows, drafts.tokens, strict=True)]
         run = eng.graphs.replay("verify", self._verify_step, runs) if self._graphed(runs) else None
         if run is not None:
