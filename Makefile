@@ -27,7 +27,7 @@ test: lint
 
 # every engine test once more through our Triton kernels, run by Triton's CPU interpreter (about 10 minutes)
 test-kernels: .venv/.installed
-	POCKETLAB_KERNELS=triton TRITON_INTERPRET=1 $(PY) -m pytest -q tests/test_decode_attention.py \
+	POCKETLAB_KERNELS=triton TRITON_INTERPRET=1 $(PY) -m pytest -q tests/test_fused_linear.py tests/test_decode_attention.py \
 		tests/test_linear_decode.py tests/test_slots.py tests/test_snapshot.py tests/test_prefix_cache.py \
 		tests/test_parity.py tests/test_errors.py tests/test_generate.py tests/test_graphs.py
 	POCKETLAB_KERNELS=triton TRITON_INTERPRET=1 $(PY) -m pytest -q tests/test_speculative.py -k "rolled_back or half or graphed"
