@@ -25,7 +25,8 @@ test: lint
 	$(PY) -m pytest tests
 	$(PY) -m pytest -p no:cacheprovider --nbval-lax notebooks/
 
-# every engine test once more through our Triton kernels, run by Triton's CPU interpreter (about 10 minutes)
+# every engine test once more through our Triton kernels (fused linear included), run by Triton's CPU interpreter
+# (over 25 minutes on a 2-core machine)
 test-kernels: .venv/.installed
 	POCKETLAB_KERNELS=triton TRITON_INTERPRET=1 $(PY) -m pytest -q tests/test_fused_linear.py tests/test_decode_attention.py \
 		tests/test_linear_decode.py tests/test_slots.py tests/test_snapshot.py tests/test_prefix_cache.py \
