@@ -182,7 +182,7 @@ class EngineOptions:
     compile: bool = True  # fuse elementwise chains with torch.compile in captured decode graphs
     decode_attention: str = "auto"  # "triton" (live keys read in place), "sdpa", or "auto": triton on CUDA
     linear_decode: str = "auto"  # Gated DeltaNet decode: "triton" (states updated in place), "torch", "auto"
-    fused_linear: str = "auto"  # few-row projections with their norm / residual add / SwiGLU in one Triton kernel
+    fused_linear: str = "auto"  # few-row projections with their residual add / SwiGLU in one Triton kernel
     graph_batch_sizes: tuple[int, ...] = field(default=(1, 2, 4, 8, 16, 32, 64))
     batch_invariant: bool = False  # logits bitwise independent of the batch (Triton kernels; CPU: interpreter)
     speculative_tokens: int = 0  # drafts per decode step (MTP head), verified in one forward; 0: off

@@ -188,7 +188,8 @@ if triton is not None:
             top = tl.max(lses, axis=1)
             top = tl.where(top == float("-inf"), 0.0, top)  # no live key at all: every weight is 0
             weights = tl.exp(lses - top[:, None])
-            weights = weights / tl.where(tl.sum(weights, axis=1) == 0, 1.0, tl.sum(weights, axis=1))[:, None]
+            total = tl.sum(weights, axis=1)
+            weights = weights / tl.where(total == 0, 1.0, total)[:, None]
             merged = tl.zeros([BLOCK_G, D], tl.float32)
             for t in range(0, splits):  # in split order
                 w_t = tl.sum(tl.where(s_idx[None, :] == t, weights, 0.0), axis=1)

@@ -1,7 +1,7 @@
 """Elementwise chains fused by torch.compile, inside captured CUDA-graph decode steps and long prompts.
 
 A decode step is hundreds of tiny kernels and each costs microseconds even inside a CUDA graph;
-compiling the elementwise chains (norms, rotary, SwiGLU, the split-softmax merge) makes each one kernel.
+compiling the elementwise chains (norms, rotary, SwiGLU) makes each one kernel.
 Outside a graph the opposite holds for a decode step: a compiled call costs far more host time than the few
 eager kernels it replaces; in a long prompt's forward the eager chains' round trips through memory dominate, so
 there the large calls run compiled too. Everything else, and the CPU, runs eagerly. Each call site (dtype,

@@ -27,7 +27,7 @@ from .rounding import cast
 PROGRAMS_WANTED = 256  # about two programs per SM of an H200 (132 SMs) for the weight-bound decode shapes
 MIN_BLOCKS_PER_SPLIT = 4  # each K slice keeps at least this many BLOCK_K steps, so its load pipeline fills
 MAX_SPLIT = 8
-DECODE_BLOCK_N = 64  # the N extent of a few-rows tile; its split count is sized for it
+DECODE_BLOCK_N = 64  # the N extent the split count is sized for (few-row tiles are 32 or 64 wide)
 MANY_ROWS = 128  # from this many rows on, a program runs all slices of its tile (IN_PROGRAM)
 IN_PROGRAM, LAST_SUMS = 0, 1
 
@@ -72,9 +72,9 @@ def order(N: int, K: int, dtype: torch.dtype) -> Order:
 
 def tiles(M: int, N: int, dtype: torch.dtype, device: torch.device, two_weights: bool = False) -> Tiles:
     """The launch for M rows: from MANY_ROWS rows on, one program runs all slices of its tile; fewer rows run
-    a program per slice. GPU tiles: 16-64 rows (the fewest covering M, so each weight tile is read once) x 64
-    for few rows, 128 x 128 for many (float32: 64 x 128 over 8 warps, 32 accumulators a thread, no spills);
-    the interpreter keeps one tile shape."""
+    a program per slice. GPU tiles for few rows: 16 x 32 up to 16 rows, then 32-64 rows (the fewest covering M,
+    so each weight tile is read once) x 64; 128 x 128 for many (float32: 64 x 128 over 8 warps, 32 accumulators
+    a thread, no spills); the interpreter keeps one tile shape."""
     mode = IN_PROGRAM if M >= MANY_ROWS else LAST_SUMS
     if dtype == torch.float32:
         return Tiles(64, 128, 8, 3, mode)
