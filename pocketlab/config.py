@@ -191,6 +191,7 @@ class EngineOptions:
     prefix_cache_bytes: int = 1 << 30  # budget for retained prefixes and state checkpoints (live slots never count)
     prefix_block: int = 16  # tokens per hashed block in the cross-slot lookup
     checkpoint_stride: int = 512  # hybrid: also checkpoint the recurrent state at multiples of this (0: prompt ends)
+    warmup: bool = False  # capture every graph and compile every kernel variant at construction (engine.warmup)
 
     def __post_init__(self):
         if not 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS:

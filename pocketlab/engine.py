@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from . import text
+from . import compile_events, text
 from .cache import SlotCache, Snapshot, model_id
 from .config import EngineOptions, ModelConfig, generation_defaults
 from .forward import ForwardContext, Run
@@ -24,6 +24,7 @@ from .prefix_cache import PrefixCache
 from .requests import BatchDecodeResult, BatchedRequest, BatchPrefillResult, ForwardResult, Refusal
 from .sampling import GREEDY, SamplingParams, sample
 from .speculative import Speculator
+from .warmup import WarmupReport, warm_up
 
 
 def plan_pieces(start: int, end: int, chunk: int, stride: int = 0) -> list[tuple[int, int]]:
@@ -73,6 +74,8 @@ class QwenEngine:
         use_graphs = self.options.cuda_graphs and torch.device(self.options.device).type == "cuda"
         self.graphs = StepGraphs(self.model, self.cache, self.options) if use_graphs else None
         self.speculator = Speculator(self) if self.options.speculative_tokens else None  # drafts + one verify forward
+        compile_events.track_triton()
+        self.warmup_report: WarmupReport | None = self.warmup() if self.options.warmup else None
 
     @classmethod
     def from_pretrained(cls, path: str | Path, options: EngineOptions | None = None) -> QwenEngine:
@@ -81,6 +84,15 @@ class QwenEngine:
         options = resolve(cfg, options).options  # before reading any weights: refuse what cannot fit
         weights = load_weights(path, cfg, options.device, options.torch_dtype, options.speculative_tokens)
         return cls(cfg, weights, options, text.load_tokenizer(path), generation_defaults(path))
+
+    def warmup(self, progress: bool = True) -> WarmupReport:
+        """Capture every graph and compile every kernel variant the options allow, on an idle engine, so that no
+        later call stalls on a compile or a capture (pocketlab.warmup says what runs)."""
+        return warm_up(self, progress)
+
+    def compile_events(self) -> dict[str, int]:
+        """Graph captures of this engine, torch.compile graphs and Triton compiles of the process, so far."""
+        return compile_events.counts(self.graphs)
 
     # -- single-slot API -----------------------------------------------------------------------
     def prefill(self, tokens: list[int], slot_id: int = 0, sampling: SamplingParams = GREEDY) -> ForwardResult:
