@@ -146,12 +146,16 @@ class QwenEngine:
         sampling: SamplingParams | list | None = None,
         progress: bool = False,
         enable_thinking: bool | None = None,
+        arrivals: list[float] | None = None,
     ) -> list:
         """Continuous batching over the free slots; see pocketlab.generate. Token-id prompts give token lists
-        (sampling=None: greedy); if any prompt is a string or a chat (list of {"role", "content"}), every prompt
-        gives a text.Completion (sampling=None: the checkpoint's defaults, see default_sampling)."""
+        (sampling=None: greedy; arrivals: when each is submitted, for replaying a trace); if any prompt is a string
+        or a chat (list of {"role", "content"}), every prompt gives a text.Completion (sampling=None: the
+        checkpoint's defaults, see default_sampling)."""
         if all(text.is_token_ids(p) for p in prompts):
-            return continuous_batching(self, prompts, GREEDY if sampling is None else sampling, progress)
+            return continuous_batching(self, prompts, GREEDY if sampling is None else sampling, progress, arrivals)
+        if arrivals is not None:
+            raise ValueError("arrivals replay traces of token-id prompts; text prompts are submitted at once")
         return text.complete(self, prompts, sampling, enable_thinking, progress)
 
     def stream(

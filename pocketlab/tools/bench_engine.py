@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
+from .. import compile_events
 from ..config import DTYPES, EngineOptions, ModelConfig
 from ..engine import QwenEngine
 from ..requests import BatchedRequest
@@ -112,4 +115,51 @@ def bench_decode(
         **moved,
         "roofline_step_s": roofline,
         "roofline_frac": roofline / step,
+    }
+
+
+def first_token(engine: QwenEngine, clock: Clock, cfg: BenchConfig, gen: torch.Generator) -> dict:
+    """Time to first token (a decode_prompt-token prefill, then one decode step) on the engine as it is, what
+    compiled or captured during it, and the slot reset after."""
+    prompt = random_tokens(cfg.decode_prompt, engine.cfg.vocab_size, gen)
+    before = engine.compile_events()
+
+    def call():
+        engine.decode_step(engine.prefill(prompt, slot_id=0).next_token, slot_id=0)
+
+    seconds = clock.time(call)
+    engine.reset()
+    return {"prompt_len": cfg.decode_prompt, "seconds": seconds, "events": compile_events.since(before, engine.graphs)}
+
+
+def warm_up(engine: QwenEngine, cfg: BenchConfig) -> dict:
+    report = engine.warmup(progress=cfg.progress)
+    return {"seconds": report.seconds, "graphs": report.graphs, "failed": report.failed, "events": report.events}
+
+
+def decode_latency(engine: QwenEngine, cfg: BenchConfig, batch: int, gen: torch.Generator) -> dict:
+    """Per-step wall time through the public API over latency_steps batch_decode_steps from a short prompt, so
+    the keys cross several graph buckets: percentiles, the worst step, and anything compiled on the way."""
+    prompt_len = min(cfg.decode_prompt, 100)
+    reqs = [BatchedRequest(i, random_tokens(prompt_len, engine.cfg.vocab_size, gen), slot_id=i) for i in range(batch)]
+    engine.reset()
+    engine.batch_prefill(reqs)
+    before, samples = engine.compile_events(), []
+    for _ in range(cfg.latency_steps):
+        t = time.perf_counter()
+        engine.batch_decode_step(reqs)  # returns host tokens: the step has finished on the device
+        samples.append(time.perf_counter() - t)
+    engine.reset()
+    p50, p90, p99 = np.quantile(samples, [0.5, 0.9, 0.99])
+    return {
+        "batch": batch,
+        "steps": len(samples),
+        "positions": [prompt_len, prompt_len + len(samples)],
+        "p50_s": float(p50),
+        "p90_s": float(p90),
+        "p99_s": float(p99),
+        "max_s": max(samples),
+        "max_over_p50": max(samples) / float(p50),
+        "events": compile_events.since(before, engine.graphs),
+        "samples_s": samples,
     }
