@@ -44,7 +44,7 @@
 # bench JSONs only once they are committed.
 #
 # Knobs (env vars, defaults in brackets):
-#   STEPS            [profile tests bench baseline extras invariant fused reports]  which steps run, in this order
+#   STEPS            [profile tests bench baseline extras invariant fused stalls reports]  which steps run, in order
 #   MODELS           [qwen3-0.6b qwen3-8b qwen3.5-0.8b qwen3.5-9b]  benched, one after the other
 #   REPORT_MODELS    [qwen3-0.6b]       `make reports DEVICE=cuda MODEL=m` for each
 #   TTFT_MODELS      [qwen3-8b qwen3.5-9b]  MTP_MODELS [qwen3.5-9b]   the extras step's models
@@ -53,6 +53,8 @@
 #   FUSED_TESTS [the fused linear's tests + parity]  FUSED_SWEEP [1]  FUSED_MODELS [qwen3-0.6b qwen3-8b]
 #   FUSED_BATCHES [1,32]  FUSED_MODES [torch triton]   the fused step: CUDA tests, launch sweep, kernel tables with fused_linear=torch, triton
 #   INVARIANT_SWEEP  [0]  1: the invariant matmul's launch sweep   INVARIANT_PROFILE []  a model: kernel tables, both modes
+#   STALL_MODELS [qwen3-0.6b qwen3.5-0.8b]  STALL_BENCH_MODELS [qwen3-8b qwen3.5-9b]   the stalls step: cold vs warm
+#                    process starts, and the bench's start/latency/serving sections (the bench step has them too)
 #   REPORT_NOTEBOOKS [01,02,03,04,05,06,07]  the reports step's notebooks, in this order, each a step of its own
 #   TTFT_STRIDES     [512]              checkpoint strides the TTFT table is measured at, comma-separated
 #   PEER_MODES       [eager,static]     HF peers (static = static cache + HF's compiled decode step)
@@ -68,7 +70,7 @@
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
-STEPS=${STEPS:-profile tests bench baseline extras invariant fused reports}
+STEPS=${STEPS:-profile tests bench baseline extras invariant fused stalls reports}
 MODELS=${MODELS:-qwen3-0.6b qwen3-8b qwen3.5-0.8b qwen3.5-9b}
 REPORT_MODELS=${REPORT_MODELS:-qwen3-0.6b}
 TTFT_MODELS=${TTFT_MODELS-qwen3-8b qwen3.5-9b}  # set empty for none
@@ -84,6 +86,8 @@ FUSED_SWEEP=${FUSED_SWEEP:-1}
 FUSED_MODELS=${FUSED_MODELS-qwen3-0.6b qwen3-8b}
 FUSED_BATCHES=${FUSED_BATCHES:-1,32}
 FUSED_MODES=${FUSED_MODES:-torch triton}
+STALL_MODELS=${STALL_MODELS-qwen3-0.6b qwen3.5-0.8b}
+STALL_BENCH_MODELS=${STALL_BENCH_MODELS-qwen3-8b qwen3.5-9b}
 REPORT_NOTEBOOKS=${REPORT_NOTEBOOKS:-01,02,03,04,05,06,07}
 TTFT_STRIDES=${TTFT_STRIDES:-512}
 PEER_MODES=${PEER_MODES:-eager,static}
@@ -239,6 +243,19 @@ if wants fused; then
         --batch-sizes $FUSED_BATCHES --prefill-lens 4096 --steps 10 --top 25 --engine-option fused_linear=$fl \
         | tee reports/gpu/profile-$m-fused-$fl-h200.txt"
     done
+  done
+fi
+
+# -- 5c. no stalls (issue 15): two fresh processes per model, cold then warm kernel caches (tools.startup), and the
+#        bench's start / latency / serving sections alone (its other sections come with the bench step) --------
+if wants stalls; then
+  for m in $STALL_MODELS; do
+    step "startup $m (cold vs warm process)" 240 "$reserve" python3 -m pocketlab.tools.startup --model "$m" \
+      --root /tmp/checkpoints --out "reports/bench/startup-cuda-$m.json"
+  done
+  for m in $STALL_BENCH_MODELS; do
+    step "bench $m (start, latency, serving)" "$BENCH_CAP_S" "$reserve" python3 -m pocketlab.tools.bench --model "$m" \
+      --device cuda --skip prefill,decode,peer --out "reports/bench/stalls-cuda-$m.json"
   done
 fi
 

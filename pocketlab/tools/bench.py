@@ -33,6 +33,8 @@ from .cli import ints, option
 from .roofline import ModelCost, copy_bandwidth, matmul_rate
 from .timing import Clock
 
+SECTIONS = ("prefill", "decode", "latency", "serving", "peer")
+
 
 @dataclass
 class BenchConfig:
@@ -67,6 +69,7 @@ class BenchConfig:
     serving_prompt: tuple[int, int] = (32, 512)  # prompt lengths, uniform in [lo, hi]
     serving_new: tuple[int, int] = (128, 512)  # new tokens per request, uniform in [lo, hi]
     serving_rate: float = 32.0  # requests per second (Poisson); 0: all at once
+    skip: tuple[str, ...] = ()  # sections not to run (peer: the HF decode peers; --no-peer drops HF everywhere)
     progress: bool = True
 
     def __post_init__(self):
@@ -84,6 +87,8 @@ class BenchConfig:
         bad = set(self.peer_modes) - {"eager", "static"}
         if bad:
             raise ValueError(f"unknown peer mode(s) {sorted(bad)}; use eager and/or static")
+        if set(self.skip) - set(SECTIONS):
+            raise ValueError(f"unknown section(s) {sorted(set(self.skip) - set(SECTIONS))} to skip; any of {SECTIONS}")
 
     @property
     def max_slots(self) -> int:
@@ -185,18 +190,19 @@ def _run(cfg: BenchConfig, out: Path | None) -> dict:
             ),
         ]
     tasks += [("ceilings", ceilings)]
-    for n in cfg.prompt_lens:
+    for n in cfg.prompt_lens if "prefill" not in cfg.skip else ():
         ragged = [max(1, n * (cfg.ragged - i) // cfg.ragged) for i in range(cfg.ragged)]
         tasks += [
             (f"prefill {n}", lambda n=n: prefill([n], "single")),
             (f"ragged prefill {n}", lambda r=ragged: prefill(r, "ragged")),
         ]
-    tasks += [(f"decode b{b}", lambda b=b: decode(b)) for b in cfg.batch_sizes]
-    if cfg.latency_steps:
+    if "decode" not in cfg.skip:
+        tasks += [(f"decode b{b}", lambda b=b: decode(b)) for b in cfg.batch_sizes]
+    if cfg.latency_steps and "latency" not in cfg.skip:
         tasks += [(f"latency b{b}", lambda b=b: latency(b)) for b in cfg.latency_batch_sizes]
-    if cfg.serving_requests:
+    if cfg.serving_requests and "serving" not in cfg.skip:
         tasks += [("serving", serving)]
-    if cfg.peer:
+    if cfg.peer and "peer" not in cfg.skip:
         tasks += [(f"HF {m} b{b}", lambda m=m, b=b: peer(m, b)) for m in cfg.peer_modes for b in cfg.peer_batch_sizes]
     with tqdm(tasks, desc=cfg.model, disable=not cfg.progress) as bar:
         for name, task in bar:
@@ -304,6 +310,7 @@ def parse_args(argv=None) -> tuple[BenchConfig, Path]:
     p.add_argument("--serving-prompt", type=ints, default=(32, 512), help="prompt lengths lo,hi")
     p.add_argument("--serving-new", type=ints, default=(128, 512), help="new tokens lo,hi")
     p.add_argument("--serving-rate", type=float, default=32.0, help="arrivals per second (0: all at once)")
+    p.add_argument("--skip", type=lambda s: tuple(x for x in s.split(",") if x), default=(), help=f"any of {SECTIONS}")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--out", type=Path, default=None, help="default: reports/bench/<device>-<model>.json")
     a = vars(p.parse_args(argv))
