@@ -76,7 +76,9 @@ def warm_up(engine: QwenEngine, progress: bool = True) -> WarmupReport:
     if engine.speculator is not None:
         engine.speculator.stats = type(engine.speculator.stats)()
     failed = sum(key in engine.graphs.failed for key, _, _ in graphs) if graphs else 0
-    return WarmupReport(len(graphs), failed, len(calls), time.perf_counter() - start, compile_events.since(before))
+    return WarmupReport(
+        len(graphs), failed, len(calls), time.perf_counter() - start, compile_events.since(before, engine.graphs)
+    )
 
 
 def _run_prompts(engine: QwenEngine, lengths: list[int]) -> None:

@@ -68,7 +68,7 @@ class BenchConfig:
     serving_requests: int = 128  # requests in the end-to-end trace; 0: none
     serving_prompt: tuple[int, int] = (32, 512)  # prompt lengths, uniform in [lo, hi]
     serving_new: tuple[int, int] = (128, 512)  # new tokens per request, uniform in [lo, hi]
-    serving_rate: float = 32.0  # requests per second (Poisson); 0: all at once
+    serving_rate: float = 100.0  # requests per second (Poisson); 0: all at once
     skip: tuple[str, ...] = ()  # sections not to run (peer: the HF decode peers; --no-peer drops HF everywhere)
     progress: bool = True
 
@@ -309,7 +309,7 @@ def parse_args(argv=None) -> tuple[BenchConfig, Path]:
     p.add_argument("--serving-requests", type=int, default=128, help="requests in the serving trace (0: none)")
     p.add_argument("--serving-prompt", type=ints, default=(32, 512), help="prompt lengths lo,hi")
     p.add_argument("--serving-new", type=ints, default=(128, 512), help="new tokens lo,hi")
-    p.add_argument("--serving-rate", type=float, default=32.0, help="arrivals per second (0: all at once)")
+    p.add_argument("--serving-rate", type=float, default=100.0, help="arrivals per second (0: all at once)")
     p.add_argument("--skip", type=lambda s: tuple(x for x in s.split(",") if x), default=(), help=f"any of {SECTIONS}")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--out", type=Path, default=None, help="default: reports/bench/<device>-<model>.json")

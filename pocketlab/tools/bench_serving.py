@@ -8,12 +8,12 @@ starts (our engine.warmup(); HF's manager warm-up); time counts from the first a
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass
 
 import numpy as np
 import transformers
-from transformers.generation.continuous_batching.utils import WorkloadHints
 
 from ..generate import stream_tokens
 from ..sampling import SamplingParams
@@ -75,22 +75,35 @@ def serve_pocketlab(engine, trace: Trace) -> dict:
     return out | {"events": {k: v - before[k] for k, v in engine.compile_events().items()}}
 
 
+def _hf_manager_options(hf, gc, trace: Trace) -> dict:
+    """Keyword arguments for HF's continuous-batching context manager: a paged cache that holds the whole trace
+    at once (its default takes 90% of the free memory), in whichever spelling this transformers version has."""
+    accepted = inspect.signature(hf.continuous_batching_context_manager).parameters
+    opts = {"generation_config": gc, "timeout": 5}
+    if "workload_hints" in accepted:
+        from transformers.generation.continuous_batching.utils import WorkloadHints
+
+        longest = max(len(p) for p in trace.prompts)
+        opts["workload_hints"] = WorkloadHints(
+            max_prompt_length=longest, max_generated_length=max(trace.new_tokens), num_requests=len(trace.prompts)
+        )
+    config = getattr(transformers, "ContinuousBatchingConfig", None)
+    fields = inspect.signature(config).parameters if config is not None else {}
+    size = next((name for name in ("page_size", "block_size") if name in fields), None)
+    page = 256
+    blocks = sum(-(-(len(p) + n) // page) for p, n in zip(trace.prompts, trace.new_tokens, strict=True))
+    if size and "num_blocks" in fields and "continuous_batching_config" in accepted:
+        opts["continuous_batching_config"] = config(**{size: page, "num_blocks": blocks})
+    else:  # older versions read the cache size from the generation config
+        gc.num_blocks, gc.block_size = blocks, page
+    return opts
+
+
 def serve_hf(hf, trace: Trace, timeout_s: float = 600.0) -> dict:
     """The trace through transformers' continuous batching manager (add_request as each request arrives)."""
     gc = transformers.GenerationConfig(do_sample=False, max_new_tokens=max(trace.new_tokens), pad_token_id=0)
-    hints = WorkloadHints(
-        max_prompt_length=max(len(p) for p in trace.prompts),
-        max_generated_length=max(trace.new_tokens),
-        num_requests=len(trace.prompts),
-    )
-    # a paged cache that holds the whole trace at once (HF's default sizes it to 90% of the free memory)
-    page = 256
-    blocks = sum(-(-(len(p) + n) // page) for p, n in zip(trace.prompts, trace.new_tokens, strict=True))
-    config = transformers.ContinuousBatchingConfig(page_size=page, num_blocks=blocks)
     finished, tokens, submitted = {}, {}, 0
-    with hf.continuous_batching_context_manager(
-        generation_config=gc, continuous_batching_config=config, workload_hints=hints, timeout=5
-    ) as manager:
+    with hf.continuous_batching_context_manager(**_hf_manager_options(hf, gc, trace)) as manager:
         start = time.perf_counter()
         while len(finished) < len(trace.prompts):
             now = time.perf_counter() - start

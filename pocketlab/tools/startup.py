@@ -74,7 +74,7 @@ def main(argv=None) -> dict:
         return {}
     from .synthetic import PRESETS, ensure_checkpoint
 
-    path = ensure_checkpoint(a.model, a.root) if a.model in PRESETS else Path(a.model)
+    path = ensure_checkpoint(a.model, a.root, tokenizer=False) if a.model in PRESETS else Path(a.model)
     cache = a.cache or tempfile.mkdtemp(prefix="pocketlab-cache-")
     if any(Path(cache).iterdir()):
         raise ValueError(f"the kernel cache folder {cache} is not empty: a cold start needs an empty one")

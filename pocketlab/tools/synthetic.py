@@ -150,17 +150,22 @@ def build_hf_model(preset: str, seed: int = 0, device: str = "cpu", dtype: torch
 
 
 def write_checkpoint(
-    preset: str, path: str | Path, seed: int = 0, max_shard_size: str | None = None, **overrides
+    preset: str,
+    path: str | Path,
+    seed: int = 0,
+    max_shard_size: str | None = None,
+    tokenizer: bool = True,
+    **overrides,
 ) -> Path:
     """Write config.json + safetensors (sharded with an index when `max_shard_size` is given), and for presets
-    with a real vocabulary the tokenizer files and generation_config.json of their family."""
+    with a real vocabulary (unless tokenizer=False) the tokenizer files and generation_config.json of their family."""
     path = Path(path)
     model = build_hf_model(preset, seed, **overrides)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
     if getattr(model.config, "mtp_num_hidden_layers", 0):
         add_mtp(path, seed)
-    if preset in TOKENIZERS:
+    if preset in TOKENIZERS and tokenizer:
         from .tokenizers import FAMILIES, write_tokenizer
 
         write_tokenizer(TOKENIZERS[preset], path)
@@ -170,11 +175,13 @@ def write_checkpoint(
     return path
 
 
-def ensure_checkpoint(preset: str = DEFAULT_PRESET, root: str | Path = "checkpoints", seed: int = 0) -> Path:
+def ensure_checkpoint(
+    preset: str = DEFAULT_PRESET, root: str | Path = "checkpoints", seed: int = 0, tokenizer: bool = True
+) -> Path:
     """The checkpoint folder for a preset, written once and reused (cheap for tiny presets)."""
     path = Path(root) / f"{preset}-seed{seed}"
     if not (path / "config.json").is_file():
-        write_checkpoint(preset, path, seed)
+        write_checkpoint(preset, path, seed, tokenizer=tokenizer)
     return path
 
 
