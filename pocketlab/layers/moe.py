@@ -57,9 +57,18 @@ def expert_order(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, tor
     return order, counts
 
 
+def grouped_mm_fits(x, gate_up, down) -> bool:
+    """torch._grouped_mm takes rows of 16-byte multiples, and on CUDA 16-bit inputs only."""
+    aligned = all(n * x.element_size() % 16 == 0 for n in (x.shape[1], down.shape[2]))
+    return aligned and hasattr(torch, "_grouped_mm") and not (x.is_cuda and x.element_size() != 2)
+
+
 def grouped_experts(x, gate_up, down, weights, ids) -> torch.Tensor:
     """The routed experts as two grouped matmuls (torch._grouped_mm: each expert's rows against its weight, one
-    call per projection) over the (token, k) pairs sorted by expert; same arguments as `looped_experts`."""
+    call per projection) over the (token, k) pairs sorted by expert; same arguments as `looped_experts`, whose
+    loop runs the shapes grouped_mm cannot take."""
+    if not grouped_mm_fits(x, gate_up, down):
+        return looped_experts(x, gate_up, down, weights, ids)
     N, k = ids.shape
     order, counts = expert_order(ids, gate_up.shape[0])
     offs = counts.cumsum(0).to(torch.int32)
