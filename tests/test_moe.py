@@ -101,29 +101,28 @@ def test_other_layouts_load_the_same_model(layout, checkpoint, tmp_path):
         assert_matches_reference(hf_incremental_logits(hf, prompt, got[0][:-1]), got[1], got[0])
 
 
+def with_weights(src, dst, w):
+    """Checkpoint folder dst: src's config.json with the tensors w."""
+    dst.mkdir()
+    save_file(w, str(dst / "model.safetensors"))
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    return dst
+
+
 def test_routing_ties_follow_hf(checkpoint, tmp_path):
     """A zero router: all experts tie for every token, and torch.topk's order picks them in HF and here alike
-    (the choice matters: the same tie over reversed experts gives other logits)."""
+    (the choice matters: the same tie over the experts in reverse order gives other logits)."""
     src = checkpoint("tiny-qwen3_moe")
     w = load_file(src / "model.safetensors")
     w["model.layers.0.mlp.gate.weight"].zero_()
-    path = tmp_path / "ties"
-    path.mkdir()
-    save_file(w, str(path / "model.safetensors"))
-    (path / "config.json").write_text((src / "config.json").read_text())
+    path = with_weights(src, tmp_path / "ties", w)
     check_parity(engine(path), path, 17, steps=8)
-    for e in range(8):  # the experts in reverse order: the tie now picks what were experts 7, 6
-        for n in ("gate", "up", "down"):
-            w[f"model.layers.0.mlp.experts.{e}.{n}_proj.weight"] = load_file(src / "model.safetensors")[
-                f"model.layers.0.mlp.experts.{7 - e}.{n}_proj.weight"
-            ]
-    (tmp_path / "reversed").mkdir()
-    save_file(w, str(tmp_path / "reversed" / "model.safetensors"))
-    (tmp_path / "reversed" / "config.json").write_text((src / "config.json").read_text())
+    p = "model.layers.0.mlp.experts."
+    names = [(e, n) for e in range(8) for n in ("gate", "up", "down")]
+    w |= {f"{p}{e}.{n}_proj.weight": w[f"{p}{7 - e}.{n}_proj.weight"] for e, n in names}
+    reversed_path = with_weights(src, tmp_path / "reversed", w)
     prompt = random_prompt(9, seed=1)
-    assert not torch.equal(
-        greedy_run(engine(path), prompt, 0)[1], greedy_run(engine(tmp_path / "reversed"), prompt, 0)[1]
-    )
+    assert not close(greedy_run(engine(path), prompt, 0)[1], greedy_run(engine(reversed_path), prompt, 0)[1])
 
 
 # -- bad input -----------------------------------------------------------------------------------
