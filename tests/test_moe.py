@@ -262,3 +262,26 @@ def test_mtp_head_is_an_moe_layer_and_speculation_is_exact(checkpoint):
             assert r.generated_tokens[:21] == ref[len(r.prompt_tokens) :][:21]
         if name == "half":
             assert eng.speculator.stats.accepted > 0
+
+
+# -- the bench's roofline ------------------------------------------------------------------------
+def test_roofline_counts_the_experts_a_step_reads(tmp_path):
+    """Decode bytes = always-read weights + the routed experts picked (counted from the step's own routing, between
+    k and E per MoE layer) + K/V + state; the uniform-routing expectation E * (1 - (1 - k/E)^B) per layer."""
+    from test_bench import ARGS
+
+    from pocketlab.tools import bench
+    from pocketlab.tools.roofline import ModelCost
+    from pocketlab.tools.synthetic import hf_config
+
+    cost = ModelCost.of(ModelConfig.from_dict(hf_config("qwen3-30b-a3b").to_dict()), 2)
+    assert cost.expert_bytes == 3 * 768 * 2048 * 2 and cost.moe_layers == 48
+    assert cost.expected_experts(1) == pytest.approx(48 * 8) and cost.expected_experts(10**4) == pytest.approx(48 * 128)
+    assert cost.decode_bytes([0], experts_read=100)["expert_bytes"] == 100 * cost.expert_bytes
+    args = [a if a != "tiny-qwen3" else "tiny-qwen3_5_moe" for a in ARGS]
+    args += ["--no-peer", "--batch-sizes", "1,4", "--out", str(tmp_path / "b.json")]
+    result = bench.main(args)
+    for d in result["decode"]:
+        layers = 4  # every Qwen3.5-MoE layer is sparse: 8 experts, top-2
+        assert 2 * layers <= d["experts_read"] <= min(8, 2 * d["batch"]) * layers
+        assert d["total_bytes"] == d["weight_bytes"] + d["expert_bytes"] + d["kv_bytes"] + d["state_bytes"]

@@ -11,10 +11,26 @@ kernels of layers.moe_kernel. `looped_experts` is the plain one-matmul-per-exper
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
 from .activations import swiglu
+
+_recorders: list[list[torch.Tensor]] = []
+
+
+@contextlib.contextmanager
+def record_routing():
+    """Within this block every SparseMoE call appends its expert ids [N, k] to the yielded list, in layer order
+    (eager forwards only: a replayed CUDA graph runs no Python). The bench counts the experts a step reads by it."""
+    log: list[torch.Tensor] = []
+    _recorders.append(log)
+    try:
+        yield log
+    finally:
+        _recorders.remove(log)
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,6 +115,8 @@ class SparseMoE:
         flat = x.reshape(-1, x.shape[-1])
         logits = self.linear(flat, self.router)
         weights, ids = route(logits[:, : self.num_experts], self.top_k, self.renormalize)
+        if _recorders:
+            _recorders[-1].append(ids)
         y = self.experts(flat, self.gate_up, self.down, weights, ids)
         if self.shared:
             s = self.linear(self.linear(flat, self.shared_gate_up, swiglu=True), self.shared_down)
