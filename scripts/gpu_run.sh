@@ -53,6 +53,8 @@
 #   FUSED_TESTS [the fused linear's tests + parity]  FUSED_SWEEP [1]  FUSED_MODELS [qwen3-0.6b qwen3-8b]
 #   FUSED_BATCHES [1,32]  FUSED_MODES [torch triton]   the fused step: CUDA tests, launch sweep, kernel tables with fused_linear=torch, triton
 #   INVARIANT_SWEEP  [0]  1: the invariant matmul's launch sweep   INVARIANT_PROFILE []  a model: kernel tables, both modes
+#   MOE_MODELS [qwen3.5-35b-a3b qwen3-30b-a3b]  the moe step: tests/test_moe.py on CUDA, one layer's experts per
+#                                       shape (moe_bench: triton vs grouped_mm vs loop); bench them with MODELS=
 #   REPORT_NOTEBOOKS [01,02,03,04,05,06,07]  the reports step's notebooks, in this order, each a step of its own
 #   TTFT_STRIDES     [512]              checkpoint strides the TTFT table is measured at, comma-separated
 #   PEER_MODES       [eager,static]     HF peers (static = static cache + HF's compiled decode step)
@@ -75,6 +77,7 @@ TTFT_MODELS=${TTFT_MODELS-qwen3-8b qwen3.5-9b}  # set empty for none
 MTP_MODELS=${MTP_MODELS-qwen3.5-9b}
 INVARIANT_MODELS=${INVARIANT_MODELS-qwen3-8b qwen3.5-9b}
 INVARIANT_STEPS=${INVARIANT_STEPS:-64}
+MOE_MODELS=${MOE_MODELS-qwen3.5-35b-a3b qwen3-30b-a3b}
 INVARIANT_TESTS=${INVARIANT_TESTS-tests/test_batch_invariant.py tests/test_invariant_kernels.py tests/test_invariant_attention.py tests/test_linear_decode.py}
 INVARIANT_TIMINGS=${INVARIANT_TIMINGS:-1}
 INVARIANT_SWEEP=${INVARIANT_SWEEP:-0}
@@ -239,6 +242,18 @@ if wants fused; then
         --batch-sizes $FUSED_BATCHES --prefill-lens 4096 --steps 10 --top 25 --engine-option fused_linear=$fl \
         | tee reports/gpu/profile-$m-fused-$fl-h200.txt"
     done
+  done
+fi
+
+# -- 5c. mixture of experts (issue 17): its CUDA tests, then one MoE layer's routed experts per shape, each path
+#        (Triton kernels, torch grouped_mm, the per-expert loop) against the copy rate -> reports/gpu/moe-experts-* --
+if wants moe; then
+  mkdir -p reports/gpu
+  step "pytest MoE (cuda)" 200 "$reserve" \
+    env POCKETLAB_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_moe.py
+  for m in $MOE_MODELS; do
+    step "moe experts $m" 150 "$reserve" sh -c "python3 -m pocketlab.tools.moe_bench --model $m \
+      --out reports/gpu/moe-experts-$m.json | tee reports/gpu/moe-experts-$m-h200.txt"
   done
 fi
 

@@ -15,10 +15,13 @@ from test_parity import assert_matches_reference, check_parity, hf_incremental_l
 
 from pocketlab import BatchedRequest, EngineOptions, ModelConfig, QwenEngine
 from pocketlab.layers import moe
+from pocketlab.layers.gated_delta import backend_name
 from pocketlab.verify import mtp_runs
 from pocketlab.verify.drafters import OracleDrafter
 
 MOE_PRESETS = ["tiny-qwen3_moe", "tiny-qwen3_5_moe"]
+# HF's float32 Qwen3.5 runs fla's TF32 chunk kernels where fla is installed (CUDA): its logits are no 1e-4 reference
+HF_HYBRID_EXACT = not (DTYPE == "float32" and backend_name(DEVICE) == "fla")
 INTERPRETER = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 needs_triton = pytest.mark.skipif(not INTERPRETER, reason="needs a GPU or TRITON_INTERPRET=1")
 
@@ -38,6 +41,8 @@ def close(a, b):
 @pytest.mark.parametrize("length", [15, 16, 17, 40])
 def test_moe_parity_with_hf(preset, length, make_engine, checkpoint):
     """Prompts below, at and above the 16-token prefill chunk; greedy tokens and logits against HF's decode."""
+    if "qwen3_5" in preset and not HF_HYBRID_EXACT:
+        pytest.skip("HF's float32 Qwen3.5-MoE runs fla's TF32 kernels here; the 1e-4 check runs on the CPU")
     diff = check_parity(make_engine(preset, prefill_chunk=16), checkpoint(preset), length, steps=12)
     print(f"{preset} prompt={length}: max |diff| = {diff:.2e}")
 
@@ -96,7 +101,7 @@ def test_other_layouts_load_the_same_model(layout, checkpoint, tmp_path):
     want = greedy_run(engine(src), prompt, 5)
     got = greedy_run(engine(path), prompt, 5)
     assert got[0] == want[0] and close(got[1], want[1])  # same weights; the bits may follow their alignment
-    if layout == "stacked experts":  # HF reads this layout too, to the same logits
+    if layout == "stacked experts" and HF_HYBRID_EXACT:  # HF reads this layout too, to the same logits
         hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         assert_matches_reference(hf_incremental_logits(hf, prompt, got[0][:-1]), got[1], got[0])
 
@@ -107,6 +112,20 @@ def with_weights(src, dst, w):
     save_file(w, str(dst / "model.safetensors"))
     (dst / "config.json").write_text((src / "config.json").read_text())
     return dst
+
+
+def test_mtp_experts_stacked_beside_per_expert_layers(checkpoint, tmp_path):
+    """Some Qwen3.5-MoE packs fuse the MTP layer's experts (mtp.layers.0.mlp.experts.gate_up_proj / down_proj)
+    while the main layers keep per-expert names: each block is read in its own layout."""
+    src = checkpoint("tiny-qwen3_5_moe-mtp")
+    from pocketlab.loader import stack_experts
+
+    w = load_file(src / "model.safetensors")
+    mtp = stack_experts({n: t for n, t in w.items() if n.startswith("mtp.")})
+    path = with_weights(src, tmp_path / "mixed", {n: t for n, t in w.items() if not n.startswith("mtp.")} | mtp)
+    assert "mtp.layers.0.mlp.experts.gate_up_proj" in load_file(path / "model.safetensors")
+    a, b = (engine(p, speculative_tokens=1).model.mtp.layer.mlp for p in (src, path))
+    assert torch.equal(a.gate_up, b.gate_up) and torch.equal(a.down, b.down) and torch.equal(a.router, b.router)
 
 
 def test_routing_ties_follow_hf(checkpoint, tmp_path):

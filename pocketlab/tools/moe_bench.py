@@ -12,6 +12,7 @@ The loop path (one matmul per expert hit, host syncs: HF's eager way) runs eager
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
 
@@ -69,7 +70,8 @@ def bench_layer(cfg: ModelConfig, n: int, device: str, dtype: torch.dtype, clock
     reference = moe.looped_experts(*args)
     for name, fn in paths(device).items():
         try:
-            run = in_graph(fn, args) if clock.cuda and n <= GRAPH_MAX_TOKENS and name != "loop" else lambda: fn(*args)
+            graphed = clock.cuda and n <= GRAPH_MAX_TOKENS and name != "loop"
+            run = in_graph(fn, args) if graphed else functools.partial(fn, *args)
             seconds = clock.measure(run, repeats, warmup=3)
             err = float((fn(*args).float() - reference.float()).abs().max())
         except Exception as exc:  # noqa: BLE001 - a path that cannot run this shape is reported, not fatal
