@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .activations import swiglu
+from .fused import compiled_in_graphs
 
 _recorders: list[list[torch.Tensor]] = []
 
@@ -43,8 +44,10 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     return weights.to(logits.dtype), ids
 
 
+@compiled_in_graphs
 def sum_over_k(pairs: torch.Tensor) -> torch.Tensor:
-    """[N, k, H] -> [N, H], added in k order in float32: the same adds for a token in any batch."""
+    """[N, k, H] -> [N, H], added in k order in float32: the same adds for a token in any batch (one kernel
+    inside captured decode graphs)."""
     acc = pairs[:, 0].float()
     for j in range(1, pairs.shape[1]):
         acc = acc + pairs[:, j].float()
