@@ -85,18 +85,24 @@ def rewrite(src, dst, rename=lambda n: n, stack=False, config=None):
     return dst
 
 
-@pytest.mark.parametrize("layout", ["stacked experts", "multimodal", "multimodal stacked"])
+@pytest.mark.parametrize("layout", ["stacked experts", "multimodal", "multimodal stacked", "sharded"])
 def test_other_layouts_load_the_same_model(layout, checkpoint, tmp_path):
     """Stacked experts (a transformers state_dict: experts.gate_up_proj [E, 2I, d], experts.down_proj [E, d, I])
-    and Qwen3.5-MoE's multimodal layout (model_type qwen3_5_moe, text_config, model.language_model.*) give the
-    per-expert text checkpoint's tokens and logits."""
+    Qwen3.5-MoE's multimodal layout (model_type qwen3_5_moe, text_config, model.language_model.*) and a sharded
+    folder give the per-expert text checkpoint's tokens and logits."""
     src = checkpoint("tiny-qwen3_5_moe")
     cfg = json.loads((src / "config.json").read_text())
     kwargs = dict(stack="stacked" in layout)
     if "multimodal" in layout:
         kwargs["rename"] = lambda n: n.replace("model.", "model.language_model.", 1) if n.startswith("model.") else n
         kwargs["config"] = dict(model_type="qwen3_5_moe", text_config=cfg, tie_word_embeddings=False)
-    path = rewrite(src, tmp_path / "variant", **kwargs)
+    if layout == "sharded":  # experts of one layer across shards, listed in model.safetensors.index.json
+        from pocketlab.tools.synthetic import write_checkpoint
+
+        path = write_checkpoint("tiny-qwen3_5_moe", tmp_path / "variant", seed=0, max_shard_size="100KB")
+        assert len(list(path.glob("model-*.safetensors"))) > 2
+    else:
+        path = rewrite(src, tmp_path / "variant", **kwargs)
     prompt = random_prompt(20, seed=2)
     want = greedy_run(engine(src), prompt, 5)
     got = greedy_run(engine(path), prompt, 5)
