@@ -82,7 +82,8 @@ class BenchConfig:
 
     @property
     def max_seq_len(self) -> int:
-        return max(max(self.prompt_lens), self.decode_prompt + self.warmup + self.new_tokens) + 1
+        # + 1 more: MoE models decode one more step after the timed ones, counting the experts it reads
+        return max(max(self.prompt_lens), self.decode_prompt + self.warmup + self.new_tokens + 1) + 1
 
 
 # -- one run -----------------------------------------------------------------------------------

@@ -57,6 +57,11 @@ PRESETS: dict[str, tuple[str, dict]] = {
     "tiny-qwen3_moe": ("qwen3_moe", _TINY_QWEN3_MOE),
     "tiny-qwen3_5_moe": ("qwen3_5_moe_text", _TINY_QWEN3_5_MOE),
     "tiny-qwen3_5_moe-mtp": ("qwen3_5_moe_text", dict(_TINY_QWEN3_5_MOE, mtp_num_hidden_layers=1)),
+    "tiny-qwen3_moe-text": ("qwen3_moe", dict(_TINY_QWEN3_MOE, **_TEXT, vocab_size=151936, eos_token_id=151645)),
+    "tiny-qwen3_5_moe-text": (
+        "qwen3_5_moe_text",
+        dict(_TINY_QWEN3_5_MOE, **_TEXT, vocab_size=248320, eos_token_id=248046),
+    ),
     "qwen3-0.6b": (
         "qwen3",
         dict(
@@ -170,6 +175,8 @@ TOKENIZERS = {
     "tiny-qwen2-text": "qwen2",
     "tiny-qwen3-text": "qwen3",
     "tiny-qwen3_5-text": "qwen3_5",
+    "tiny-qwen3_moe-text": "qwen3",
+    "tiny-qwen3_5_moe-text": "qwen3_5",
     "qwen3-0.6b": "qwen3",
     "qwen3-8b": "qwen3",
     "qwen3.5-0.8b": "qwen3_5",
@@ -192,8 +199,6 @@ _MODELS = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
 }
-# the tiny twin with a real vocabulary (see text_checkpoint) of each family
-_TEXT_TWINS = {"qwen3_moe": "tiny-qwen3-text", "qwen3_5_moe_text": "tiny-qwen3_5-text"}
 
 
 def hf_config(preset: str, **overrides) -> transformers.PretrainedConfig:
@@ -248,7 +253,7 @@ def text_checkpoint(model: str | Path, root: str | Path = "checkpoints", seed: i
     if name not in PRESETS:
         return Path(model)
     if not (name in TOKENIZERS and name.startswith("tiny")):
-        twins = {kind: p for p in TOKENIZERS if p.startswith("tiny") for kind in [PRESETS[p][0]]} | _TEXT_TWINS
+        twins = {kind: p for p in TOKENIZERS if p.startswith("tiny") for kind in [PRESETS[p][0]]}
         name = twins[PRESETS[name][0]]
     return ensure_checkpoint(name, root, seed)
 
