@@ -5,7 +5,7 @@ order, so its tie order too) and runs through all of its k experts: nothing is d
 output depends on that token alone, never on what else the batch holds (padding rows included).
 
 The routed experts run by one of two sync-free paths (no host round trip, so decode steps can be captured in
-CUDA graphs): `grouped_experts` here (pairs sorted by expert, torch._grouped_mm per projection) and the Triton
+CUDA graphs): `grouped_experts` here (pairs sorted by expert, torch grouped_mm per projection) and the Triton
 kernels of layers.moe_kernel. `looped_experts` is the plain one-matmul-per-expert reference the tests compare to.
 """
 
@@ -76,14 +76,19 @@ def expert_order(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, tor
     return order, counts
 
 
+# torch >= 2.10 spells it F.grouped_mm; torch._grouped_mm before
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
 def grouped_mm_fits(x, gate_up, down) -> bool:
-    """torch._grouped_mm takes rows of 16-byte multiples, and on CUDA 16-bit inputs only."""
-    aligned = all(n * x.element_size() % 16 == 0 for n in (x.shape[1], down.shape[2]))
-    return aligned and hasattr(torch, "_grouped_mm") and not (x.is_cuda and x.element_size() != 2)
+    """grouped_mm takes rows of 16-byte multiples (and 16-byte aligned weights), on CUDA 16-bit inputs only."""
+    sizes = all(n * x.element_size() % 16 == 0 for n in (x.shape[1], down.shape[2]))
+    aligned = all(t.data_ptr() % 16 == 0 for t in (gate_up, down))
+    return _GROUPED_MM is not None and sizes and aligned and not (x.is_cuda and x.element_size() != 2)
 
 
 def grouped_experts(x, gate_up, down, weights, ids) -> torch.Tensor:
-    """The routed experts as two grouped matmuls (torch._grouped_mm: each expert's rows against its weight, one
+    """The routed experts as two grouped matmuls (torch's grouped_mm: each expert's rows against its weight, one
     call per projection) over the (token, k) pairs sorted by expert; same arguments as `looped_experts`, whose
     loop runs the shapes grouped_mm cannot take."""
     if not grouped_mm_fits(x, gate_up, down):
@@ -92,8 +97,8 @@ def grouped_experts(x, gate_up, down, weights, ids) -> torch.Tensor:
     order, counts = expert_order(ids, gate_up.shape[0])
     offs = counts.cumsum(0).to(torch.int32)
     xs = x[order // k]
-    h = swiglu(torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=offs))
-    y = torch._grouped_mm(h, down.transpose(1, 2), offs=offs) * weights.reshape(-1)[order, None]
+    h = swiglu(_GROUPED_MM(xs, gate_up.transpose(1, 2), offs=offs))
+    y = _GROUPED_MM(h, down.transpose(1, 2), offs=offs) * weights.reshape(-1)[order, None]
     pairs = torch.empty_like(y).index_copy_(0, order, y)
     return sum_over_k(pairs.view(N, k, -1))
 
