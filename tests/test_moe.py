@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 import transformers
-from conftest import DEVICE, DTYPE, LOGIT_TOL, greedy_run, random_prompt
+from conftest import DEVICE, DTYPE, KERNELS, LOGIT_TOL, greedy_run, random_prompt
 from safetensors.torch import load_file, save_file
 from test_parity import assert_matches_reference, check_parity, hf_incremental_logits
 
@@ -27,7 +27,7 @@ needs_triton = pytest.mark.skipif(not INTERPRETER, reason="needs a GPU or TRITON
 
 
 def engine(path, **options):
-    opts = dict(max_slots=4, max_seq_len=256, prefill_chunk=16, device=DEVICE, dtype=DTYPE) | options
+    opts = dict(max_slots=4, max_seq_len=256, prefill_chunk=16, device=DEVICE, dtype=DTYPE) | KERNELS | options
     return QwenEngine.from_pretrained(path, EngineOptions(**opts))
 
 
