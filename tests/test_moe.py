@@ -185,13 +185,15 @@ def test_grouped_experts_equal_the_loop():
 
 
 @needs_triton
-@pytest.mark.parametrize("N", [1, 5, 33])
+@pytest.mark.parametrize("N", [1, 5, 64])
 def test_fused_experts_equal_the_torch_path(N):
-    """The Triton kernels (gate_up + SiLU*mul, down * routing weight, k-ordered sum) against the reference loop;
-    every expert idle, hit once, or hit over several blocks somewhere in these cases."""
-    from pocketlab.layers.moe_kernel import fused_experts
+    """The Triton kernels (gate_up + SiLU*mul, down * routing weight, k-ordered sum) against the reference loop:
+    experts idle (N=1), in one partial block (N=5), over several blocks with a partial last one (N=64)."""
+    from pocketlab.layers.moe_kernel import fused_experts, tiles
 
     args = expert_inputs(N, H=70, seed=N)
+    counts, block = torch.bincount(args[4].flatten(), minlength=8), tiles(3 * N, torch.float32, args[0].device).block_m
+    assert {1: (counts == 0).any(), 5: (counts < block).all(), 64: (counts > block).any()}[N]
     torch.testing.assert_close(fused_experts(*args), moe.looped_experts(*args), atol=2e-5, rtol=1e-5)
 
 
