@@ -17,7 +17,7 @@ from .forward import ForwardContext, Run
 from .generate import generate as continuous_batching
 from .graphs import StepGraphs
 from .layers.fused import LARGE, compiled_kernels
-from .loader import load_weights, optional_mtp, validate_weights
+from .loader import load_weights, optional_mtp, stack_experts, validate_weights
 from .memory import MemoryPlan, resolve
 from .models import build_model
 from .prefix_cache import PrefixCache
@@ -63,7 +63,7 @@ class QwenEngine:
         resident = bool(weights) and all(t.device.type == device for t in weights.values())
         self.memory: MemoryPlan = resolve(cfg, options, weights_resident=resident)  # refuses what cannot fit
         self.options = self.memory.options  # max_slots="auto" resolved
-        weights = validate_weights(dict(weights), cfg, self.options.device, self.options.torch_dtype)
+        weights = validate_weights(stack_experts(dict(weights)), cfg, self.options.device, self.options.torch_dtype)
         self.model_id = model_id(cfg, weights)  # snapshots carry it: one restores only into its own model
         self.model = build_model(cfg, weights, self.options)
         self.cache = SlotCache(cfg, self.options)

@@ -11,6 +11,7 @@ import torch
 from .. import compile_events
 from ..config import DTYPES, EngineOptions, ModelConfig
 from ..engine import QwenEngine
+from ..layers import moe
 from ..requests import BatchedRequest
 from .roofline import ModelCost
 from .synthetic import build_hf_model
@@ -74,6 +75,19 @@ def bench_prefill(
     }
 
 
+def experts_read(engine: QwenEngine, reqs: list[BatchedRequest]) -> int:
+    """The (layer, expert) pairs one more decode step of `reqs` routes to, counted in an eager step (a replayed
+    graph runs no Python): the routed-expert bytes of the measured steps' roofline. Filler rows of a padded graph
+    batch are not counted: they are not the model's cost."""
+    graphs, engine.graphs = engine.graphs, None
+    try:
+        with moe.record_routing() as log:
+            engine.batch_decode_step(reqs)
+    finally:
+        engine.graphs = graphs
+    return sum(int(ids.unique().numel()) for ids in log)
+
+
 def bench_decode(
     engine: QwenEngine,
     clock: Clock,
@@ -103,7 +117,7 @@ def bench_decode(
     step = clock.pick(samples)
     # The step appending token i (0-based, after warm-up) attends over prompt + warmup + i + 1 positions.
     mean_kv = cfg.decode_prompt + cfg.warmup + 1 + (cfg.new_tokens - 1) / 2
-    moved = cost.decode_bytes([mean_kv] * batch)
+    moved = cost.decode_bytes([mean_kv] * batch, experts_read(engine, reqs) if cost.moe_layers else None)
     # Roofline: every byte the step must move, at the copy rate measured in this run. The copy figure
     # counts read + write bytes, so it is already "bytes moved per second" whatever their direction.
     roofline = moved["total_bytes"] / bandwidth
