@@ -54,7 +54,8 @@
 #   FUSED_BATCHES [1,32]  FUSED_MODES [torch triton]   the fused step: CUDA tests, launch sweep, kernel tables with fused_linear=torch, triton
 #   INVARIANT_SWEEP  [0]  1: the invariant matmul's launch sweep   INVARIANT_PROFILE []  a model: kernel tables, both modes
 #   STALL_MODELS [qwen3-0.6b qwen3.5-0.8b]  STALL_BENCH_MODELS [qwen3-8b qwen3.5-9b]   the stalls step: cold vs warm
-#                    process starts, and the bench's start/latency/serving sections (the bench step has them too)
+#                    process starts, and the bench's start/latency/serving sections (the bench step has them too);
+#                    STALL_ARGS [] extra bench arguments there (e.g. a shorter serving trace)
 #   MOE_MODELS [qwen3.5-35b-a3b qwen3-30b-a3b]  the moe step: tests/test_moe.py on CUDA, one layer's experts per
 #                                       shape (moe_bench: triton vs grouped_mm vs loop); bench them with MODELS=
 #   REPORT_NOTEBOOKS [01,02,03,04,05,06,07]  the reports step's notebooks, in this order, each a step of its own
@@ -91,6 +92,7 @@ FUSED_BATCHES=${FUSED_BATCHES:-1,32}
 FUSED_MODES=${FUSED_MODES:-torch triton}
 STALL_MODELS=${STALL_MODELS-qwen3-0.6b qwen3.5-0.8b}
 STALL_BENCH_MODELS=${STALL_BENCH_MODELS-qwen3-8b qwen3.5-9b}
+STALL_ARGS=${STALL_ARGS:-}
 REPORT_NOTEBOOKS=${REPORT_NOTEBOOKS:-01,02,03,04,05,06,07}
 TTFT_STRIDES=${TTFT_STRIDES:-512}
 PEER_MODES=${PEER_MODES:-eager,static}
@@ -257,8 +259,9 @@ if wants stalls; then
       --root /tmp/checkpoints --out "reports/bench/startup-cuda-$m.json"
   done
   for m in $STALL_BENCH_MODELS; do
+    # shellcheck disable=SC2086
     step "bench $m (start, latency, serving)" "$BENCH_CAP_S" "$reserve" python3 -m pocketlab.tools.bench --model "$m" \
-      --device cuda --skip prefill,decode,peer --out "reports/bench/stalls-cuda-$m.json"
+      --device cuda --skip prefill,decode,peer --out "reports/bench/stalls-cuda-$m.json" $STALL_ARGS
   done
 fi
 
