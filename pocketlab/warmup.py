@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class WarmupReport:
-    graphs: int  # graphs captured (each key of graph_keys once)
+    graphs: int  # graph keys warmed (each of graph_steps once)
     failed: int  # of those, captures that failed (their steps run eagerly)
     prompts: int  # warm-up prompt calls
     seconds: float
@@ -84,7 +84,7 @@ def warm_up(engine: QwenEngine, progress: bool = True) -> WarmupReport:
     engine.forward_count = forwards
     if engine.speculator is not None:
         engine.speculator.stats = type(engine.speculator.stats)()
-    failed = sum(key in engine.graphs.failed for key, _, _ in graphs) if graphs else 0
+    failed = sum(key in engine.graphs.failed for key, _, _ in graphs)
     return WarmupReport(
         len(graphs), failed, len(calls), time.perf_counter() - start, compile_events.since(before, engine.graphs)
     )

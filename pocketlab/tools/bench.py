@@ -166,21 +166,14 @@ def _run(cfg: BenchConfig, out: Path | None) -> dict:
         result["serving"] = bench_serving(engine, hf, trace, cfg.peer)
 
     def start(name, fn):
-        result["start"][name] = fn()
+        return lambda: result["start"].update({name: fn()})
 
-    tasks = [
-        (
-            "first token, cold",
-            lambda: start("first_token_cold", lambda: bench_engine.first_token(engine, clock, cfg, gen)),
-        )
-    ]
+    first_token = lambda: bench_engine.first_token(engine, clock, cfg, gen)  # noqa: E731
+    tasks = [("first token, cold", start("first_token_cold", first_token))]
     if cfg.warm:
         tasks += [
-            ("warm-up", lambda: start("warmup", lambda: bench_engine.warm_up(engine, cfg))),
-            (
-                "first token, warm",
-                lambda: start("first_token_warm", lambda: bench_engine.first_token(engine, clock, cfg, gen)),
-            ),
+            ("warm-up", start("warmup", lambda: bench_engine.warm_up(engine, cfg))),
+            ("first token, warm", start("first_token_warm", first_token)),
         ]
     tasks += [("ceilings", ceilings)]
     for n in cfg.prompt_lens if "prefill" not in cfg.skip else ():
