@@ -4,11 +4,13 @@ shapes, never by the number of rows), so a request's logits do not depend on wha
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from . import activations, norm
 from .linear import fused_at_few_rows
@@ -25,6 +27,18 @@ class Kernels:
     attention: Callable | None = None  # over the slot cache for every query; None: SDPA / the decode kernel
     norm_rotate_store: Callable | None = None  # q/k norms, RoPE and the K/V write before `attention`
     delta_rule_in_place: bool = False  # Gated DeltaNet: every token through the in-place kernels, no chunked rule
+    # tensor parallelism (pocketlab.parallel): the sum over ranks of row-parallel outputs (None: one device), the
+    # vocab-parallel embedding lookup, and the gather of vocab-parallel logits
+    all_reduce: Callable | None = None
+    embedding: Callable = F.embedding
+    gather_vocab: Callable = lambda logits: logits  # noqa: E731
+
+    def project_out(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + x @ weight.T for o_proj, down_proj, out_proj. Split over ranks each holds some input columns:
+        one all-reduce sums the parts, then the residual is added once (not inside the fused kernel per rank)."""
+        if self.all_reduce is None:
+            return self.linear(x, weight, residual=residual)
+        return residual + self.all_reduce(self.linear(x, weight))
 
 
 DEFAULT = Kernels()
@@ -39,6 +53,17 @@ def fuses_linear(options) -> bool:
 
 
 def kernels_for(options) -> Kernels:
+    kernels = _kernels_for(options)
+    if options.tensor_parallel == 1:
+        return kernels
+    from ..parallel import comm
+
+    return dataclasses.replace(
+        kernels, all_reduce=comm.all_reduce, embedding=comm.vocab_embedding, gather_vocab=comm.gather_last
+    )
+
+
+def _kernels_for(options) -> Kernels:
     if not options.batch_invariant:
         if not fuses_linear(options):
             return DEFAULT
