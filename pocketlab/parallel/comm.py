@@ -85,10 +85,7 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
 
 def gather_last(x: torch.Tensor) -> torch.Tensor:
     """Every rank's x [..., n] concatenated along the last dimension (vocab-parallel logits -> the vocabulary's)."""
-    world = dist.get_world_size()
-    out = x.new_empty(world, *x.shape)
-    dist.all_gather_single(out, x.contiguous(), group=_groups["compute"])
-    return out.movedim(0, -2).reshape(*x.shape[:-1], world * x.shape[-1])
+    return torch.cat(gather_tensor(x), dim=-1)
 
 
 def vocab_embedding(tokens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -102,9 +99,9 @@ def vocab_embedding(tokens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 
 def gather_tensor(x: torch.Tensor) -> list[torch.Tensor]:
     """Every rank's x (same shape everywhere) in rank order, on every rank."""
-    out = x.new_empty(dist.get_world_size(), *x.shape)
-    dist.all_gather_single(out, x.contiguous(), group=_groups["compute"])
-    return list(out.unbind(0))
+    out = x.new_empty(dist.get_world_size() * x.numel())  # gathered along dim 0: rank after rank
+    dist.all_gather_single(out, x.reshape(-1), group=_groups["compute"])
+    return list(out.view(-1, *x.shape).unbind(0))
 
 
 # -- messages from rank 0 to the followers ----------------------------------------------------------------------------
