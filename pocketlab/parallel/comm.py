@@ -1,6 +1,6 @@
 """torch.distributed for tensor parallelism: the process groups, the collectives the model runs, and JSON messages.
 
-Two groups: `compute` (NCCL on CUDA, gloo on the CPU) runs the model's all-reduces and gathers, every wait bounded
+Three groups: the world group only meets at startup (long timeout: processes start, shards load); `compute` (NCCL on CUDA, gloo on the CPU) runs the model's all-reduces and gathers, every wait bounded
 by EngineOptions.parallel_timeout_s, so a rank that died or hung surfaces as an error, never a hang; `control`
 (gloo, CPU) carries the calls rank 0 broadcasts to followers, whose wait for the next call may be long (a notebook
 user thinking) and so has no short timeout. Messages are UTF-8 JSON in a uint8 tensor after its length: no pickle.
@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from .shard import Shard
 
 IDLE_TIMEOUT = timedelta(days=7)  # a follower waiting for rank 0's next call
-_groups: dict[str, object] = {}  # "compute", "control"
+STARTUP_TIMEOUT = timedelta(minutes=30)  # starting the processes and loading every rank's shard
+_groups: dict[str, object] = {}  # "compute", "control" and rank 0's "timeout" on control
 
 
 def setup(
@@ -32,10 +33,17 @@ def setup(
     backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(rank if local_rank is None else local_rank)
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timedelta(0, timeout_s))
-    _groups["compute"] = dist.group.WORLD
+    # the world group, with a startup-long timeout, only meets everyone and waits while every rank loads its shard
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=STARTUP_TIMEOUT)
+    _groups["compute"] = dist.new_group(backend=backend, timeout=timedelta(seconds=timeout_s))
     _groups["control"] = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    _groups["timeout"] = timedelta(seconds=timeout_s)
     return current()
+
+
+def started() -> None:
+    """Wait until every rank is here (each has loaded its shard), up to STARTUP_TIMEOUT."""
+    dist.barrier()
 
 
 def is_active() -> bool:
@@ -113,10 +121,10 @@ def broadcast_json(message=None):
         length = torch.tensor([data.numel()], dtype=torch.long)
     else:
         length = torch.zeros(1, dtype=torch.long)
-    dist.broadcast(length, 0, group=group)
+    _send(length)
     if dist.get_rank() != 0:
         data = torch.empty(int(length), dtype=torch.uint8)
-    dist.broadcast(data, 0, group=group)
+    _send(data)
     return message if dist.get_rank() == 0 else json.loads(bytes(data.numpy()).decode())
 
 
@@ -125,9 +133,19 @@ def broadcast_tensors(tensors: dict[str, torch.Tensor] | None, spec: list) -> di
     out = {}
     for name, dtype, shape in spec:
         t = tensors[name].contiguous().cpu() if dist.get_rank() == 0 else torch.empty(shape, dtype=getattr(torch, dtype))
-        dist.broadcast(t, 0, group=_groups["control"])
+        _send(t)
         out[name] = t
     return out
+
+
+def _send(t: torch.Tensor) -> None:
+    """Broadcast from rank 0 on the control group. Rank 0's send completes only when each follower receives, so
+    it waits at most the compute timeout (a hung follower); the followers wait for the next call indefinitely."""
+    work = dist.broadcast(t, 0, group=_groups["control"], async_op=True)
+    if dist.get_rank() == 0:
+        work.wait(timeout=_groups["timeout"])
+    else:
+        work.wait()
 
 
 def tensor_spec(tensors: dict[str, torch.Tensor]) -> list:

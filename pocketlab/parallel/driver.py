@@ -133,7 +133,7 @@ class TensorParallelEngine:
 
     def _fail(self, what: str, error: BaseException | None = None):
         """Mark the engine broken with what went wrong and which rank caused it, and raise."""
-        deadline = time.monotonic() + 5  # a dying follower's report and exit take a moment
+        deadline = time.monotonic() + 3  # a dying follower's report and exit take a moment
         while self.workers and time.monotonic() < deadline and all(p.is_alive() for p in self.workers):
             time.sleep(0.1)
         causes = []
@@ -144,7 +144,7 @@ class TensorParallelEngine:
                 causes.append(f"rank {rank} failed{self._report_text(rank)}")
         if not causes and self.workers:
             timeout = self.engine.options.parallel_timeout_s
-            causes = [f"ranks {list(range(1, len(self.workers) + 1))} alive but silent for {timeout:g} s: hung?"]
+            causes = [f"rank {r} alive but silent for {timeout:g} s (hung?)" for r in range(1, len(self.workers) + 1)]
         self.broken = what + ("; " + "; ".join(causes) if causes else "")
         raise TensorParallelError(f"tensor-parallel engine failed: {self.broken}") from error
 
@@ -264,7 +264,7 @@ def launch(path: str | Path, options: EngineOptions | None = None, tensor_parall
         engine = QwenEngine.from_pretrained(path, options)
         if comm.current().rank == 0:
             return _ready(TensorParallelEngine(engine))
-        _ready_follower()
+        comm.started()
         serve(engine)
         comm.teardown()
         sys.exit(0)
@@ -301,14 +301,10 @@ def _spawn(path: Path, options: EngineOptions) -> TensorParallelEngine:
 def _ready(facade: TensorParallelEngine) -> TensorParallelEngine:
     """Wait until every rank has loaded its shard (or say which could not)."""
     try:
-        comm.outcomes(True)
+        comm.started()
     except Exception as e:
         facade._fail(f"the ranks did not all start ({type(e).__name__}: {e})")
     return facade
-
-
-def _ready_follower() -> None:
-    comm.outcomes(True)
 
 
 def _worker(path: str, options_json: str, rank: int, world: int, init: str, report) -> None:
@@ -319,7 +315,7 @@ def _worker(path: str, options_json: str, rank: int, world: int, init: str, repo
         options = EngineOptions(**raw)
         comm.setup(rank, world, options.device, options.parallel_timeout_s, init)
         engine = QwenEngine.from_pretrained(path, options)
-        _ready_follower()
+        comm.started()
     except Exception as e:
         _report_and_exit(report, rank, f"could not start: {type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}")
     serve(engine, report)
