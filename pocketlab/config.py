@@ -200,7 +200,7 @@ class EngineOptions:
         if self.speculative_rollback not in ("replay", "states"):
             raise ValueError(f"speculative_rollback {self.speculative_rollback!r} is not one of replay, states")
         if not (isinstance(self.tensor_parallel, int) and self.tensor_parallel >= 1):
-            raise ValueError(f"tensor_parallel={self.tensor_parallel!r}: an int >= 1 (processes the model is split over)")
+            raise ValueError(f"tensor_parallel={self.tensor_parallel!r}: need an int >= 1 (processes to split over)")
         if self.parallel_timeout_s <= 0:
             raise ValueError(f"parallel_timeout_s={self.parallel_timeout_s}: need a positive number of seconds")
         if self.tensor_parallel > 1 and self.batch_invariant:

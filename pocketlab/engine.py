@@ -70,7 +70,9 @@ class QwenEngine:
         weights = validate_weights(dict(weights), cfg, whole, self.options.torch_dtype)
         self.model_id = model_id(cfg, weights)  # snapshots carry it: one restores only into its own model
         if self.shard.world > 1:
-            weights = validate_weights(self.shard.weights(weights, cfg), local, self.options.device, self.options.torch_dtype)
+            weights = validate_weights(
+                self.shard.weights(weights, cfg), local, self.options.device, self.options.torch_dtype
+            )
         self.model = build_model(local, weights, self.options)
         self.cache = SlotCache(local, self.options)
         self.cache.model_id = self.model_id

@@ -109,7 +109,7 @@ def test_batch_calls_equal_solo_runs(engines, model):
     for _ in range(5):
         out = tp.batch_decode_step(reqs)
     assert tp.forward_count - before == 5  # one forward per batch call, as on one device
-    for r, (tokens, logits) in zip(reqs, solo, strict=True):
+    for r, (tokens, _) in zip(reqs, solo, strict=True):
         assert r.generated_tokens == tokens
     close(out.logits, torch.stack([logits[-1] for _, logits in solo]))
     for r in reqs:
@@ -172,13 +172,13 @@ def test_speculative_decoding_gives_plain_greedy_tokens(engines):
 
 
 # -- refusals and failures -------------------------------------------------------------------------------------------
-def test_bad_arguments_fail_on_every_rank_and_the_engine_goes_on(engines):
-    tp = engines.tp("dense")
+def test_bad_arguments_fail_on_every_rank_and_the_engine_goes_on(engines, model):
+    tp = engines.tp(model)
     with pytest.raises(ValueError, match="empty"):
         tp.prefill([])
     with pytest.raises(IndexError):
         tp.decode_step(1, slot_id=9)
-    assert tp.prefill(PROMPT, slot_id=0).next_token == engines.one("dense").prefill(PROMPT).next_token
+    assert tp.prefill(PROMPT, slot_id=0).next_token == engines.one(model).prefill(PROMPT).next_token
 
 
 def test_bad_splits_and_missing_processes_are_refused(engines, checkpoint):

@@ -1,9 +1,11 @@
 """torch.distributed for tensor parallelism: the process groups, the collectives the model runs, and JSON messages.
 
-Three groups: the world group only meets at startup (long timeout: processes start, shards load); `compute` (NCCL on CUDA, gloo on the CPU) runs the model's all-reduces and gathers, every wait bounded
-by EngineOptions.parallel_timeout_s, so a rank that died or hung surfaces as an error, never a hang; `control`
-(gloo, CPU) carries the calls rank 0 broadcasts to followers, whose wait for the next call may be long (a notebook
-user thinking) and so has no short timeout. Messages are UTF-8 JSON in a uint8 tensor after its length: no pickle.
+Three groups. The world group only meets at startup (long timeout: processes start, shards load). `compute` (NCCL
+on CUDA, gloo on the CPU) runs the model's all-reduces and gathers, every wait bounded by
+EngineOptions.parallel_timeout_s, so a rank that died or hung surfaces as an error, never a hang. `control` (gloo,
+CPU) carries the calls rank 0 broadcasts; a follower's wait for the next call may be long (a notebook user
+thinking), rank 0's send is bounded like a compute wait. Messages are UTF-8 JSON in a uint8 tensor after its
+length: no pickle.
 """
 
 from __future__ import annotations
@@ -115,7 +117,6 @@ def gather_tensor(x: torch.Tensor) -> list[torch.Tensor]:
 # -- messages from rank 0 to the followers ----------------------------------------------------------------------------
 def broadcast_json(message=None):
     """Rank 0 sends `message` (JSON-able); every other rank gets it. UTF-8 JSON bytes, never pickle."""
-    group = _groups["control"]
     if dist.get_rank() == 0:
         data = torch.frombuffer(bytearray(json.dumps(message).encode()), dtype=torch.uint8)
         length = torch.tensor([data.numel()], dtype=torch.long)
@@ -132,7 +133,11 @@ def broadcast_tensors(tensors: dict[str, torch.Tensor] | None, spec: list) -> di
     """Rank 0's tensors on every rank (CPU): `spec` ([name, dtype, shape] each) came first as JSON."""
     out = {}
     for name, dtype, shape in spec:
-        t = tensors[name].contiguous().cpu() if dist.get_rank() == 0 else torch.empty(shape, dtype=getattr(torch, dtype))
+        t = (
+            tensors[name].contiguous().cpu()
+            if dist.get_rank() == 0
+            else torch.empty(shape, dtype=getattr(torch, dtype))
+        )
         _send(t)
         out[name] = t
     return out

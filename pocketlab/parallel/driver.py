@@ -337,7 +337,14 @@ def encode(x):
     if isinstance(x, BatchedRequest):
         return {"__request__": dataclasses.asdict(x) | {"sampling": encode(x.sampling)}}
     if isinstance(x, Snapshot):
-        return {"__snapshot__": {"tokens": x.tokens, "model": x.model, "dtype": x.dtype, "spec": comm.tensor_spec(x.tensors)}}
+        return {
+            "__snapshot__": {
+                "tokens": x.tokens,
+                "model": x.model,
+                "dtype": x.dtype,
+                "spec": comm.tensor_spec(x.tensors),
+            }
+        }
     if isinstance(x, (list, tuple)):
         return [encode(v) for v in x]
     if isinstance(x, dict):

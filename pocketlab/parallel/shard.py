@@ -48,7 +48,8 @@ class Shard:
         if cfg.intermediate_size % n:
             bad.append(f"intermediate_size={cfg.intermediate_size}")
         if cfg.is_hybrid and (cfg.linear_num_key_heads % n or cfg.linear_num_value_heads % n):
-            bad.append(f"linear_num_key_heads={cfg.linear_num_key_heads}, linear_num_value_heads={cfg.linear_num_value_heads}")
+            heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+            bad.append("linear_num_key_heads={}, linear_num_value_heads={}".format(*heads))
         if bad:
             raise ValueError(f"tensor_parallel={n} does not divide this model's " + ", ".join(bad))
 
