@@ -8,6 +8,8 @@ group per process); every collective has a timeout, so no test can hang.
 """
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -15,6 +17,7 @@ import torch
 from conftest import DEVICE, DTYPE, greedy_run, random_prompt
 
 from pocketlab import BatchedRequest, EngineOptions, QwenEngine, Snapshot
+from pocketlab.cli import main as cli_main
 from pocketlab.parallel import Shard, launch
 from pocketlab.parallel.driver import TensorParallelError
 from pocketlab.tools.synthetic import hf_config
@@ -230,3 +233,20 @@ def test_state_slices_merge_back_to_the_whole(preset, kv):
     parts = [Shard(r, 2).local_snapshot(whole, cfg) for r in range(2)]
     for name, t in whole.items():
         assert torch.equal(Shard(0, 2).merge_state(name, [p[name] for p in parts], cfg), t), name
+
+
+# -- the shell launch ----------------------------------------------------------------------------------------------
+def test_torchrun_cli_prints_the_one_device_text(engines, checkpoint, capsys):
+    """`torchrun --nproc-per-node 2 -m pocketlab generate ... --tensor-parallel 2` (every rank joins torchrun's group,
+    rank 0 prints) gives the text one process gives."""
+    engines.close()
+    path = str(checkpoint("tiny-qwen3-text"))
+    flags = ["generate", path, "--prompt", "Once upon", "--raw", "--max-new-tokens", "8", "--temperature", "0"]
+    assert cli_main(flags + ["--max-seq-len", "64"]) == 0
+    want = capsys.readouterr().out
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    cmd = torchrun + ["-m", "pocketlab", *flags, "--max-seq-len", "64", "--tensor-parallel", "2"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout == want
