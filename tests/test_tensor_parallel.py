@@ -250,3 +250,15 @@ def test_torchrun_cli_prints_the_one_device_text(engines, checkpoint, capsys):
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout == want
+
+
+def test_memory_plan_counts_one_ranks_shard():
+    from pocketlab import memory
+    from pocketlab.config import ModelConfig
+
+    cfg = ModelConfig.from_dict(hf_config("qwen3-8b").to_dict())
+    opts = dict(max_slots=4, max_seq_len=4096, device="cpu", dtype="bfloat16")
+    one = memory.plan(cfg, EngineOptions(**opts), free=1 << 40)
+    two = memory.plan(cfg, EngineOptions(**opts, tensor_parallel=2), free=1 << 40)
+    assert 0.5 < two.weights / one.weights < 0.501  # everything split but the norms
+    assert 2 * two.per_slot == one.per_slot  # 8 KV heads: 4 per rank

@@ -29,25 +29,10 @@ from ..cache import Snapshot
 from ..config import EngineOptions, ModelConfig
 from ..engine import QwenEngine
 from ..requests import BatchedRequest
-from ..sampling import SamplingParams
+from ..sampling import GREEDY, SamplingParams
 from . import comm
 from .shard import Shard
 
-# calls that run on every rank; everything else (cfg, options, cache, free_slots(), position(), tokenizer ...) is
-# read from rank 0's engine
-MIRRORED = (
-    "prefill",
-    "decode_step",
-    "batch_prefill",
-    "batch_decode_step",
-    "generate",
-    "allocate_batch_slots",
-    "allocate_slot",
-    "release_slot",
-    "reset",
-    "snapshot",
-    "restore",
-)
 EXIT_FAILED = 3  # a follower that cannot go on exits with this, after reporting why
 
 
@@ -65,11 +50,47 @@ class TensorParallelEngine:
         self._said: dict[int, str] = {}  # what each failed follower reported
 
     def __getattr__(self, name):
+        """Everything that only reads (cfg, options, cache, tokenizer, free_slots(), position(), forward_count,
+        default_sampling() ...) comes from rank 0's engine. Change state only through the calls below."""
         if name == "engine":  # not set yet (or unpickling): no engine to read from
             raise AttributeError(name)
-        if name in MIRRORED:
-            return lambda *args, **kwargs: self._call(name, args, kwargs)
         return getattr(self.engine, name)
+
+    # -- the calls every rank runs (QwenEngine's docstrings say what each does) ---------------------------------------
+    def prefill(self, tokens, slot_id=0, sampling=GREEDY):
+        return self._call("prefill", (list(tokens), slot_id, sampling))
+
+    def decode_step(self, token, slot_id=0, sampling=GREEDY):
+        return self._call("decode_step", (token, slot_id, sampling))
+
+    def batch_prefill(self, requests):
+        return self._call("batch_prefill", (requests,))
+
+    def batch_decode_step(self, requests):
+        return self._call("batch_decode_step", (requests,))
+
+    def generate(self, prompts, sampling=None, progress=False, enable_thinking=None):
+        return self._call("generate", (prompts, sampling), dict(progress=progress, enable_thinking=enable_thinking))
+
+    def allocate_batch_slots(self, n):
+        return self._call("allocate_batch_slots", (n,))
+
+    def allocate_slot(self, request_id):
+        return self._call("allocate_slot", (request_id,))
+
+    def release_slot(self, slot_id):
+        return self._call("release_slot", (slot_id,))
+
+    def reset(self, slot_id=None):
+        return self._call("reset", (slot_id,))
+
+    def snapshot(self, slot_id=0) -> Snapshot:
+        """The slot's whole state in the one-device layout (gathered from every rank): save it from here."""
+        return self._call("snapshot", (slot_id,))
+
+    def restore(self, snapshot: Snapshot, slot_id=0) -> None:
+        """Restore a snapshot taken at any tensor_parallel; its tensors go to every rank, each keeps its part."""
+        return self._call("restore", (snapshot, slot_id))
 
     def __enter__(self):
         return self
@@ -89,7 +110,8 @@ class TensorParallelEngine:
                     except GeneratorExit:
                         closed = True
 
-    def _call(self, name, args, kwargs):
+    def _call(self, name, args, kwargs=None):
+        kwargs = kwargs or {}
         with self._mirrored(name, args, kwargs):
             return getattr(self.engine, name)(*args, **kwargs)
 
@@ -98,8 +120,9 @@ class TensorParallelEngine:
         """Send the call to the followers, run the body here, then compare every rank's outcome."""
         self._check_usable()
         snapshots = [a for a in (*args, *kwargs.values()) if isinstance(a, Snapshot)]
+        message = {"call": name, "args": encode(list(args)), "kwargs": encode(kwargs)}  # TypeError: nothing sent
         try:
-            comm.broadcast_json({"call": name, "args": encode(list(args)), "kwargs": encode(kwargs)})
+            comm.broadcast_json(message)
             for snap in snapshots:
                 comm.broadcast_tensors(snap.tensors, comm.tensor_spec(snap.tensors))
         except Exception as e:
@@ -209,6 +232,8 @@ def serve(engine: QwenEngine, report=None) -> None:
             args, kwargs = decode(message["args"]), decode(message["kwargs"])
             args = [_receive(a) for a in args]
             kwargs = {k: _receive(v) for k, v in kwargs.items()}
+            if call == "generate":
+                kwargs["progress"] = False  # rank 0 shows it
             result = getattr(engine, call)(*args, **kwargs)
             if call == "stream":
                 for _ in result:
