@@ -168,6 +168,8 @@ class TensorParallelEngine:
         if not causes and self.workers:
             timeout = self.engine.options.parallel_timeout_s
             causes = [f"rank {r} alive but silent for {timeout:g} s (hung?)" for r in range(1, len(self.workers) + 1)]
+        elif not self.workers:  # torchrun started the ranks: each reports on its own stderr, which torchrun shows
+            causes = ["see the other ranks' stderr (torchrun prefixes it with their rank)"]
         self.broken = what + ("; " + "; ".join(causes) if causes else "")
         raise TensorParallelError(f"tensor-parallel engine failed: {self.broken}") from error
 
