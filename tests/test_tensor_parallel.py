@@ -231,6 +231,22 @@ def test_a_failed_worker_is_named_and_later_calls_are_refused(engines, fault):
     engines.close()  # kills what is left; the next test launches afresh
 
 
+def test_an_interrupted_call_makes_the_engine_refuse_further_calls(engines, monkeypatch):
+    """Ctrl-C in a notebook mid-call leaves the other ranks inside it: the engine says so instead of going on."""
+    tp = engines.tp("dense", parallel_timeout_s=3.0)
+    tp.prefill(PROMPT)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tp.engine.model, "forward", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        tp.decode_step(1)
+    with pytest.raises(TensorParallelError, match="interrupted on rank 0"):
+        tp.decode_step(1)
+    engines.close()
+
+
 # -- the slicing itself, without processes ------------------------------------------------------------------------
 @pytest.mark.parametrize("preset,kv", [("tiny-qwen3_5", 2), ("tiny-qwen3_5", 1)])
 def test_state_slices_merge_back_to_the_whole(preset, kv):
