@@ -30,7 +30,7 @@ test: lint
 test-kernels: .venv/.installed
 	POCKETLAB_KERNELS=triton TRITON_INTERPRET=1 $(PY) -m pytest -q tests/test_fused_linear.py tests/test_decode_attention.py \
 		tests/test_linear_decode.py tests/test_slots.py tests/test_snapshot.py tests/test_prefix_cache.py \
-		tests/test_parity.py tests/test_errors.py tests/test_generate.py tests/test_graphs.py
+		tests/test_parity.py tests/test_errors.py tests/test_generate.py tests/test_graphs.py tests/test_moe.py
 	POCKETLAB_KERNELS=triton TRITON_INTERPRET=1 $(PY) -m pytest -q tests/test_speculative.py -k "rolled_back or half or graphed"
 
 # FUZZ_SCHEDULES random call schedules (make test runs 100 fixed ones) from FUZZ_SEED, printed so a run can be repeated;

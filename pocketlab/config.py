@@ -10,8 +10,23 @@ from pathlib import Path
 
 import torch
 
-DENSE_TYPES = ("qwen2", "qwen3")
-HYBRID_TYPES = ("qwen3_5", "qwen3_5_text")
+DENSE_TYPES = ("qwen2", "qwen3", "qwen3_moe")
+HYBRID_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+MOE_TYPES = ("qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text")
+# transformers' config defaults for keys a config.json may omit; Qwen3.5-MoE always renormalizes its top-k and runs
+# every layer (the MTP one too) as a sparse block with a shared expert, whatever the file says
+_MOE_DEFAULTS = {
+    "qwen3_moe": dict(
+        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, intermediate_size=6144, norm_topk_prob=False
+    ),
+    "qwen3_5_moe": dict(
+        num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512
+    ),
+}
+_MOE_FORCED = {
+    "qwen3_moe": dict(shared_expert_intermediate_size=0),
+    "qwen3_5_moe": dict(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=(), intermediate_size=0),
+}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_SPECULATIVE_TOKENS = 7
 YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "mscale")
@@ -44,6 +59,14 @@ class ModelConfig:
     mtp_use_dedicated_embeddings: bool = False  # Qwen3.5 checkpoints: False (the head shares embed_tokens)
     rope_scaling: tuple[tuple[str, object], ...] = ()  # YaRN's parameters as sorted items; () for plain RoPE
     fp8_weight_block: tuple[int, ...] = ()  # block-FP8 checkpoint (rows, cols per scale): dequantized at load
+    # mixture of experts (qwen3_moe, qwen3_5_moe): which layers are sparse follows HF (see is_moe_layer)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0  # Qwen3.5-MoE: one always-on expert behind a sigmoid gate
+    norm_topk_prob: bool = False  # rescale the top-k routing probabilities to sum to 1
+    decoder_sparse_step: int = 1  # every step-th layer is sparse...
+    mlp_only_layers: tuple[int, ...] = ()  # ...except these, which keep a dense MLP of intermediate_size
 
     @property
     def yarn(self) -> dict | None:
@@ -52,6 +75,20 @@ class ModelConfig:
     @property
     def is_hybrid(self) -> bool:
         return self.model_type in HYBRID_TYPES
+
+    @property
+    def is_moe(self) -> bool:
+        return self.model_type in MOE_TYPES
+
+    def is_moe_layer(self, i: int | None) -> bool:
+        """Whether decoder layer i (None: the MTP head's layer) is a sparse MoE block, decided as transformers
+        decides it: Qwen3-MoE by mlp_only_layers and decoder_sparse_step, Qwen3.5-MoE always (its MTP layer too,
+        as vLLM and SGLang build it)."""
+        if not self.is_moe or self.num_experts <= 0:
+            return False
+        if i is None:
+            return self.is_hybrid
+        return i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
 
     @property
     def rotary_dim(self) -> int:
@@ -84,6 +121,8 @@ class ModelConfig:
             ]
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in text.items() if k in known}
+        if model_type in MOE_TYPES:
+            values |= _moe_values(text, "qwen3_5_moe" if hybrid else "qwen3_moe")
         values.update(
             model_type=model_type,
             head_dim=text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"],
@@ -125,6 +164,28 @@ def generation_defaults(path: str | Path) -> dict:
         )
     if gen.get("max_new_tokens"):
         out["max_new_tokens"] = int(gen["max_new_tokens"])
+    return out
+
+
+def _moe_values(text: dict, family: str) -> dict:
+    """The MoE fields with transformers' defaults (its config.json spells num_experts `num_local_experts`, the hub's
+    `num_experts`); a top-k that cannot be routed is a ValueError."""
+    out = dict(_MOE_DEFAULTS[family])
+    out |= {k: text[k] for k in out if text.get(k) is not None}
+    if text.get("num_experts") is None and text.get("num_local_experts") is not None:
+        out["num_experts"] = text["num_local_experts"]
+    for key in ("decoder_sparse_step", "mlp_only_layers"):
+        if text.get(key) is not None:
+            out[key] = text[key]
+    out |= _MOE_FORCED[family]
+    out["mlp_only_layers"] = tuple(int(i) for i in out.get("mlp_only_layers", ()))
+    e, k = int(out["num_experts"]), int(out["num_experts_per_tok"])
+    if e > 0 and not 1 <= k <= e:
+        raise ValueError(f"num_experts_per_tok={k} with num_experts={e}: a token is routed to 1..num_experts experts")
+    if e > 0 and out["moe_intermediate_size"] < 1:
+        raise ValueError(f"moe_intermediate_size={out['moe_intermediate_size']}: an MoE model needs experts >= 1 wide")
+    if out.get("decoder_sparse_step", 1) < 1:
+        raise ValueError(f"decoder_sparse_step={out['decoder_sparse_step']}: need >= 1")
     return out
 
 
@@ -183,6 +244,7 @@ class EngineOptions:
     decode_attention: str = "auto"  # "triton" (live keys read in place), "sdpa", or "auto": triton on CUDA
     linear_decode: str = "auto"  # Gated DeltaNet decode: "triton" (states updated in place), "torch", "auto"
     fused_linear: str = "auto"  # few-row projections with their residual add / SwiGLU in one Triton kernel
+    moe_kernel: str = "auto"  # routed experts: "triton" (layers.moe_kernel), "torch" (grouped_mm), "auto": GPU triton
     graph_batch_sizes: tuple[int, ...] = field(default=(1, 2, 4, 8, 16, 32, 64))
     batch_invariant: bool = False  # logits bitwise independent of the batch (Triton kernels; CPU: interpreter)
     speculative_tokens: int = 0  # drafts per decode step (MTP head), verified in one forward; 0: off
@@ -193,6 +255,7 @@ class EngineOptions:
     checkpoint_stride: int = 512  # hybrid: also checkpoint the recurrent state at multiples of this (0: prompt ends)
     tensor_parallel: int = 1  # processes (one per device) the weights are sharded over; see pocketlab.parallel
     parallel_timeout_s: float = 120.0  # tensor_parallel > 1: a collective waiting longer means a rank died or hung
+    warmup: bool = False  # capture every graph and compile every kernel variant at construction (engine.warmup)
 
     def __post_init__(self):
         if not 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
@@ -211,7 +274,7 @@ class EngineOptions:
             raise ValueError(f"dtype {self.dtype!r} is not one of {list(DTYPES)}")
         if self.decode_attention not in ("auto", "triton", "sdpa"):
             raise ValueError(f"decode_attention {self.decode_attention!r} is not one of auto, triton, sdpa")
-        for name in ("linear_decode", "fused_linear"):
+        for name in ("linear_decode", "fused_linear", "moe_kernel"):
             if getattr(self, name) not in ("auto", "triton", "torch"):
                 raise ValueError(f"{name} {getattr(self, name)!r} is not one of auto, triton, torch")
         if self.max_slots != "auto" and not (isinstance(self.max_slots, int) and self.max_slots >= 1):

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import torch
 
-from . import text
+from . import compile_events, text
 from .cache import SlotCache, Snapshot, model_id
 from .config import EngineOptions, ModelConfig, generation_defaults
 from .forward import ForwardContext, Run
 from .generate import generate as continuous_batching
 from .graphs import StepGraphs
 from .layers.fused import LARGE, compiled_kernels
-from .loader import load_weights, optional_mtp, validate_weights
+from .loader import load_weights, optional_mtp, stack_experts, validate_weights
 from .memory import MemoryPlan, resolve
 from .models import build_model
 from .parallel.comm import gather_snapshot, shard_for
@@ -25,6 +25,7 @@ from .prefix_cache import PrefixCache
 from .requests import BatchDecodeResult, BatchedRequest, BatchPrefillResult, ForwardResult, Refusal
 from .sampling import GREEDY, SamplingParams, sample
 from .speculative import Speculator
+from .warmup import WarmupReport, warm_up
 
 
 def plan_pieces(start: int, end: int, chunk: int, stride: int = 0) -> list[tuple[int, int]]:
@@ -67,7 +68,7 @@ class QwenEngine:
         self.memory: MemoryPlan = resolve(cfg, options, weights_resident=resident)  # refuses what cannot fit
         self.options = self.memory.options  # max_slots="auto" resolved
         whole = "cpu" if self.shard.world > 1 else self.options.device  # sliced on the host, then moved
-        weights = validate_weights(dict(weights), cfg, whole, self.options.torch_dtype)
+        weights = validate_weights(stack_experts(dict(weights)), cfg, whole, self.options.torch_dtype)
         self.model_id = model_id(cfg, weights)  # snapshots carry it: one restores only into its own model
         if self.shard.world > 1:
             weights = validate_weights(
@@ -82,6 +83,8 @@ class QwenEngine:
         use_graphs = self.options.cuda_graphs and torch.device(self.options.device).type == "cuda"
         self.graphs = StepGraphs(self.model, self.cache, self.options) if use_graphs else None
         self.speculator = Speculator(self) if self.options.speculative_tokens else None  # drafts + one verify forward
+        compile_events.track_triton()
+        self.warmup_report: WarmupReport | None = self.warmup() if self.options.warmup else None
 
     @classmethod
     def from_pretrained(cls, path: str | Path, options: EngineOptions | None = None) -> QwenEngine:
@@ -91,6 +94,15 @@ class QwenEngine:
         device = "cpu" if options.tensor_parallel > 1 else options.device  # each rank moves only its shard
         weights = load_weights(path, cfg, device, options.torch_dtype, options.speculative_tokens)
         return cls(cfg, weights, options, text.load_tokenizer(path), generation_defaults(path))
+
+    def warmup(self, progress: bool = True) -> WarmupReport:
+        """Capture every graph and compile every kernel variant the options allow, on an idle engine, so that no
+        later call stalls on a compile or a capture (pocketlab.warmup says what runs)."""
+        return warm_up(self, progress)
+
+    def compile_events(self) -> dict[str, int]:
+        """Graph captures of this engine, torch.compile graphs and Triton compiles of the process, so far."""
+        return compile_events.counts(self.graphs)
 
     # -- single-slot API -----------------------------------------------------------------------
     def prefill(self, tokens: list[int], slot_id: int = 0, sampling: SamplingParams = GREEDY) -> ForwardResult:
@@ -144,12 +156,16 @@ class QwenEngine:
         sampling: SamplingParams | list | None = None,
         progress: bool = False,
         enable_thinking: bool | None = None,
+        arrivals: list[float] | None = None,
     ) -> list:
         """Continuous batching over the free slots; see pocketlab.generate. Token-id prompts give token lists
-        (sampling=None: greedy); if any prompt is a string or a chat (list of {"role", "content"}), every prompt
-        gives a text.Completion (sampling=None: the checkpoint's defaults, see default_sampling)."""
+        (sampling=None: greedy; arrivals: when each is submitted, for replaying a trace); if any prompt is a string
+        or a chat (list of {"role", "content"}), every prompt gives a text.Completion (sampling=None: the
+        checkpoint's defaults, see default_sampling)."""
         if all(text.is_token_ids(p) for p in prompts):
-            return continuous_batching(self, prompts, GREEDY if sampling is None else sampling, progress)
+            return continuous_batching(self, prompts, GREEDY if sampling is None else sampling, progress, arrivals)
+        if arrivals is not None:
+            raise ValueError("arrivals replay traces of token-id prompts; text prompts are submitted at once")
         return text.complete(self, prompts, sampling, enable_thinking, progress)
 
     def stream(

@@ -6,6 +6,9 @@ stream_tokens() is the same loop as an iterator: what each forward produced, per
 
 from __future__ import annotations
 
+import bisect
+import math
+import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,23 +35,38 @@ class Step:
 
 
 def generate(
-    engine: QwenEngine, prompts: list[list[int]], sampling: SamplingParams | list = GREEDY, progress: bool = False
+    engine: QwenEngine,
+    prompts: list[list[int]],
+    sampling: SamplingParams | list = GREEDY,
+    progress: bool = False,
+    arrivals: list[float] | None = None,
 ) -> list[list[int]]:
     """Generated tokens per prompt (prompt excluded), in prompt order."""
     outputs: list[list[int]] = [[] for _ in prompts]
-    for step in stream_tokens(engine, prompts, sampling, progress):
+    for step in stream_tokens(engine, prompts, sampling, progress, arrivals):
         outputs[step.index].extend(step.tokens)
     return outputs
 
 
 def stream_tokens(
-    engine: QwenEngine, prompts: list[list[int]], sampling: SamplingParams | list = GREEDY, progress: bool = False
+    engine: QwenEngine,
+    prompts: list[list[int]],
+    sampling: SamplingParams | list = GREEDY,
+    progress: bool = False,
+    arrivals: list[float] | None = None,
 ) -> Iterator[Step]:
     """The same continuous batching, as an iterator of Steps as tokens arrive. Bad input raises here, before any
-    slot changes; a stream left unfinished (closed, or garbage-collected) releases the slots it took."""
+    slot changes; a stream left unfinished (closed, or garbage-collected) releases the slots it took.
+    arrivals: seconds after the call at which each prompt is submitted (nondecreasing; None: all at once), so a
+    trace of requests arriving over time can be replayed."""
     params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
     if len(params) != len(prompts):
         raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+    arrivals = [0.0] * len(prompts) if arrivals is None else list(arrivals)
+    if len(arrivals) != len(prompts) or any(
+        not 0 <= a <= b for a, b in zip(arrivals, arrivals[1:] + [math.inf], strict=True)
+    ):
+        raise ValueError(f"arrivals must be {len(prompts)} nondecreasing times >= 0 (seconds), one per prompt")
     for i, p in enumerate(prompts):
         engine.check_tokens(p, f"prompt {i}")
         if len(p) >= engine.options.max_seq_len:
@@ -57,13 +75,14 @@ def stream_tokens(
             )
     if len(engine.free_slots()) == 0:
         raise ValueError(f"all {engine.num_slots} slots are taken; release one before generating")
-    return _run(engine, prompts, params, progress)
+    return _run(engine, prompts, params, progress, arrivals)
 
 
-def _run(engine: QwenEngine, prompts, params, progress) -> Iterator[Step]:
+def _run(engine: QwenEngine, prompts, params, progress, arrivals: list[float]) -> Iterator[Step]:
     waiting = deque(
         BatchedRequest(i, list(p), sampling=sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
     )
+    due, start = deque(arrivals), time.perf_counter()  # due[i]: when waiting[i] is submitted
     running: list[BatchedRequest] = []
     sent: dict[int, int] = {}  # tokens already yielded per request
     bar = tqdm(total=len(prompts), desc="generate", disable=not progress)
@@ -86,7 +105,14 @@ def _run(engine: QwenEngine, prompts, params, progress) -> Iterator[Step]:
 
     try:
         while waiting or running:
-            admit = [waiting.popleft() for _ in range(min(len(waiting), len(engine.free_slots())))]
+            now = time.perf_counter() - start
+            if not running and due and due[0] > now:  # idle until the next request arrives
+                time.sleep(due[0] - now)
+                now = due[0]
+            arrived = bisect.bisect_right(due, now)
+            admit = [waiting.popleft() for _ in range(min(arrived, len(engine.free_slots())))]
+            for _ in admit:
+                due.popleft()
             for r in admit:
                 if r.sampling.max_new_tokens == 0:
                     bar.update()

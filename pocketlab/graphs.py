@@ -95,6 +95,7 @@ class StepGraphs:
         self.graphs: dict[tuple, Captured] = {}
         self.failed: dict[tuple, str] = {}  # key -> why its capture failed twice (those steps run eagerly)
         self.pool = None  # one memory pool for all of this engine's graphs, made at the first capture
+        self.captures = 0  # capture attempts (replays' and rollbacks'): after warm-up this stays put
 
     def logits(self, runs: list[Run]) -> torch.Tensor:
         """[B, vocab] float32 logits of one decode step; runs of one token each."""
@@ -116,19 +117,32 @@ class StepGraphs:
         B, T = len(runs), max(len(run.tokens) for run in runs)
         b = self.batch_sizes[bisect.bisect_left(self.batch_sizes, B)]
         kv = self.key_sizes[bisect.bisect_left(self.key_sizes, max(run.start for run in runs) + T + beyond)]
-        key = (name, b, T, kv)
-        if key in self.failed:
+        captured = self.ensure((name, b, T, kv), step)
+        if captured is None:
             return None
-        if key not in self.graphs and not self._capture_with_retry(key, step):
-            return None
-        captured = self.graphs[key]
         captured.inputs.load(runs, self.cache.scratch, real_lengths)
         captured.graph.replay()
         return captured.outputs
 
+    def ensure(self, key: tuple, step) -> Captured | None:
+        """The graph of `key` = (name, batch bucket, tokens per row, key bucket), captured now if it is new;
+        None where its capture failed."""
+        if key not in self.graphs and key not in self.failed:
+            self._capture_with_retry(key, step)
+        return self.graphs.get(key)
+
+    def keys(self, name: str, tokens: int, beyond: int = 0) -> list[tuple]:
+        """Every key a replay of `name` with `tokens` per row (and `beyond`) can pick: warm-up captures them all."""
+        return [(name, b, tokens, kv) for b in self.batch_sizes for kv in self.key_sizes if kv >= tokens + beyond]
+
     def capture(self, fn):
         """(graph, outputs) of fn() captured in this engine's pool, after one warm-up run outside the graph
         (cuBLAS handles, compilation). Every tensor the graph reads must outlive it: keep them with it."""
+        self.captures += 1
+        return self.record(fn)
+
+    def record(self, fn):
+        """capture()'s CUDA part (the CPU tests replace it)."""
         self.pool = self.pool or torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

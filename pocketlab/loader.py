@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,19 +27,34 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (cfg.vocab_size, d)
     for i, kind in enumerate(cfg.layer_types):
         p = f"model.layers.{i}."
-        shapes |= {
-            p + "input_layernorm.weight": (d,),
-            p + "post_attention_layernorm.weight": (d,),
-            p + "mlp.gate_proj.weight": (cfg.intermediate_size, d),
-            p + "mlp.up_proj.weight": (cfg.intermediate_size, d),
-            p + "mlp.down_proj.weight": (d, cfg.intermediate_size),
-        }
+        shapes |= {p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,)}
+        shapes |= mlp_shapes(cfg, p + "mlp.", cfg.is_moe_layer(i))
         if kind == "full_attention":
             shapes |= _attention_shapes(cfg, p + "self_attn.")
         else:
             shapes |= _linear_attention_shapes(cfg, p + "linear_attn.")
     if cfg.mtp_num_hidden_layers:
         shapes |= _mtp_shapes(cfg)
+    return shapes
+
+
+def mlp_shapes(cfg: ModelConfig, p: str, moe: bool) -> dict:
+    """A dense SwiGLU MLP, or a sparse MoE block: router, experts stacked as the kernels read them (gate_up
+    [E, 2 * I, d], down [E, d, I]: transformers' own in-memory layout) and Qwen3.5-MoE's gated shared expert."""
+    d = cfg.hidden_size
+    if not moe:
+        i = cfg.intermediate_size
+        return {p + "gate_proj.weight": (i, d), p + "up_proj.weight": (i, d), p + "down_proj.weight": (d, i)}
+    e, i = cfg.num_experts, cfg.moe_intermediate_size
+    shapes = {p + "gate.weight": (e, d), p + "experts.gate_up_proj": (e, 2 * i, d), p + "experts.down_proj": (e, d, i)}
+    if cfg.shared_expert_intermediate_size:
+        s = cfg.shared_expert_intermediate_size
+        shapes |= {
+            p + "shared_expert.gate_proj.weight": (s, d),
+            p + "shared_expert.up_proj.weight": (s, d),
+            p + "shared_expert.down_proj.weight": (d, s),
+            p + "shared_expert_gate.weight": (1, d),
+        }
     return shapes
 
 
@@ -85,13 +101,8 @@ def _mtp_shapes(cfg: ModelConfig) -> dict:
     }
     for i in range(cfg.mtp_num_hidden_layers):
         p = f"mtp.layers.{i}."
-        shapes |= {
-            p + "input_layernorm.weight": (d,),
-            p + "post_attention_layernorm.weight": (d,),
-            p + "mlp.gate_proj.weight": (cfg.intermediate_size, d),
-            p + "mlp.up_proj.weight": (cfg.intermediate_size, d),
-            p + "mlp.down_proj.weight": (d, cfg.intermediate_size),
-        } | _attention_shapes(cfg, p + "self_attn.")
+        shapes |= {p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,)}
+        shapes |= mlp_shapes(cfg, p + "mlp.", cfg.is_moe_layer(None)) | _attention_shapes(cfg, p + "self_attn.")
     return shapes
 
 
@@ -139,7 +150,7 @@ def load_weights(
                 if canon in tensors:
                     raise ValueError(f"{file.name}: tensor {name!r} appears twice in the checkpoint")
                 tensors[canon] = f.get_tensor(name)
-    tensors = dequantize_fp8(tensors, cfg.fp8_weight_block)
+    tensors = stack_experts(dequantize_fp8(tensors, cfg.fp8_weight_block))
     return warn_nonfinite(
         validate_weights(tensors, optional_mtp(cfg, tensors, speculative_tokens), device, dtype), path
     )
@@ -189,6 +200,39 @@ def dequantize_fp8(tensors: dict[str, torch.Tensor], block: tuple[int, ...]) -> 
     if raw:
         raise ValueError(f"{len(raw)} FP8 tensor(s) have no weight_scale_inv, e.g. {raw[:3]}")
     return out
+
+
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The hub's (and transformers' save_pretrained's) per-expert tensors `...mlp.experts.{e}.gate_proj.weight` /
+    `up_proj` / `down_proj`, stacked once into `...mlp.experts.gate_up_proj` [E, 2 * I, d] ([gate | up] rows per
+    expert) and `...mlp.experts.down_proj` [E, d, I]; already-stacked checkpoints (a transformers state_dict) pass.
+    A block missing an expert, or one projection of it, is an error naming it."""
+    groups: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for name in [n for n in tensors if _EXPERT.match(n)]:
+        block, e, proj = _EXPERT.match(name).groups()
+        groups.setdefault(block, {}).setdefault(int(e), {})[proj] = tensors.pop(name)
+    for block, experts in groups.items():
+        n = max(experts) + 1
+        for e in range(n):
+            lacking = [p for p in ("gate_proj", "up_proj", "down_proj") if p not in experts.get(e, {})]
+            if lacking:
+                raise ValueError(f"{block}: expert {e} of {n} lacks {lacking} (tensor {block}.{e}.{lacking[0]}.weight)")
+        shapes = {tuple(t.shape) for x in experts.values() for t in x.values()}
+        if (
+            len({tuple(x[p].shape) for x in experts.values() for p in ("gate_proj", "up_proj")}) != 1
+            or len({tuple(x["down_proj"].shape) for x in experts.values()}) != 1
+        ):
+            raise ValueError(f"{block}: experts of different shapes {sorted(shapes)}")
+        if block + ".gate_up_proj" in tensors or block + ".down_proj" in tensors:
+            raise ValueError(f"{block}: both per-expert and stacked expert tensors in the checkpoint")
+        tensors[block + ".gate_up_proj"] = torch.stack(
+            [torch.cat([experts[e]["gate_proj"], experts[e]["up_proj"]]) for e in range(n)]
+        )
+        tensors[block + ".down_proj"] = torch.stack([experts[e]["down_proj"] for e in range(n)])
+    return tensors
 
 
 @contextmanager

@@ -117,10 +117,13 @@ def _weight_bytes(cfg: ModelConfig, elem: int) -> int:
 
 def _forward_bytes(cfg: ModelConfig, tokens: int, keys: int, elem: int) -> int:
     """Activations of one forward of `tokens` tokens against `keys` cached keys: the widest layer's inputs and outputs
-    (residual, normed, projections, MLP's gate/up/act) and the boolean attention mask (SDPA's fused kernels do not
-    materialize the scores)."""
+    (residual, normed, projections, MLP's gate/up/act, MoE's per-pair buffers) and the boolean attention mask (SDPA's
+    fused kernels do not materialize the scores)."""
     q = cfg.num_attention_heads * cfg.head_dim * (2 if cfg.is_hybrid else 1)
     widths = 4 * cfg.hidden_size + q + 2 * cfg.num_key_value_heads * cfg.head_dim + 3 * cfg.intermediate_size
+    if cfg.is_moe:  # per (token, expert) pair: gate | up, silu * up, the expert's output (and its fp32 sum)
+        k, i, d = cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.hidden_size
+        widths += k * (3 * i + d) + 2 * d + cfg.num_experts + 1 + 3 * cfg.shared_expert_intermediate_size
     return tokens * widths * elem + tokens * keys
 
 

@@ -44,7 +44,7 @@
 # bench JSONs only once they are committed.
 #
 # Knobs (env vars, defaults in brackets):
-#   STEPS            [profile tests bench baseline extras invariant fused reports]  which steps run, in this order
+#   STEPS            [profile tests bench baseline extras invariant fused stalls moe reports]  which steps run, in order
 #   MODELS           [qwen3-0.6b qwen3-8b qwen3.5-0.8b qwen3.5-9b]  benched, one after the other
 #   REPORT_MODELS    [qwen3-0.6b]       `make reports DEVICE=cuda MODEL=m` for each
 #   TTFT_MODELS      [qwen3-8b qwen3.5-9b]  MTP_MODELS [qwen3.5-9b]   the extras step's models
@@ -53,6 +53,11 @@
 #   FUSED_TESTS [the fused linear's tests + parity]  FUSED_SWEEP [1]  FUSED_MODELS [qwen3-0.6b qwen3-8b]
 #   FUSED_BATCHES [1,32]  FUSED_MODES [torch triton]   the fused step: CUDA tests, launch sweep, kernel tables with fused_linear=torch, triton
 #   INVARIANT_SWEEP  [0]  1: the invariant matmul's launch sweep   INVARIANT_PROFILE []  a model: kernel tables, both modes
+#   STALL_MODELS [qwen3-0.6b qwen3.5-0.8b]  STALL_BENCH_MODELS [qwen3-8b qwen3.5-9b]   the stalls step: cold vs warm
+#                    process starts, and the bench's start/latency/serving sections (the bench step has them too);
+#                    STALL_ARGS [] extra bench arguments there (e.g. a shorter serving trace)
+#   MOE_MODELS [qwen3.5-35b-a3b qwen3-30b-a3b]  the moe step: tests/test_moe.py on CUDA, one layer's experts per
+#                                       shape (moe_bench: triton vs grouped_mm vs loop); bench them with MODELS=
 #   REPORT_NOTEBOOKS [01,02,03,04,05,06,07]  the reports step's notebooks, in this order, each a step of its own
 #   TTFT_STRIDES     [512]              checkpoint strides the TTFT table is measured at, comma-separated
 #   PEER_MODES       [eager,static]     HF peers (static = static cache + HF's compiled decode step)
@@ -68,13 +73,14 @@
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
-STEPS=${STEPS:-profile tests bench baseline extras invariant fused reports}
+STEPS=${STEPS:-profile tests bench baseline extras invariant fused stalls moe reports}
 MODELS=${MODELS:-qwen3-0.6b qwen3-8b qwen3.5-0.8b qwen3.5-9b}
 REPORT_MODELS=${REPORT_MODELS:-qwen3-0.6b}
 TTFT_MODELS=${TTFT_MODELS-qwen3-8b qwen3.5-9b}  # set empty for none
 MTP_MODELS=${MTP_MODELS-qwen3.5-9b}
 INVARIANT_MODELS=${INVARIANT_MODELS-qwen3-8b qwen3.5-9b}
 INVARIANT_STEPS=${INVARIANT_STEPS:-64}
+MOE_MODELS=${MOE_MODELS-qwen3.5-35b-a3b qwen3-30b-a3b}
 INVARIANT_TESTS=${INVARIANT_TESTS-tests/test_batch_invariant.py tests/test_invariant_kernels.py tests/test_invariant_attention.py tests/test_linear_decode.py}
 INVARIANT_TIMINGS=${INVARIANT_TIMINGS:-1}
 INVARIANT_SWEEP=${INVARIANT_SWEEP:-0}
@@ -84,6 +90,9 @@ FUSED_SWEEP=${FUSED_SWEEP:-1}
 FUSED_MODELS=${FUSED_MODELS-qwen3-0.6b qwen3-8b}
 FUSED_BATCHES=${FUSED_BATCHES:-1,32}
 FUSED_MODES=${FUSED_MODES:-torch triton}
+STALL_MODELS=${STALL_MODELS-qwen3-0.6b qwen3.5-0.8b}
+STALL_BENCH_MODELS=${STALL_BENCH_MODELS-qwen3-8b qwen3.5-9b}
+STALL_ARGS=${STALL_ARGS:-}
 REPORT_NOTEBOOKS=${REPORT_NOTEBOOKS:-01,02,03,04,05,06,07}
 TTFT_STRIDES=${TTFT_STRIDES:-512}
 PEER_MODES=${PEER_MODES:-eager,static}
@@ -239,6 +248,32 @@ if wants fused; then
         --batch-sizes $FUSED_BATCHES --prefill-lens 4096 --steps 10 --top 25 --engine-option fused_linear=$fl \
         | tee reports/gpu/profile-$m-fused-$fl-h200.txt"
     done
+  done
+fi
+
+# -- 5c. no stalls (issue 15): two fresh processes per model, cold then warm kernel caches (tools.startup), and the
+#        bench's start / latency / serving sections alone (its other sections come with the bench step) --------
+if wants stalls; then
+  for m in $STALL_MODELS; do
+    step "startup $m (cold vs warm process)" 240 "$reserve" python3 -m pocketlab.tools.startup --model "$m" \
+      --root /tmp/checkpoints --out "reports/bench/startup-cuda-$m.json"
+  done
+  for m in $STALL_BENCH_MODELS; do
+    # shellcheck disable=SC2086
+    step "bench $m (start, latency, serving)" "$BENCH_CAP_S" "$reserve" python3 -m pocketlab.tools.bench --model "$m" \
+      --device cuda --skip prefill,decode,peer --out "reports/bench/stalls-cuda-$m.json" $STALL_ARGS
+  done
+fi
+
+# -- 5d. mixture of experts (issue 17): its CUDA tests, then one MoE layer's routed experts per shape, each path
+#        (Triton kernels, torch grouped_mm, the per-expert loop) against the copy rate -> reports/gpu/moe-experts-* --
+if wants moe; then
+  mkdir -p reports/gpu
+  step "pytest MoE (cuda)" 200 "$reserve" \
+    env POCKETLAB_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_moe.py
+  for m in $MOE_MODELS; do
+    step "moe experts $m" 150 "$reserve" sh -c "python3 -m pocketlab.tools.moe_bench --model $m \
+      --out reports/gpu/moe-experts-$m.json | tee reports/gpu/moe-experts-$m-h200.txt"
   done
 fi
 

@@ -19,7 +19,7 @@ DTYPE = os.environ.get("POCKETLAB_DTYPE", "float32")
 # float32 parity is the contract (1e-4); in bf16 we allow errors relative to the logit scale.
 LOGIT_TOL = 1e-4 if DTYPE == "float32" else 0.05
 # POCKETLAB_KERNELS=triton (with TRITON_INTERPRET=1 on a CPU) runs every engine test through our Triton kernels
-TRITON_KERNELS = dict(decode_attention="triton", linear_decode="triton", fused_linear="triton")
+TRITON_KERNELS = dict(decode_attention="triton", linear_decode="triton", fused_linear="triton", moe_kernel="triton")
 KERNELS = TRITON_KERNELS if os.environ.get("POCKETLAB_KERNELS") else {}
 
 

@@ -38,6 +38,18 @@ ARGS = [
     "4",
     "--threads",
     "1",
+    "--latency-steps",
+    "20",
+    "--latency-batch-sizes",
+    "1,2",
+    "--serving-requests",
+    "5",
+    "--serving-prompt",
+    "4,12",
+    "--serving-new",
+    "3,6",
+    "--serving-rate",
+    "40",
     "--no-progress",
 ]
 
@@ -54,7 +66,19 @@ def positive(x) -> bool:
 
 
 def test_bench_json_has_every_section(result):
-    assert set(result) == {"meta", "complete", "ceilings", "model", "prefill", "decode", "peer", "ratios"}
+    assert set(result) == {
+        "meta",
+        "complete",
+        "ceilings",
+        "model",
+        "start",
+        "prefill",
+        "decode",
+        "latency",
+        "serving",
+        "peer",
+        "ratios",
+    }
     assert result["complete"] is True
     assert result["meta"]["config"]["model"] == "tiny-qwen3" and result["meta"]["notes"]
     assert positive(result["ceilings"]["copy"]["bytes_per_s"]) and positive(result["ceilings"]["matmul"]["flop_per_s"])
@@ -79,8 +103,32 @@ def test_bench_figures_are_positive_and_finite(result):
     for p in result["peer"]:
         assert "error" not in p, p
         assert all(positive(p[k]) for k in ("step_s", "tokens_per_s", "tokens_per_s_subtract"))
-    assert set(result["ratios"]) == {"pocketlab_over_hf_eager_b1", "pocketlab_over_hf_eager_b2", "step_b2_over_b1"}
+    assert set(result["ratios"]) == {
+        "pocketlab_over_hf_eager_b1",
+        "pocketlab_over_hf_eager_b2",
+        "step_b2_over_b1",
+        "latency_max_over_p50_b1",
+        "latency_max_over_p50_b2",
+        "serving_pocketlab_over_hf",
+    }
     assert all(positive(v) for v in result["ratios"].values())
+
+
+def test_bench_start_latency_and_serving_sections(result):
+    """First token cold, warm-up, first token warm; step percentiles over keys from 8 to 28 (CPU: no graphs, so
+    nothing is captured); the serving trace through both engines with every request's tokens counted."""
+    start = result["start"]
+    assert list(start) == ["first_token_cold", "warmup", "first_token_warm"]
+    assert all(positive(r["seconds"]) for r in start.values()) and start["warmup"]["graphs"] == 0
+    for d in result["latency"]:
+        assert d["steps"] == 20 == len(d["samples_s"]) and d["positions"] == [8, 28]
+        assert 0 < d["p50_s"] <= d["p90_s"] <= d["p99_s"] <= d["max_s"] and d["events"]["graph_captures"] == 0
+    serving = result["serving"]
+    assert serving["trace"]["requests"] == 5 and 15 <= serving["trace"]["output_tokens"] <= 30
+    for side in ("pocketlab", "hf"):
+        assert "error" not in serving[side], serving[side]
+        assert all(positive(serving[side][k]) for k in ("seconds", "output_tokens_per_s", "latency_p50_s"))
+    assert set(bench_tables.tables(result)) >= {"start", "latency", "serving"}
 
 
 def test_bench_tables_and_perf_figures(result):

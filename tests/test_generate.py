@@ -28,3 +28,27 @@ def test_stop_tokens_end_a_request(make_engine):
     stop = full[3]
     out = engine.generate([prompt], SamplingParams(max_new_tokens=8, stop_token_ids=(stop,)))[0]
     assert out == full[: full.index(stop) + 1]
+
+
+def test_arrivals_replay_a_trace_with_the_same_outputs(make_engine):
+    """Requests submitted over time (arrivals): none starts before it arrives, an idle engine waits for the next,
+    and every output equals the all-at-once run's; bad traces are refused before any slot changes."""
+    import time
+
+    import pytest
+
+    from pocketlab.generate import stream_tokens
+
+    engine = make_engine("tiny-qwen3", max_slots=2)
+    prompts = [random_prompt(4 + i, seed=70 + i) for i in range(3)]
+    params = [SamplingParams(max_new_tokens=n) for n in (3, 5, 2)]
+    want = engine.generate(prompts, params)
+    start, first_seen, outputs = time.perf_counter(), {}, [[], [], []]
+    for step in stream_tokens(engine, prompts, params, arrivals=[0.0, 0.0, 0.4]):
+        first_seen.setdefault(step.index, time.perf_counter() - start)
+        outputs[step.index] += step.tokens
+    assert outputs == want and first_seen[2] >= 0.4 > first_seen[1]
+    for bad in ([0.0, 0.5, 0.1], [0.0, 0.1], [-1.0, 0.0, 0.0]):
+        with pytest.raises(ValueError, match="nondecreasing"):
+            engine.generate(prompts, params, arrivals=bad)
+    assert engine.free_slots() == [0, 1]

@@ -33,7 +33,7 @@ class RerunGraphs(StepGraphs):
     capture. Everything around the CUDA graph runs for real on the CPU: static input buffers, padding of
     shorter runs, bucket choice, the rollback graph restoring every row (the GPU run checks the capture)."""
 
-    def capture(self, fn):
+    def record(self, fn):
         out = fn()  # the warm-up run; a real capture records without running
         return SimpleNamespace(replay=lambda: _copy_into(out, fn())), out
 
@@ -41,7 +41,7 @@ class RerunGraphs(StepGraphs):
 class FailingGraphs(RerunGraphs):
     """Every capture fails, as a CUDA capture might."""
 
-    def capture(self, fn):
+    def record(self, fn):
         raise RuntimeError("operation failed due to a previous error during capture")
 
 

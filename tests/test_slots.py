@@ -6,7 +6,7 @@ from conftest import DTYPE, LOGIT_TOL, greedy_run, random_prompt
 
 from pocketlab import BatchedRequest, SamplingParams
 
-PRESETS = ["tiny-qwen3", "tiny-qwen2", "tiny-qwen3_5"]
+PRESETS = ["tiny-qwen3", "tiny-qwen2", "tiny-qwen3_5", "tiny-qwen3_moe"]
 EXACT = DTYPE == "float32"
 
 

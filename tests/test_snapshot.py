@@ -17,7 +17,7 @@ def continue_greedy(engine, slot, token, steps):
     return tokens, torch.stack(logits)
 
 
-@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen3_5"])
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen3_5", "tiny-qwen3_5_moe"])
 @pytest.mark.parametrize("target", ["same slot", "other slot", "file"])
 def test_restored_snapshot_continues_identically(preset, target, make_engine, tmp_path):
     engine = make_engine(preset)

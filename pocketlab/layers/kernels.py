@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import activations, norm
+from . import activations, moe, norm
 from .linear import fused_at_few_rows
 from .linear import linear as composed_linear
 
@@ -27,6 +27,7 @@ class Kernels:
     attention: Callable | None = None  # over the slot cache for every query; None: SDPA / the decode kernel
     norm_rotate_store: Callable | None = None  # q/k norms, RoPE and the K/V write before `attention`
     delta_rule_in_place: bool = False  # Gated DeltaNet: every token through the in-place kernels, no chunked rule
+    moe_experts: Callable = moe.grouped_experts  # (x, gate_up, down, weights, ids) -> the routed experts' sum
     # tensor parallelism (pocketlab.parallel): the sum over ranks of row-parallel outputs (None: one device), the
     # vocab-parallel embedding lookup, and the gather of vocab-parallel logits
     all_reduce: Callable | None = None
@@ -44,16 +45,28 @@ class Kernels:
 DEFAULT = Kernels()
 
 
+def _triton_on_cuda(options) -> bool:
+    return torch.device(options.device).type == "cuda" and importlib.util.find_spec("triton") is not None
+
+
 def fuses_linear(options) -> bool:
     """Whether the default kernels run few-row projections through the fused Triton kernel (matmul and residual
     add or SwiGLU in one launch): options.fused_linear, "auto" meaning on CUDA with Triton."""
     if options.fused_linear == "auto":
-        return torch.device(options.device).type == "cuda" and importlib.util.find_spec("triton") is not None
+        return _triton_on_cuda(options)
     return options.fused_linear == "triton"
 
 
+def moe_in_triton(options) -> bool:
+    """Whether the routed experts run layers.moe_kernel's Triton kernels: options.moe_kernel, "auto" meaning on
+    CUDA with Triton, and always with batch-invariant kernels (grouped_mm's per-row order is not fixed)."""
+    if options.batch_invariant or options.moe_kernel == "triton":
+        return True
+    return options.moe_kernel == "auto" and _triton_on_cuda(options)
+
+
 def kernels_for(options) -> Kernels:
-    kernels = _kernels_for(options)
+    kernels = dataclasses.replace(_kernels_for(options), moe_experts=_moe_experts(options))
     if options.tensor_parallel == 1:
         return kernels
     from ..parallel import comm
@@ -61,6 +74,14 @@ def kernels_for(options) -> Kernels:
     return dataclasses.replace(
         kernels, all_reduce=comm.all_reduce, embedding=comm.vocab_embedding, gather_vocab=comm.gather_last
     )
+
+
+def _moe_experts(options) -> Callable:
+    if not moe_in_triton(options):
+        return moe.grouped_experts
+    from .moe_kernel import fused_experts
+
+    return fused_experts
 
 
 def _kernels_for(options) -> Kernels:

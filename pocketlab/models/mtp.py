@@ -7,7 +7,8 @@ For a sequence x_0 .. x_n with main-model final-normed hidden states h_t, the he
     logits_t = lm_head(o_t)  ~  a guess for x_{t+2}
 
 with the embedding and lm_head shared with the main model and every norm in Qwen3.5's (1 + w) form.
-The block is exactly a main-model full-attention layer (DecoderLayer: Attention(gated=True) + MLP), own KV
+The block is exactly a main-model full-attention layer (DecoderLayer: Attention(gated=True) + MLP, or for
+Qwen3.5-MoE the sparse MoE block with its shared expert: mtp.layers.0.mlp.experts.{e}.*, as vLLM loads it), own KV
 per slot, stored in SlotCache.k/v under the key "mtp" so snapshots and copies carry it.
 
 Position convention: row t (the pair h_t, x_{t+1}) is written to MTP KV index t and rotated at position t,
@@ -29,7 +30,7 @@ from ..cache import SlotCache
 from ..config import ModelConfig
 from ..forward import ForwardContext
 from ..layers.norm import RMSNorm
-from .qwen3 import Attention, DecoderLayer
+from .qwen3 import Attention, DecoderLayer, make_mlp
 
 KV_KEY = "mtp"
 
@@ -51,7 +52,8 @@ class MTPHead:
         p = "mtp.layers.0."
         kernels = main.kernels
         attention = Attention(cfg, w, p + "self_attn.", KV_KEY, kernels, gated=True)
-        self.layer = DecoderLayer(w, p, attention, eps, True, kernels)
+        mlp = make_mlp(cfg, w, p + "mlp.", kernels, cfg.is_moe_layer(None))  # Qwen3.5-MoE: an MoE block
+        self.layer = DecoderLayer(w, p, attention, mlp, eps, True, kernels)
         self.norm = RMSNorm(w.pop("mtp.norm.weight"), eps, True, kernels)
 
     def register(self, cache: SlotCache) -> None:

@@ -1,4 +1,4 @@
-"""Qwen2 / Qwen3 decoder: pre-norm attention + SwiGLU MLP blocks over the slot cache."""
+"""Qwen2 / Qwen3 (and Qwen3-MoE) decoder: pre-norm attention + SwiGLU MLP or MoE blocks over the slot cache."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from ..layers.attention import cached_attention, write_kv
 from ..layers.decode_attention import available as decode_attention_available
 from ..layers.decode_attention import decode_attention
 from ..layers.kernels import Kernels, kernels_for
+from ..layers.moe import SparseMoE
 from ..layers.norm import RMSNorm
 from ..layers.rotary import Rotary, norm_and_rotate
 
@@ -84,15 +85,20 @@ class Attention:
         return self.kernels.project_out(out, self.o, h)
 
 
-class DecoderLayer:
-    """One pre-norm decoder block: a token mixer (Attention, or Qwen3.5's GatedDeltaNet) then an MLP, each
-    reading the normed residual stream and adding to it."""
+def make_mlp(cfg: ModelConfig, w: dict, p: str, kernels: Kernels, moe: bool):
+    """The feed-forward part of a block at prefix p ("...mlp."): a sparse MoE block or the dense SwiGLU MLP."""
+    return SparseMoE(cfg, w, p, kernels) if moe else MLP(w, p, kernels)
 
-    def __init__(self, w: dict, p: str, mixer, eps: float, offset: bool, kernels: Kernels):
+
+class DecoderLayer:
+    """One pre-norm decoder block: a token mixer (Attention, or Qwen3.5's GatedDeltaNet) then an MLP (dense, or a
+    mixture of experts), each reading the normed residual stream and adding to it."""
+
+    def __init__(self, w: dict, p: str, mixer, mlp, eps: float, offset: bool, kernels: Kernels):
         self.input_norm = RMSNorm(w.pop(p + "input_layernorm.weight"), eps, offset, kernels)
         self.mixer = mixer
         self.post_norm = RMSNorm(w.pop(p + "post_attention_layernorm.weight"), eps, offset, kernels)
-        self.mlp = MLP(w, p + "mlp.", kernels)
+        self.mlp = mlp
 
     def __call__(self, h, ctx: ForwardContext, cache: SlotCache):
         h = self.mixer(h, self.input_norm, ctx, cache)  # h + mixer(input_norm(h))
@@ -117,7 +123,8 @@ class DecoderModel:
         self.layers = []
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
-            self.layers.append(DecoderLayer(w, p, self.make_mixer(w, p, i), eps, self.norm_offset, self.kernels))
+            mlp = make_mlp(cfg, w, p + "mlp.", self.kernels, cfg.is_moe_layer(i))
+            self.layers.append(DecoderLayer(w, p, self.make_mixer(w, p, i), mlp, eps, self.norm_offset, self.kernels))
 
     def make_mixer(self, w: dict, p: str, i: int):
         return Attention(self.cfg, w, p + "self_attn.", i, self.kernels)
@@ -138,4 +145,5 @@ class DecoderModel:
 
 
 class DenseModel(DecoderModel):
-    """Qwen2 (qkv bias, no q/k norm) and Qwen3 (q/k RMSNorm per head before RoPE)."""
+    """Qwen2 (qkv bias, no q/k norm) and Qwen3 (q/k RMSNorm per head before RoPE); Qwen3-MoE is Qwen3 with sparse
+    MoE blocks where transformers puts them."""

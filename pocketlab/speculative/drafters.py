@@ -51,6 +51,10 @@ class Drafter:
     def observe(self, spec: Speculator, runs: list[Run], hidden: torch.Tensor) -> None:
         pass
 
+    def graph_steps(self, spec: Speculator) -> list[tuple]:
+        """The graphs this drafter's steps replay, as Speculator.graph_steps lists them (none: drafts eagerly)."""
+        return []
+
     def commit(self, spec: Speculator, rows: list[Row], kept: list[int], hidden: torch.Tensor) -> None:
         pass
 
@@ -214,6 +218,13 @@ class MTPDrafter(Drafter):
             and all(counts)
             and all(r.sampling.greedy and r.k == spec.k for r in rows)
         )
+
+    def graph_steps(self, spec):
+        if spec.engine.graphs is None:
+            return []
+        k = spec.k  # a slot's queue holds 1 .. k+1 rows: one graph per queue length
+        step = lambda ctx: self._draft_step(spec, k, ctx)  # noqa: E731
+        return [(f"draft{k}", queued, k - 1, step, None) for queued in range(1, k + 2)]
 
     def _draft_graphed(self, spec, rows, counts) -> Drafts | None:
         """The draft replayed from a CUDA graph (None: it could not be captured, draft eagerly)."""

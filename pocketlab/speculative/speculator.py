@@ -144,18 +144,30 @@ class Speculator:
         last = logits[torch.arange(len(rows), device=logits.device), torch.tensor(kept, device=logits.device) - 1]
         return emitted, last, [r.position + c for r, c in zip(rows, kept, strict=True)]
 
+    def _capturable(self) -> bool:
+        """The verify step replays a CUDA graph when the engine captures graphs and its per-token delta rule is
+        capturable (the in-place Triton step or our torch one; fla's is not captured)."""
+        eng = self.engine
+        in_place = getattr(eng.model, "in_place", False) or backend_name(eng.options.device) == "torch"
+        return eng.graphs is not None and self.rollback == "states" and in_place
+
     def _graphed(self, runs: list[Run]) -> bool:
-        """The verify step replays a CUDA graph when the engine captures graphs, its per-token delta rule is
-        capturable (the in-place Triton step or our torch one; fla's is not captured) and every run, padded to
-        the longest (padding positions count as real; what they write is never kept), still fits in its slot."""
-        eng, T = self.engine, max(len(run.tokens) for run in runs)
-        capturable = getattr(eng.model, "in_place", False) or backend_name(eng.options.device) == "torch"
-        return (
-            eng.graphs is not None
-            and self.rollback == "states"
-            and capturable
-            and all(run.start + T <= eng.options.max_seq_len for run in runs)
-        )
+        """Capturable, and every run, padded to the longest (padding positions count as real; what they write is
+        never kept), still fits in its slot."""
+        T = max(len(run.tokens) for run in runs)
+        return self._capturable() and all(run.start + T <= self.engine.options.max_seq_len for run in runs)
+
+    def graph_steps(self) -> list[tuple]:
+        """(name, tokens per row, beyond, step, after) of every graph this speculator's steps replay, `after`
+        called on a capture's outputs (or None): what warm-up captures."""
+        verify = [("verify", self.k + 1, 0, self._verify_step, self._capture_rollback)] if self._capturable() else []
+        return verify + self.drafter.graph_steps(self)
+
+    def _capture_rollback(self, run: VerifyRun) -> None:
+        """A verify graph's rollback graph, captured with it rather than at its first rejection."""
+        run.graphed = [] if run.graphed is None else run.graphed
+        if run.gdn_log:
+            self._restore_graph(run)
 
     def _verify_step(self, ctx: ForwardContext, shortest: int | None = None) -> VerifyRun:
         """The main-model forward over every fed run, keeping what a rollback needs (eager, or captured: then

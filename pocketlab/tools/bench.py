@@ -24,12 +24,16 @@ from tqdm import tqdm
 
 from ..config import DTYPES
 from ..engine import QwenEngine
+from . import bench_engine
 from .bench_engine import bench_decode, bench_prefill, build
 from .bench_peer import bench_peer
+from .bench_serving import Trace, bench_serving
 from .bench_tables import print_tables
 from .cli import ints, option
 from .roofline import ModelCost, copy_bandwidth, matmul_rate
 from .timing import Clock
+
+SECTIONS = ("prefill", "decode", "latency", "serving", "peer")
 
 
 @dataclass
@@ -58,6 +62,14 @@ class BenchConfig:
     engine_options: dict = field(default_factory=dict)  # any other EngineOptions field, e.g. decode_attention
     threads: int = 0  # CPU: torch intra-op threads for this run (0: leave as is)
     quantile: float = 0.5  # of the timing samples: median; 0.1 is steadier on a shared CPU
+    warm: bool = True  # engine.warmup() before the timed tasks (first token is timed cold before it, warm after)
+    latency_steps: int = 1000  # decode steps per latency run, from a short prompt across key buckets; 0: none
+    latency_batch_sizes: tuple[int, ...] = (1, 32)
+    serving_requests: int = 128  # requests in the end-to-end trace; 0: none
+    serving_prompt: tuple[int, int] = (32, 512)  # prompt lengths, uniform in [lo, hi]
+    serving_new: tuple[int, int] = (128, 512)  # new tokens per request, uniform in [lo, hi]
+    serving_rate: float = 100.0  # requests per second (Poisson); 0: all at once
+    skip: tuple[str, ...] = ()  # sections not to run (peer: the HF decode peers; --no-peer drops HF everywhere)
     progress: bool = True
 
     def __post_init__(self):
@@ -75,14 +87,18 @@ class BenchConfig:
         bad = set(self.peer_modes) - {"eager", "static"}
         if bad:
             raise ValueError(f"unknown peer mode(s) {sorted(bad)}; use eager and/or static")
+        if set(self.skip) - set(SECTIONS):
+            raise ValueError(f"unknown section(s) {sorted(set(self.skip) - set(SECTIONS))} to skip; any of {SECTIONS}")
 
     @property
     def max_slots(self) -> int:
-        return max(max(self.batch_sizes), self.ragged)
+        return max(max(self.batch_sizes), self.ragged, *self.latency_batch_sizes)
 
     @property
     def max_seq_len(self) -> int:
-        return max(max(self.prompt_lens), self.decode_prompt + self.warmup + self.new_tokens) + 1
+        decode = self.decode_prompt + self.warmup + self.new_tokens + 1  # + 1: MoE counts one more step's experts
+        serving = self.serving_prompt[1] + self.serving_new[1]
+        return max(max(self.prompt_lens), decode, 100 + self.latency_steps, serving) + 1
 
 
 # -- one run -----------------------------------------------------------------------------------
@@ -108,8 +124,11 @@ def _run(cfg: BenchConfig, out: Path | None) -> dict:
         "complete": False,
         "ceilings": {},
         "model": asdict(cost),
+        "start": {},
         "prefill": [],
         "decode": [],
+        "latency": [],
+        "serving": {},
         "peer": [],
         "ratios": {},
     }
@@ -137,15 +156,39 @@ def _run(cfg: BenchConfig, out: Path | None) -> dict:
                 {"mode": mode, "batch": b, "new_tokens": n, "error": f"{type(e).__name__}: {e}"[:500]}
             )
 
-    tasks = [("ceilings", ceilings)]
-    for n in cfg.prompt_lens:
+    def latency(b):
+        result["latency"].append(bench_engine.decode_latency(engine, cfg, b, gen))
+
+    def serving():
+        trace = Trace.random(
+            cfg.serving_requests, cfg.serving_prompt, cfg.serving_new, cfg.serving_rate, engine.cfg.vocab_size, cfg.seed
+        )
+        result["serving"] = bench_serving(engine, hf, trace, cfg.peer)
+
+    def start(name, fn):
+        return lambda: result["start"].update({name: fn()})
+
+    first_token = lambda: bench_engine.first_token(engine, clock, cfg, gen)  # noqa: E731
+    tasks = [("first token, cold", start("first_token_cold", first_token))]
+    if cfg.warm:
+        tasks += [
+            ("warm-up", start("warmup", lambda: bench_engine.warm_up(engine, cfg))),
+            ("first token, warm", start("first_token_warm", first_token)),
+        ]
+    tasks += [("ceilings", ceilings)]
+    for n in cfg.prompt_lens if "prefill" not in cfg.skip else ():
         ragged = [max(1, n * (cfg.ragged - i) // cfg.ragged) for i in range(cfg.ragged)]
         tasks += [
             (f"prefill {n}", lambda n=n: prefill([n], "single")),
             (f"ragged prefill {n}", lambda r=ragged: prefill(r, "ragged")),
         ]
-    tasks += [(f"decode b{b}", lambda b=b: decode(b)) for b in cfg.batch_sizes]
-    if cfg.peer:
+    if "decode" not in cfg.skip:
+        tasks += [(f"decode b{b}", lambda b=b: decode(b)) for b in cfg.batch_sizes]
+    if cfg.latency_steps and "latency" not in cfg.skip:
+        tasks += [(f"latency b{b}", lambda b=b: latency(b)) for b in cfg.latency_batch_sizes]
+    if cfg.serving_requests and "serving" not in cfg.skip:
+        tasks += [("serving", serving)]
+    if cfg.peer and "peer" not in cfg.skip:
         tasks += [(f"HF {m} b{b}", lambda m=m, b=b: peer(m, b)) for m in cfg.peer_modes for b in cfg.peer_batch_sizes]
     with tqdm(tasks, desc=cfg.model, disable=not cfg.progress) as bar:
         for name, task in bar:
@@ -203,6 +246,10 @@ def ratios(result: dict) -> dict:
         for b, d in ours.items():
             if b != 1:
                 out[f"step_b{b}_over_b1"] = d["step_s"] / ours[1]["step_s"]
+    for d in result.get("latency", []):
+        out[f"latency_max_over_p50_b{d['batch']}"] = d["max_over_p50"]
+    if "pocketlab_over_hf" in result.get("serving", {}):
+        out["serving_pocketlab_over_hf"] = result["serving"]["pocketlab_over_hf"]
     return out
 
 
@@ -242,6 +289,14 @@ def parse_args(argv=None) -> tuple[BenchConfig, Path]:
     )
     p.add_argument("--quantile", type=float, default=0.5, help="of the timing samples (0.1 on a shared CPU)")
     p.add_argument("--threads", type=int, default=0, help="CPU intra-op threads (0: torch default)")
+    p.add_argument("--warm", action=argparse.BooleanOptionalAction, default=True, help="engine.warmup() first")
+    p.add_argument("--latency-steps", type=int, default=1000, help="decode steps per latency run (0: none)")
+    p.add_argument("--latency-batch-sizes", type=ints, default=(1, 32))
+    p.add_argument("--serving-requests", type=int, default=128, help="requests in the serving trace (0: none)")
+    p.add_argument("--serving-prompt", type=ints, default=(32, 512), help="prompt lengths lo,hi")
+    p.add_argument("--serving-new", type=ints, default=(128, 512), help="new tokens lo,hi")
+    p.add_argument("--serving-rate", type=float, default=100.0, help="arrivals per second (0: all at once)")
+    p.add_argument("--skip", type=lambda s: tuple(x for x in s.split(",") if x), default=(), help=f"any of {SECTIONS}")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--out", type=Path, default=None, help="default: reports/bench/<device>-<model>.json")
     a = vars(p.parse_args(argv))

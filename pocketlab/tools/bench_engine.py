@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
+from .. import compile_events
 from ..config import DTYPES, EngineOptions, ModelConfig
 from ..engine import QwenEngine
+from ..layers import moe
 from ..requests import BatchedRequest
 from .roofline import ModelCost
 from .synthetic import build_hf_model
@@ -71,6 +75,19 @@ def bench_prefill(
     }
 
 
+def experts_read(engine: QwenEngine, reqs: list[BatchedRequest]) -> int:
+    """The (layer, expert) pairs one more decode step of `reqs` routes to, counted in an eager step (a replayed
+    graph runs no Python): the routed-expert bytes of the measured steps' roofline. Filler rows of a padded graph
+    batch are not counted: they are not the model's cost."""
+    graphs, engine.graphs = engine.graphs, None
+    try:
+        with moe.record_routing() as log:
+            engine.batch_decode_step(reqs)
+    finally:
+        engine.graphs = graphs
+    return sum(int(ids.unique().numel()) for ids in log)
+
+
 def bench_decode(
     engine: QwenEngine,
     clock: Clock,
@@ -100,7 +117,7 @@ def bench_decode(
     step = clock.pick(samples)
     # The step appending token i (0-based, after warm-up) attends over prompt + warmup + i + 1 positions.
     mean_kv = cfg.decode_prompt + cfg.warmup + 1 + (cfg.new_tokens - 1) / 2
-    moved = cost.decode_bytes([mean_kv] * batch)
+    moved = cost.decode_bytes([mean_kv] * batch, experts_read(engine, reqs) if cost.moe_layers else None)
     # Roofline: every byte the step must move, at the copy rate measured in this run. The copy figure
     # counts read + write bytes, so it is already "bytes moved per second" whatever their direction.
     roofline = moved["total_bytes"] / bandwidth
@@ -112,4 +129,51 @@ def bench_decode(
         **moved,
         "roofline_step_s": roofline,
         "roofline_frac": roofline / step,
+    }
+
+
+def first_token(engine: QwenEngine, clock: Clock, cfg: BenchConfig, gen: torch.Generator) -> dict:
+    """Time to first token (a decode_prompt-token prefill, then one decode step) on the engine as it is, what
+    compiled or captured during it, and the slot reset after."""
+    prompt = random_tokens(cfg.decode_prompt, engine.cfg.vocab_size, gen)
+    before = engine.compile_events()
+
+    def call():
+        engine.decode_step(engine.prefill(prompt, slot_id=0).next_token, slot_id=0)
+
+    seconds = clock.time(call)
+    engine.reset()
+    return {"prompt_len": cfg.decode_prompt, "seconds": seconds, "events": compile_events.since(before, engine.graphs)}
+
+
+def warm_up(engine: QwenEngine, cfg: BenchConfig) -> dict:
+    report = engine.warmup(progress=cfg.progress)
+    return {"seconds": report.seconds, "graphs": report.graphs, "failed": report.failed, "events": report.events}
+
+
+def decode_latency(engine: QwenEngine, cfg: BenchConfig, batch: int, gen: torch.Generator) -> dict:
+    """Per-step wall time through the public API over latency_steps batch_decode_steps from a short prompt, so
+    the keys cross several graph buckets: percentiles, the worst step, and anything compiled on the way."""
+    prompt_len = min(cfg.decode_prompt, 100)
+    reqs = [BatchedRequest(i, random_tokens(prompt_len, engine.cfg.vocab_size, gen), slot_id=i) for i in range(batch)]
+    engine.reset()
+    engine.batch_prefill(reqs)
+    before, samples = engine.compile_events(), []
+    for _ in range(cfg.latency_steps):
+        t = time.perf_counter()
+        engine.batch_decode_step(reqs)  # returns host tokens: the step has finished on the device
+        samples.append(time.perf_counter() - t)
+    engine.reset()
+    p50, p90, p99 = np.quantile(samples, [0.5, 0.9, 0.99])
+    return {
+        "batch": batch,
+        "steps": len(samples),
+        "positions": [prompt_len, prompt_len + len(samples)],
+        "p50_s": float(p50),
+        "p90_s": float(p90),
+        "p99_s": float(p99),
+        "max_s": max(samples),
+        "max_over_p50": max(samples) / float(p50),
+        "events": compile_events.since(before, engine.graphs),
+        "samples_s": samples,
     }

@@ -61,7 +61,44 @@ def tables(result: dict) -> dict[str, pd.DataFrame]:
         decode[f"HF {mode} tokens/s"] = decode["batch"].map(rates)
         decode[f"vs HF {mode}"] = decode["tokens/s"] / decode[f"HF {mode} tokens/s"]
     ratio = pd.DataFrame(sorted(result["ratios"].items()), columns=["ratio", "value"])
-    return {"ceilings": ceilings, "prefill": prefill, "decode": decode, "peer": peers, "ratios": ratio}
+    return {
+        "ceilings": ceilings,
+        "start": start_table(result),
+        "prefill": prefill,
+        "decode": decode,
+        "latency": latency_table(result),
+        "serving": serving_table(result),
+        "peer": peers,
+        "ratios": ratio,
+    }
+
+
+def start_table(result: dict) -> pd.DataFrame:
+    """First token cold and warm, and the warm-up between them, with what each compiled or captured."""
+    rows = [{"what": name, "s": r["seconds"], **r["events"]} for name, r in result.get("start", {}).items()]
+    return pd.DataFrame(rows)
+
+
+def latency_table(result: dict) -> pd.DataFrame:
+    """Decode step percentiles over keys crossing graph buckets, and what compiled or captured meanwhile."""
+    keys = ("batch", "steps", "p50_s", "p90_s", "p99_s", "max_s", "max_over_p50")
+    return pd.DataFrame(
+        [
+            {k: d[k] for k in keys} | {"positions": "..".join(map(str, d["positions"]))} | d["events"]
+            for d in result.get("latency", [])
+        ]
+    )
+
+
+def serving_table(result: dict) -> pd.DataFrame:
+    """The end-to-end trace: output tokens/s and request latency, ours and HF continuous batching's."""
+    serving = result.get("serving") or {}
+    rows = [
+        {"engine": name} | {k: v for k, v in serving[name].items() if k != "events"}
+        for name in ("pocketlab", "hf")
+        if name in serving
+    ]
+    return pd.DataFrame(rows)
 
 
 def print_tables(result: dict) -> None:

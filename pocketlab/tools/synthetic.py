@@ -37,6 +37,10 @@ _TINY_HYBRID = dict(
     linear_value_head_dim=16,
     rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25),
 )
+# Mixture of experts: 8 experts of width 32, top-2; Qwen3-MoE with a dense layer (mlp_only_layers) among the sparse
+_TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+_TINY_QWEN3_MOE = dict(_TINY, **_TINY_MOE, num_hidden_layers=3, mlp_only_layers=[1], norm_topk_prob=True)
+_TINY_QWEN3_5_MOE = dict(_TINY_HYBRID, **_TINY_MOE, shared_expert_intermediate_size=32)
 
 # Tiny presets with a real Qwen vocabulary and its tokenizer (see TOKENIZERS): text in, text out. Their embedding
 # is tied and 151,936 (248,320) rows deep, ~10M (16M) parameters, so only the text tests and notebook use them.
@@ -50,6 +54,14 @@ PRESETS: dict[str, tuple[str, dict]] = {
     "tiny-qwen3_5-text": ("qwen3_5_text", dict(_TINY_HYBRID, **_TEXT, vocab_size=248320, eos_token_id=248046)),
     # with a multi-token-prediction head: HF ignores the config key and the mtp.* tensors; see add_mtp()
     "tiny-qwen3_5-mtp": ("qwen3_5_text", dict(_TINY_HYBRID, mtp_num_hidden_layers=1)),
+    "tiny-qwen3_moe": ("qwen3_moe", _TINY_QWEN3_MOE),
+    "tiny-qwen3_5_moe": ("qwen3_5_moe_text", _TINY_QWEN3_5_MOE),
+    "tiny-qwen3_5_moe-mtp": ("qwen3_5_moe_text", dict(_TINY_QWEN3_5_MOE, mtp_num_hidden_layers=1)),
+    "tiny-qwen3_moe-text": ("qwen3_moe", dict(_TINY_QWEN3_MOE, **_TEXT, vocab_size=151936, eos_token_id=151645)),
+    "tiny-qwen3_5_moe-text": (
+        "qwen3_5_moe_text",
+        dict(_TINY_QWEN3_5_MOE, **_TEXT, vocab_size=248320, eos_token_id=248046),
+    ),
     "qwen3-0.6b": (
         "qwen3",
         dict(
@@ -116,6 +128,46 @@ PRESETS: dict[str, tuple[str, dict]] = {
             rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25),
         ),
     ),
+    "qwen3-30b-a3b": (
+        "qwen3_moe",
+        dict(
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=6144,
+            num_hidden_layers=48,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            num_experts=128,
+            num_experts_per_tok=8,
+            moe_intermediate_size=768,
+            norm_topk_prob=True,
+            rope_theta=1e6,
+            tie_word_embeddings=False,
+            max_position_embeddings=40960,
+        ),
+    ),
+    "qwen3.5-35b-a3b": (
+        "qwen3_5_moe_text",
+        dict(
+            vocab_size=248320,
+            hidden_size=2048,
+            num_hidden_layers=40,
+            num_attention_heads=16,
+            num_key_value_heads=2,
+            head_dim=256,
+            linear_num_key_heads=16,
+            linear_num_value_heads=32,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            num_experts=256,
+            num_experts_per_tok=8,
+            moe_intermediate_size=512,
+            shared_expert_intermediate_size=512,
+            tie_word_embeddings=False,
+            rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25),
+        ),
+    ),
     # the tensor-parallel bench's large hybrid: the shape as we read Qwen3.5-27B's config.json (check it against the
     # real file before quoting figures as that model's)
     "qwen3.5-27b-shape": (
@@ -143,14 +195,30 @@ TOKENIZERS = {
     "tiny-qwen2-text": "qwen2",
     "tiny-qwen3-text": "qwen3",
     "tiny-qwen3_5-text": "qwen3_5",
+    "tiny-qwen3_moe-text": "qwen3",
+    "tiny-qwen3_5_moe-text": "qwen3_5",
     "qwen3-0.6b": "qwen3",
     "qwen3-8b": "qwen3",
     "qwen3.5-0.8b": "qwen3_5",
     "qwen3.5-9b": "qwen3_5",
+    "qwen3-30b-a3b": "qwen3",
+    "qwen3.5-35b-a3b": "qwen3_5",
 }
 
-_CONFIGS = {"qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "qwen3_5_text": "Qwen3_5TextConfig"}
-_MODELS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM"}
+_CONFIGS = {
+    "qwen2": "Qwen2Config",
+    "qwen3": "Qwen3Config",
+    "qwen3_5_text": "Qwen3_5TextConfig",
+    "qwen3_moe": "Qwen3MoeConfig",
+    "qwen3_5_moe_text": "Qwen3_5MoeTextConfig",
+}
+_MODELS = {
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+}
 
 
 def hf_config(preset: str, **overrides) -> transformers.PretrainedConfig:
@@ -170,17 +238,22 @@ def build_hf_model(preset: str, seed: int = 0, device: str = "cpu", dtype: torch
 
 
 def write_checkpoint(
-    preset: str, path: str | Path, seed: int = 0, max_shard_size: str | None = None, **overrides
+    preset: str,
+    path: str | Path,
+    seed: int = 0,
+    max_shard_size: str | None = None,
+    tokenizer: bool = True,
+    **overrides,
 ) -> Path:
     """Write config.json + safetensors (sharded with an index when `max_shard_size` is given), and for presets
-    with a real vocabulary the tokenizer files and generation_config.json of their family."""
+    with a real vocabulary (unless tokenizer=False) the tokenizer files and generation_config.json of their family."""
     path = Path(path)
     model = build_hf_model(preset, seed, **overrides)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
     if getattr(model.config, "mtp_num_hidden_layers", 0):
         add_mtp(path, seed)
-    if preset in TOKENIZERS:
+    if preset in TOKENIZERS and tokenizer:
         from .tokenizers import FAMILIES, write_tokenizer
 
         write_tokenizer(TOKENIZERS[preset], path)
@@ -190,11 +263,13 @@ def write_checkpoint(
     return path
 
 
-def ensure_checkpoint(preset: str = DEFAULT_PRESET, root: str | Path = "checkpoints", seed: int = 0) -> Path:
+def ensure_checkpoint(
+    preset: str = DEFAULT_PRESET, root: str | Path = "checkpoints", seed: int = 0, tokenizer: bool = True
+) -> Path:
     """The checkpoint folder for a preset, written once and reused (cheap for tiny presets)."""
     path = Path(root) / f"{preset}-seed{seed}"
     if not (path / "config.json").is_file():
-        write_checkpoint(preset, path, seed)
+        write_checkpoint(preset, path, seed, tokenizer=tokenizer)
     return path
 
 
@@ -222,6 +297,24 @@ def mtp_weights(
     for name, shape in sorted(_mtp_shapes(cfg).items()):
         scale = 0.1 if len(shape) == 1 else std
         out[name] = (torch.randn(shape, generator=gen) * scale).to(device=device, dtype=dtype)
+    return unstack_experts(out)
+
+
+def unstack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Stacked `...experts.gate_up_proj` / `down_proj` as the hub names them: one gate/up/down_proj per expert."""
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith(".experts.gate_up_proj"):
+            block = name.removesuffix(".gate_up_proj")
+            gate, up = t.chunk(2, dim=1)
+            for e in range(t.shape[0]):
+                out[f"{block}.{e}.gate_proj.weight"] = gate[e].contiguous()
+                out[f"{block}.{e}.up_proj.weight"] = up[e].contiguous()
+        elif name.endswith(".experts.down_proj"):
+            block = name.removesuffix(".down_proj")
+            out |= {f"{block}.{e}.down_proj.weight": d.contiguous() for e, d in enumerate(t.unbind(0))}
+        else:
+            out[name] = t
     return out
 
 

@@ -48,6 +48,11 @@ SETTINGS = {
         rounds=5,
         kinds=("vs_hf",),
         tolerance=0.15,
+        latency_steps=200,
+        latency_batch_sizes=(1, 4),
+        serving_requests=12,
+        serving_prompt=(8, 64),
+        serving_new=(16, 48),
     ),
     "cuda": dict(
         batch_sizes=(1, 4, 16, 32, 64),
@@ -91,7 +96,9 @@ def measure(
     if reused is not None:
         return [reused]
     cfg = dict(model=model, device=device, dtype=dtype, seed=seed, progress=progress, **s)
-    return [bench.run(bench.BenchConfig(**cfg)) for _ in range(rounds)]
+    first = bench.run(bench.BenchConfig(**cfg))  # later rounds repeat only the judged sections
+    later = dict(cfg, skip=tuple(cfg.get("skip", ())) + ("latency", "serving"))
+    return [first] + [bench.run(bench.BenchConfig(**later)) for _ in range(rounds - 1)]
 
 
 def reuse_bench(model: str, device: str, dtype: str) -> dict | None:
@@ -261,6 +268,7 @@ def perf(
     t = tables(results)
     kinds = json.loads(_baseline_file(results, baseline).read_text())["kinds"]
     t |= {"rounds": rounds_table(results, kinds), "curves": decode_curves(results), "roofline": roofline(results)}
+    t["latency_ms"] = latency_samples(results)
     first = results[0]
     figs = {
         "source": first["meta"].get("source", "measured now"),
@@ -269,6 +277,7 @@ def perf(
         "matmul_TFLOPs": first["ceilings"]["matmul"]["flop_per_s"] / 1e12,
         **{f"decode_tok_s_b{d['batch']}": d["tokens_per_s"] for d in first["decode"]},
         **t["rounds"]["median"].to_dict(),
+        **{k: v for k, v in first["ratios"].items() if k.startswith(("latency_", "serving_"))},
     }
     return Report("perf", summary, t, figs)
 
@@ -293,6 +302,12 @@ def decode_curves(results: list[dict]) -> pd.DataFrame:
             df.loc[p["batch"], f"HF {p['mode']}"] = p["tokens_per_s"]
     df.index.name = "batch"
     return df.sort_index()
+
+
+def latency_samples(results: list[dict]) -> pd.DataFrame:
+    """Every timed decode step of the latency runs, in ms, one column per batch size (for the histogram/CDF)."""
+    runs = results[0].get("latency", [])
+    return pd.DataFrame({f"batch {d['batch']}": pd.Series(d["samples_s"]) * 1e3 for d in runs})
 
 
 def roofline(results: list[dict]) -> pd.DataFrame:

@@ -1,0 +1,132 @@
+"""The mixture-of-experts block of Qwen3-MoE and Qwen3.5-MoE: router, top-k routed experts, gated shared expert.
+
+Every token is routed on its own (softmax over all experts in float32, torch.topk, optionally renormalized: HF's
+order, so its tie order too) and runs through all of its k experts: nothing is dropped for capacity, so a token's
+output depends on that token alone, never on what else the batch holds (padding rows included).
+
+The routed experts run by one of two sync-free paths (no host round trip, so decode steps can be captured in
+CUDA graphs): `grouped_experts` here (pairs sorted by expert, torch grouped_mm per projection) and the Triton
+kernels of layers.moe_kernel. `looped_experts` is the plain one-matmul-per-expert reference the tests compare to.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+from .activations import swiglu
+from .fused import compiled_in_graphs
+
+_recorders: list[list[torch.Tensor]] = []
+
+
+@contextlib.contextmanager
+def record_routing():
+    """Within this block every SparseMoE call appends its expert ids [N, k] to the yielded list, in layer order
+    (eager forwards only: a replayed CUDA graph runs no Python). The bench counts the experts a step reads by it."""
+    log: list[torch.Tensor] = []
+    _recorders.append(log)
+    try:
+        yield log
+    finally:
+        _recorders.remove(log)
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [N, k] in the logits' dtype, expert ids [N, k]) as transformers routes: softmax in float32 over
+    all experts, then torch.topk (whose order decides ties), then the optional rescale to sum 1."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), ids
+
+
+@compiled_in_graphs
+def sum_over_k(pairs: torch.Tensor) -> torch.Tensor:
+    """[N, k, H] -> [N, H], added in k order in float32: the same adds for a token in any batch (one kernel
+    inside captured decode graphs)."""
+    acc = pairs[:, 0].float()
+    for j in range(1, pairs.shape[1]):
+        acc = acc + pairs[:, j].float()
+    return acc.to(pairs.dtype)
+
+
+def looped_experts(x, gate_up, down, weights, ids) -> torch.Tensor:
+    """Reference: for each expert hit, its tokens' silu(gate) * up -> down, scaled by the routing weight.
+    x [N, H], gate_up [E, 2I, H], down [E, H, I], weights/ids [N, k] -> [N, H]. Host syncs: eager only."""
+    N, k = ids.shape
+    pairs = torch.zeros(N * k, x.shape[1], dtype=x.dtype, device=x.device)
+    flat = ids.reshape(-1)
+    for e in torch.unique(flat).tolist():
+        rows = (flat == e).nonzero()[:, 0]
+        y = F.linear(swiglu(F.linear(x[rows // k], gate_up[e])), down[e])
+        pairs[rows] = y * weights.reshape(-1)[rows, None]
+    return sum_over_k(pairs.view(N, k, -1))
+
+
+def expert_order(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pair indices sorted by expert id, stable [N*k]; tokens per expert [E] int64), without a host sync."""
+    flat = ids.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    return order, counts
+
+
+# torch >= 2.10 spells it F.grouped_mm; torch._grouped_mm before
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def grouped_mm_fits(x, gate_up, down) -> bool:
+    """grouped_mm takes rows of 16-byte multiples (and 16-byte aligned weights), on CUDA 16-bit inputs only."""
+    sizes = all(n * x.element_size() % 16 == 0 for n in (x.shape[1], down.shape[2]))
+    aligned = all(t.data_ptr() % 16 == 0 for t in (gate_up, down))
+    return _GROUPED_MM is not None and sizes and aligned and not (x.is_cuda and x.element_size() != 2)
+
+
+def grouped_experts(x, gate_up, down, weights, ids) -> torch.Tensor:
+    """The routed experts as two grouped matmuls (torch's grouped_mm: each expert's rows against its weight, one
+    call per projection) over the (token, k) pairs sorted by expert; same arguments as `looped_experts`, whose
+    loop runs the shapes grouped_mm cannot take."""
+    if not grouped_mm_fits(x, gate_up, down):
+        return looped_experts(x, gate_up, down, weights, ids)
+    N, k = ids.shape
+    order, counts = expert_order(ids, gate_up.shape[0])
+    offs = counts.cumsum(0).to(torch.int32)
+    xs = x[order // k]
+    h = swiglu(_GROUPED_MM(xs, gate_up.transpose(1, 2), offs=offs))
+    y = _GROUPED_MM(h, down.transpose(1, 2), offs=offs) * weights.reshape(-1)[order, None]
+    pairs = torch.empty_like(y).index_copy_(0, order, y)
+    return sum_over_k(pairs.view(N, k, -1))
+
+
+class SparseMoE:
+    """h + moe(norm(h)), a drop-in for the dense MLP of a decoder layer. p: the block's prefix ("...mlp.")."""
+
+    def __init__(self, cfg, w: dict, p: str, kernels):
+        self.top_k, self.renormalize, self.num_experts = cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.num_experts
+        self.gate_up, self.down = w.pop(p + "experts.gate_up_proj"), w.pop(p + "experts.down_proj")
+        self.router = w.pop(p + "gate.weight")
+        self.shared = cfg.shared_expert_intermediate_size > 0
+        if self.shared:  # its sigmoid gate's one row rides on the router's matmul
+            self.router = torch.cat([self.router, w.pop(p + "shared_expert_gate.weight")])
+            s = p + "shared_expert."
+            self.shared_gate_up = torch.cat([w.pop(s + "gate_proj.weight"), w.pop(s + "up_proj.weight")])
+            self.shared_down = w.pop(s + "down_proj.weight")
+        self.linear, self.sigmoid_gate, self.experts = kernels.linear, kernels.sigmoid_gate, kernels.moe_experts
+
+    def __call__(self, h: torch.Tensor, norm) -> torch.Tensor:
+        x = norm(h)
+        flat = x.reshape(-1, x.shape[-1])
+        logits = self.linear(flat, self.router)
+        weights, ids = route(logits[:, : self.num_experts], self.top_k, self.renormalize)
+        if _recorders:
+            _recorders[-1].append(ids)
+        y = self.experts(flat, self.gate_up, self.down, weights, ids)
+        if self.shared:
+            s = self.linear(self.linear(flat, self.shared_gate_up, swiglu=True), self.shared_down)
+            y = y + self.sigmoid_gate(s, logits[:, self.num_experts :])
+        return h + y.view_as(h)

@@ -1,0 +1,190 @@
+"""The routed experts on the GPU: (token, k) pairs grouped by expert, one Triton launch per projection.
+
+`align` sorts the pairs by expert and lays them out in blocks of BLOCK_M rows, each block one expert's (its last
+block padded with empty rows), in buffers of a size fixed by (tokens, k, experts) alone: no host sync, so a decode
+step with it is captured in a CUDA graph. Then
+- `_gate_up`: per block, its rows' [gate | up] = x @ W_gate_up[e]^T with silu(gate) * up in the epilogue;
+- `_down`: per block, (silu(gate) * up) @ W_down[e]^T scaled by each pair's routing weight;
+- the k outputs of a token are added in k order (moe.sum_over_k).
+Each expert's weights are read once per column tile, however many of its tokens the step holds. A row's dot
+products run over K in the same BLOCK_K steps wherever the row sits in its block, so a token's output does not
+depend on the other tokens of the batch (and with `dot`'s in-order interpreter path, not on numpy's BLAS either).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .invariant.dot import dot, precision
+from .moe import expert_order, sum_over_k
+
+
+@dataclass(frozen=True)
+class Tiles:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def tiles(pairs: int, dtype: torch.dtype, device: torch.device) -> Tiles:
+    """Speed only, never a value's bits: decode's few pairs per expert take 16-row blocks and narrow columns (more
+    programs stream the weights); prefill's many take 64-row blocks. The interpreter keeps tiny tiles."""
+    if device.type == "cpu":
+        return Tiles(16, 32, 32)
+    block_k = 32 if dtype == torch.float32 else 64
+    if pairs <= 1024:
+        return Tiles(16, 32, block_k, num_warps=4, num_stages=4)
+    return Tiles(64, 64, block_k, num_warps=4, num_stages=3)
+
+
+def max_blocks(pairs: int, num_experts: int, block_m: int) -> int:
+    """The most BLOCK_M-row blocks any routing of `pairs` pairs needs: one partial block per expert hit (at most
+    min(E, pairs) of them) plus the full ones."""
+    return min(num_experts, pairs) + triton.cdiv(pairs, block_m)
+
+
+def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pair_of_row [blocks * block_m]: the pair index at each padded row, `pairs` where the row is empty;
+    expert_of_block [blocks]: each block's expert, num_experts past the last used block). Static sizes only."""
+    flat = ids.reshape(-1)
+    pairs = flat.numel()
+    order, counts = expert_order(ids, num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    first = counts.cumsum(0) - counts  # each expert's first place in `order`
+    expert = flat[order]
+    rank = torch.arange(pairs, device=ids.device) - first[expert]
+    blocks = max_blocks(pairs, num_experts, block_m)
+    pair_of_row = torch.full((blocks * block_m,), pairs, dtype=torch.int64, device=ids.device)
+    pair_of_row[padded_end[expert] - padded[expert] + rank] = order
+    starts = torch.arange(blocks, device=ids.device) * block_m
+    expert_of_block = torch.searchsorted(padded_end, starts, right=True)
+    return pair_of_row, expert_of_block
+
+
+@triton.jit
+def _gate_up(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    pair_of_row,
+    expert_of_block,
+    PAIRS,
+    H,
+    I,
+    stride_x,
+    stride_we,
+    stride_wn,
+    stride_o,
+    TOP_K: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """out[pair, n] = silu(x[token] . W[e, n]) * (x[token] . W[e, I + n]) for the block's rows."""
+    block = tl.program_id(0)
+    e = tl.load(expert_of_block + block)
+    if e >= NUM_EXPERTS:
+        return
+    pair = tl.load(pair_of_row + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    live = pair < PAIRS
+    token = tl.where(live, pair // TOP_K, 0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < I
+    w = w_ptr + e.to(tl.int64) * stride_we
+    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < H
+        a = tl.load(x_ptr + token[:, None] * stride_x + k[None, :], mask=live[:, None] & k_ok[None, :], other=0.0)
+        both = k_ok[:, None] & n_ok[None, :]
+        wg = tl.load(w + n[None, :] * stride_wn + k[:, None], mask=both, other=0.0)
+        wu = tl.load(w + (n[None, :] + I) * stride_wn + k[:, None], mask=both, other=0.0)
+        gate = dot(a, wg, gate, PRECISION)
+        up = dot(a, wu, up, PRECISION)
+    y = gate * tl.sigmoid(gate) * up
+    mask = live[:, None] & n_ok[None, :]
+    tl.store(out_ptr + pair[:, None] * stride_o + n[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _down(
+    h_ptr,
+    w_ptr,
+    weights_ptr,
+    out_ptr,
+    pair_of_row,
+    expert_of_block,
+    PAIRS,
+    H,
+    I,
+    stride_h,
+    stride_we,
+    stride_wn,
+    stride_o,
+    NUM_EXPERTS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """out[pair, n] = weight[pair] * (h[pair] . W[e, n]) for the block's rows."""
+    block = tl.program_id(0)
+    e = tl.load(expert_of_block + block)
+    if e >= NUM_EXPERTS:
+        return
+    pair = tl.load(pair_of_row + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    live = pair < PAIRS
+    row = tl.where(live, pair, 0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < H
+    w = w_ptr + e.to(tl.int64) * stride_we
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < I
+        a = tl.load(h_ptr + row[:, None] * stride_h + k[None, :], mask=live[:, None] & k_ok[None, :], other=0.0)
+        wd = tl.load(w + n[None, :] * stride_wn + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = dot(a, wd, acc, PRECISION)
+    acc = acc * tl.load(weights_ptr + row, mask=live, other=0.0).to(tl.float32)[:, None]
+    mask = live[:, None] & n_ok[None, :]
+    tl.store(out_ptr + pair[:, None] * stride_o + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def fused_experts(x, gate_up, down, weights, ids) -> torch.Tensor:
+    """Same contract as moe.looped_experts: x [N, H], gate_up [E, 2I, H], down [E, H, I], weights/ids [N, k]."""
+    N, top_k = ids.shape
+    E, two_i, H = gate_up.shape
+    I = two_i // 2  # noqa: E741
+    if gate_up.stride(2) != 1 or down.stride(2) != 1:
+        raise ValueError("fused_experts needs expert weights contiguous along their input dimension")
+    x = x.contiguous()
+    pairs = N * top_k
+    t = tiles(pairs, x.dtype, x.device)
+    pair_of_row, expert_of_block = align(ids, E, t.block_m)
+    blocks = expert_of_block.numel()
+    prec = precision(x.dtype, x.device)
+    h = torch.empty(pairs, I, dtype=x.dtype, device=x.device)
+    launch = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, PRECISION=prec)
+    launch |= dict(num_warps=t.num_warps, num_stages=t.num_stages) if x.is_cuda else {}
+    _gate_up[(blocks, triton.cdiv(I, t.block_n))](
+        x, gate_up, h, pair_of_row, expert_of_block, pairs, H, I,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
+        TOP_K=top_k, NUM_EXPERTS=E, **launch,
+    )  # fmt: skip
+    out = torch.empty(pairs, H, dtype=x.dtype, device=x.device)
+    _down[(blocks, triton.cdiv(H, t.block_n))](
+        h, down, weights.reshape(-1).contiguous(), out, pair_of_row, expert_of_block, pairs, H, I,
+        h.stride(0), down.stride(0), down.stride(1), out.stride(0),
+        NUM_EXPERTS=E, **launch,
+    )  # fmt: skip
+    return sum_over_k(out.view(N, top_k, H))

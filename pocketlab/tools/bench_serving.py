@@ -1,0 +1,136 @@
+"""End-to-end serving: one trace of requests arriving over time, replayed through pocketlab's generate() loop and
+through HF transformers' continuous batching on the same weights; output tokens per second of each.
+
+The trace: ragged prompt lengths and new-token counts, Poisson arrivals. Every request runs to its new-token count
+(no stop token), so both sides produce exactly the same number of tokens. Each side warms up before its clock
+starts (our engine.warmup(); HF's manager warm-up); time counts from the first arrival to the last token.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import transformers
+
+from ..generate import stream_tokens
+from ..sampling import SamplingParams
+
+
+@dataclass
+class Trace:
+    prompts: list[list[int]]
+    new_tokens: list[int]
+    arrivals: list[float]  # seconds after the start, nondecreasing
+
+    @classmethod
+    def random(cls, n: int, prompt: tuple[int, int], new: tuple[int, int], rate: float, vocab: int, seed: int):
+        """n requests: prompt lengths and new tokens uniform in [lo, hi], arrivals a Poisson process of `rate`/s."""
+        rng = np.random.default_rng(seed)
+        lengths = rng.integers(prompt[0], prompt[1] + 1, n)
+        return cls(
+            prompts=[rng.integers(0, vocab, int(m)).tolist() for m in lengths],
+            new_tokens=rng.integers(new[0], new[1] + 1, n).tolist(),
+            arrivals=np.cumsum(rng.exponential(1 / rate, n)).tolist() if rate > 0 else [0.0] * n,
+        )
+
+    def summary(self) -> dict:
+        lengths = [len(p) for p in self.prompts]
+        return {
+            "requests": len(self.prompts),
+            "prompt_tokens": [min(lengths), int(np.median(lengths)), max(lengths)],
+            "new_tokens": [min(self.new_tokens), int(np.median(self.new_tokens)), max(self.new_tokens)],
+            "output_tokens": sum(self.new_tokens),
+            "arrival_span_s": self.arrivals[-1],
+        }
+
+
+def figures(trace: Trace, finished: dict[int, float], tokens: dict[int, int], seconds: float) -> dict:
+    """Throughput and per-request latency (finish - arrival) of one replay; checks every request ran in full."""
+    short = {i: tokens.get(i, 0) for i, n in enumerate(trace.new_tokens) if tokens.get(i, 0) != n}
+    if short:
+        raise RuntimeError(f"{len(short)} request(s) did not produce their new tokens, e.g. {list(short.items())[:3]}")
+    latency = [finished[i] - a for i, a in enumerate(trace.arrivals)]
+    return {
+        "seconds": seconds,
+        "output_tokens_per_s": sum(trace.new_tokens) / seconds,
+        "latency_p50_s": float(np.median(latency)),
+        "latency_p99_s": float(np.quantile(latency, 0.99)),
+    }
+
+
+def serve_pocketlab(engine, trace: Trace) -> dict:
+    """The trace through generate()'s loop (stream_tokens, so each request's finish time is seen)."""
+    sampling = [SamplingParams(max_new_tokens=n) for n in trace.new_tokens]
+    finished, tokens = {}, {}
+    before = engine.compile_events()
+    start = time.perf_counter()
+    for step in stream_tokens(engine, trace.prompts, sampling, arrivals=trace.arrivals):
+        tokens[step.index] = tokens.get(step.index, 0) + len(step.tokens)
+        if step.finished:
+            finished[step.index] = time.perf_counter() - start
+    out = figures(trace, finished, tokens, time.perf_counter() - start)
+    return out | {"events": {k: v - before[k] for k, v in engine.compile_events().items()}}
+
+
+def _hf_manager_options(hf, gc, trace: Trace) -> dict:
+    """Keyword arguments for HF's continuous-batching context manager: a paged cache that holds the whole trace
+    at once (its default takes 90% of the free memory), in whichever spelling this transformers version has."""
+    accepted = inspect.signature(hf.continuous_batching_context_manager).parameters
+    opts = {"generation_config": gc, "timeout": 5}
+    if "workload_hints" in accepted:
+        from transformers.generation.continuous_batching.utils import WorkloadHints
+
+        longest = max(len(p) for p in trace.prompts)
+        opts["workload_hints"] = WorkloadHints(
+            max_prompt_length=longest, max_generated_length=max(trace.new_tokens), num_requests=len(trace.prompts)
+        )
+    config = getattr(transformers, "ContinuousBatchingConfig", None)
+    fields = inspect.signature(config).parameters if config is not None else {}
+    size = next((name for name in ("page_size", "block_size") if name in fields), None)
+    page = 256
+    blocks = sum(-(-(len(p) + n) // page) for p, n in zip(trace.prompts, trace.new_tokens, strict=True))
+    if size and "num_blocks" in fields and "continuous_batching_config" in accepted:
+        opts["continuous_batching_config"] = config(**{size: page, "num_blocks": blocks})
+    else:  # older versions read the cache size from the generation config
+        gc.num_blocks, gc.block_size = blocks, page
+    return opts
+
+
+def serve_hf(hf, trace: Trace, timeout_s: float = 600.0) -> dict:
+    """The trace through transformers' continuous batching manager (add_request as each request arrives)."""
+    gc = transformers.GenerationConfig(do_sample=False, max_new_tokens=max(trace.new_tokens), pad_token_id=0)
+    finished, tokens, submitted = {}, {}, 0
+    with hf.continuous_batching_context_manager(**_hf_manager_options(hf, gc, trace)) as manager:
+        start = time.perf_counter()
+        while len(finished) < len(trace.prompts):
+            now = time.perf_counter() - start
+            if now > timeout_s:
+                raise TimeoutError(f"HF continuous batching finished {len(finished)} requests in {timeout_s} s")
+            while submitted < len(trace.prompts) and trace.arrivals[submitted] <= now:
+                n = trace.new_tokens[submitted]
+                manager.add_request(trace.prompts[submitted], str(submitted), max_new_tokens=n, eos_token_id=-1)
+                submitted += 1
+            wait = trace.arrivals[submitted] - now if submitted < len(trace.prompts) else 1.0
+            result = manager.get_result(timeout=min(max(wait, 1e-3), 1.0))
+            if result is not None and result.is_finished():
+                finished[int(result.request_id)] = time.perf_counter() - start
+                tokens[int(result.request_id)] = len(result.generated_tokens)
+            elif result is None and not manager.is_running():
+                raise RuntimeError("HF's continuous batching thread stopped")
+        seconds = time.perf_counter() - start
+    return figures(trace, finished, tokens, seconds)
+
+
+def bench_serving(engine, hf, trace: Trace, peer: bool) -> dict:
+    """Both replays of one trace, ours first (HF's manager then sizes its paged cache from what is left)."""
+    out = {"trace": trace.summary(), "pocketlab": serve_pocketlab(engine, trace)}
+    if peer:
+        try:
+            out["hf"] = serve_hf(hf, trace)
+            out["pocketlab_over_hf"] = out["pocketlab"]["output_tokens_per_s"] / out["hf"]["output_tokens_per_s"]
+        except Exception as e:  # e.g. a model HF's continuous batching does not serve: reported, not fatal
+            out["hf"] = {"error": f"{type(e).__name__}: {e}"[:500]}
+    return out

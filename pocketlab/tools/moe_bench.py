@@ -1,0 +1,126 @@
+"""The routed experts of one MoE layer alone, each path timed against the device's ceilings in the same run: how
+the Triton kernels (layers.moe_kernel) and torch's grouped_mm (layers.moe) compare, to choose moe_kernel "auto".
+
+    python -m pocketlab.tools.moe_bench --model qwen3.5-35b-a3b --device cuda [--tokens 1,2,4,8,16,32,64,4096]
+
+Per token count N: the experts its routing reads (random weights, random router), the step time of each path
+(captured in a CUDA graph for N <= 64, as decode runs it; eager beyond, as prefill does), the bytes it must read
+(distinct experts x an expert's weights) over the measured copy bandwidth, and its flops over the matmul rate.
+The loop path (one matmul per expert hit, host syncs: HF's eager way) runs eagerly as the baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+from pathlib import Path
+
+import torch
+
+from ..config import DTYPES, ModelConfig
+from ..layers import moe
+from .cli import ints
+from .roofline import copy_bandwidth, matmul_rate
+from .synthetic import hf_config
+from .timing import Clock
+
+GRAPH_MAX_TOKENS = 64  # decode batches: the engine replays these from CUDA graphs
+
+
+def paths(device: str) -> dict:
+    out = {"grouped_mm": moe.grouped_experts, "loop": moe.looped_experts}
+    if torch.device(device).type == "cuda":
+        from ..layers.moe_kernel import fused_experts
+
+        out = {"triton": fused_experts} | out
+    return out
+
+
+def in_graph(fn, args):
+    """fn(*args) captured once in a CUDA graph: the replay, as a decode step runs it."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn(*args)  # warm-up (Triton compiles, allocator settles) outside the graph
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn(*args)
+    return graph.replay
+
+
+@torch.inference_mode()
+def bench_layer(cfg: ModelConfig, n: int, device: str, dtype: torch.dtype, clock: Clock, repeats: int, ceil: dict):
+    gen = torch.Generator(device=device).manual_seed(n)
+    E, H, I, k = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device=device) * scale).to(dtype)
+
+    x, router = randn(n, H), randn(E, H, scale=H**-0.5)
+    gate_up, down = randn(E, 2 * I, H, scale=H**-0.5), randn(E, H, I, scale=I**-0.5)
+    weights, ids = moe.route(x @ router.T, k, cfg.norm_topk_prob)
+    args = (x, gate_up, down, weights, ids)
+    hit = int(ids.unique().numel())
+    elem = torch.finfo(dtype).bits // 8
+    moved = hit * 3 * I * H * elem + n * H * elem * 2  # the experts read, the tokens in and out
+    flops = 2 * n * k * 3 * I * H
+    row = {"tokens": n, "experts_hit": hit, "bytes": moved, "flops": flops}
+    reference = moe.looped_experts(*args)
+    for name, fn in paths(device).items():
+        try:
+            graphed = clock.cuda and n <= GRAPH_MAX_TOKENS and name != "loop"
+            run = in_graph(fn, args) if graphed else functools.partial(fn, *args)
+            seconds = clock.measure(run, repeats, warmup=3)
+            err = float((fn(*args).float() - reference.float()).abs().max())
+        except Exception as exc:  # noqa: BLE001 - a path that cannot run this shape is reported, not fatal
+            row[name] = {"error": f"{type(exc).__name__}: {exc}"}
+            continue
+        row[name] = {
+            "seconds": seconds,
+            "bandwidth_frac": moved / seconds / ceil["copy"]["bytes_per_s"],
+            "matmul_frac": flops / seconds / ceil["matmul"]["flop_per_s"],
+            "max_abs_diff_vs_loop": err,
+        }
+    return row
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m pocketlab.tools.moe_bench", description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="qwen3.5-35b-a3b", help="an MoE preset of pocketlab.tools.synthetic")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="")
+    ap.add_argument("--tokens", type=ints, default=(1, 2, 4, 8, 16, 32, 64, 4096))
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--out", default="")
+    a = ap.parse_args(argv)
+    dtype = DTYPES[a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32")]
+    cfg = ModelConfig.from_dict(hf_config(a.model).to_dict())
+    if not cfg.num_experts:
+        raise ValueError(f"{a.model} is not a mixture-of-experts preset")
+    clock = Clock(a.device)
+    cuda = a.device.startswith("cuda")
+    ceil = {
+        "copy": copy_bandwidth(clock, a.device, 1024 if cuda else 64, 10),
+        "matmul": matmul_rate(clock, a.device, dtype, 8192 if cuda else 512, 10),
+    }
+    rows = [bench_layer(cfg, n, a.device, dtype, clock, a.repeats, ceil) for n in a.tokens]
+    result = {"model": a.model, "device": a.device, "dtype": str(dtype), "ceilings": ceil, "rows": rows}
+    print(f"{a.model}: E={cfg.num_experts} top-{cfg.num_experts_per_tok} I={cfg.moe_intermediate_size}, {dtype}")
+    print(f"{'tokens':>6} {'experts':>7} " + " ".join(f"{p + ' us':>14} {'bw frac':>7}" for p in paths(a.device)))
+    for r in rows:
+        cells = []
+        for p in paths(a.device):
+            c = r[p]
+            cells.append(
+                f"{'error':>14} {'':>7}" if "error" in c else f"{c['seconds'] * 1e6:14.1f} {c['bandwidth_frac']:7.2f}"
+            )
+        print(f"{r['tokens']:>6} {r['experts_hit']:>7} " + " ".join(cells))
+    if a.out:
+        Path(a.out).write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()
