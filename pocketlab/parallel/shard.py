@@ -4,7 +4,9 @@ Column-parallel (output rows split by heads): q/k/v, gate/up, the Gated DeltaNet
 weights, A_log and dt_bias sliced with their heads. Row-parallel (input columns split): o_proj, down_proj, out_proj;
 the model sums their parts with one all-reduce each. Vocab-parallel: embed_tokens and lm_head rows (Qwen vocabularies
 divide by every power of two up to 128). KV heads are split when there are at least as many as ranks, else each rank
-keeps the one its query heads read (replicated). Norms, the MTP head's fc and everything else are replicated.
+keeps the one its query heads read (replicated). MoE experts are split like the MLP, each by its intermediate dim (the
+router is replicated, so every rank routes alike; one all-reduce sums the block). Norms, the MTP head's fc and
+everything else are replicated.
 
 The slot state follows its heads: K/V by KV head, the conv window by conv channel, the recurrent state by value
 head. `local_snapshot` slices a whole-model snapshot for this rank; `merge_state` puts the ranks' parts back
@@ -45,8 +47,9 @@ class Shard:
             bad.append(f"num_key_value_heads={kv} (split needs kv % N == 0, replication N % kv == 0)")
         if cfg.vocab_size % n:
             bad.append(f"vocab_size={cfg.vocab_size}")
-        if cfg.intermediate_size % n:
-            bad.append(f"intermediate_size={cfg.intermediate_size}")
+        for name in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
+            if getattr(cfg, name) % n:
+                bad.append(f"{name}={getattr(cfg, name)}")
         if cfg.is_hybrid and (cfg.linear_num_key_heads % n or cfg.linear_num_value_heads % n):
             heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
             bad.append("linear_num_key_heads={}, linear_num_value_heads={}".format(*heads))
@@ -65,6 +68,8 @@ class Shard:
             num_attention_heads=cfg.num_attention_heads // n,
             num_key_value_heads=max(cfg.num_key_value_heads // n, 1),
             intermediate_size=cfg.intermediate_size // n,
+            moe_intermediate_size=cfg.moe_intermediate_size // n,
+            shared_expert_intermediate_size=cfg.shared_expert_intermediate_size // n,
             linear_num_key_heads=cfg.linear_num_key_heads // n if cfg.is_hybrid else cfg.linear_num_key_heads,
             linear_num_value_heads=cfg.linear_num_value_heads // n if cfg.is_hybrid else cfg.linear_num_value_heads,
             vocab_size=cfg.vocab_size // n,
@@ -78,6 +83,10 @@ class Shard:
     def weight(self, name: str, t: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
         if self.world == 1:
             return t
+        if name.endswith("experts.gate_up_proj"):  # [E, 2I, d]: every expert's gate and up rows, each split
+            return torch.cat([self._part(half, 1) for half in t.chunk(2, dim=1)], dim=1)
+        if name.endswith("experts.down_proj"):  # [E, d, I]: every expert's input columns
+            return self._part(t, 2)
         module = name.split(".")[-2] if name.endswith((".weight", ".bias")) else name.split(".")[-1]
         if module in COLUMN:
             return self._part(t, 0)
