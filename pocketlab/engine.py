@@ -162,6 +162,8 @@ class QwenEngine:
         (sampling=None: greedy; arrivals: when each is submitted, for replaying a trace); if any prompt is a string
         or a chat (list of {"role", "content"}), every prompt gives a text.Completion (sampling=None: the
         checkpoint's defaults, see default_sampling)."""
+        if arrivals is not None and self.shard.world > 1:  # admission by the clock would differ between the ranks
+            raise ValueError("arrivals (submission by wall-clock time) is not supported with tensor_parallel > 1")
         if all(text.is_token_ids(p) for p in prompts):
             return continuous_batching(self, prompts, GREEDY if sampling is None else sampling, progress, arrivals)
         if arrivals is not None:

@@ -137,6 +137,13 @@ def test_generate_equals_one_device(engines, model):
     )
 
 
+def test_warmup_runs_on_every_rank(engines, model):
+    tp = engines.tp(model)
+    tp.reset()
+    assert tp.warmup(progress=False).prompts > 0
+    assert greedy_run(tp, PROMPT, 3)[0] == greedy_run(engines.one(model), PROMPT, 3)[0]
+
+
 def test_prefix_cache_hit_equals_cold_run(engines, model):
     one, tp = engines.one(model), engines.tp(model)
     tp.reset()
@@ -199,6 +206,8 @@ def test_bad_arguments_fail_on_every_rank_and_the_engine_goes_on(engines, model)
         tp.prefill([])
     with pytest.raises(IndexError):
         tp.decode_step(1, slot_id=9)
+    with pytest.raises(ValueError, match="arrivals"):
+        tp.generate([PROMPT], arrivals=[0.0])
     foreign = Snapshot([1, 2], {"k.0": torch.zeros(2, 2, 16)}, model="another", dtype="float32")
     with pytest.raises(ValueError, match="another model"):
         tp.restore(foreign, slot_id=1)

@@ -69,8 +69,12 @@ class TensorParallelEngine:
     def batch_decode_step(self, requests):
         return self._call("batch_decode_step", (requests,))
 
-    def generate(self, prompts, sampling=None, progress=False, enable_thinking=None):
-        return self._call("generate", (prompts, sampling), dict(progress=progress, enable_thinking=enable_thinking))
+    def generate(self, prompts, sampling=None, progress=False, enable_thinking=None, arrivals=None):
+        kwargs = dict(progress=progress, enable_thinking=enable_thinking, arrivals=arrivals)
+        return self._call("generate", (prompts, sampling), kwargs)
+
+    def warmup(self, progress=True):
+        return self._call("warmup", (), dict(progress=progress))
 
     def allocate_batch_slots(self, n):
         return self._call("allocate_batch_slots", (n,))
@@ -234,7 +238,7 @@ def serve(engine: QwenEngine, report=None) -> None:
             args, kwargs = decode(message["args"]), decode(message["kwargs"])
             args = [_receive(a) for a in args]
             kwargs = {k: _receive(v) for k, v in kwargs.items()}
-            if call == "generate":
+            if call in ("generate", "warmup"):
                 kwargs["progress"] = False  # rank 0 shows it
             result = getattr(engine, call)(*args, **kwargs)
             if call == "stream":
