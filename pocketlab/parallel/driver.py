@@ -33,6 +33,11 @@ from ..sampling import GREEDY, SamplingParams
 from . import comm
 from .shard import Shard
 
+# the calls a follower runs when rank 0 sends them (every call that changes an engine's state)
+CALLS = frozenset(
+    ("prefill", "decode_step", "batch_prefill", "batch_decode_step", "generate", "stream", "warmup")
+    + ("allocate_batch_slots", "allocate_slot", "release_slot", "reset", "snapshot", "restore")
+)
 EXIT_FAILED = 3  # a follower that cannot go on exits with this, after reporting why
 
 
@@ -115,6 +120,7 @@ class TensorParallelEngine:
                         closed = True
 
     def _call(self, name, args, kwargs=None):
+        assert name in CALLS, name
         kwargs = kwargs or {}
         with self._mirrored(name, args, kwargs):
             return getattr(self.engine, name)(*args, **kwargs)
@@ -235,6 +241,8 @@ def serve(engine: QwenEngine, report=None) -> None:
             continue
         error = None
         try:
+            if call not in CALLS:
+                raise ValueError(f"{call!r} is not a call the followers run")
             args, kwargs = decode(message["args"]), decode(message["kwargs"])
             args = [_receive(a) for a in args]
             kwargs = {k: _receive(v) for k, v in kwargs.items()}
