@@ -73,10 +73,15 @@ class Engines:
 
 @pytest.fixture(scope="module")
 def engines(checkpoint):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # the spawned rank: one thread, as this process runs
+    threads = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"  # the spawned rank: one thread, as this process runs
     e = Engines(checkpoint)
     yield e
     e.close()
+    if threads is None:
+        os.environ.pop("OMP_NUM_THREADS")
+    else:
+        os.environ["OMP_NUM_THREADS"] = threads
 
 
 @pytest.fixture(scope="module", params=["dense", "qwen2-kv1", "hybrid", "moe", "hybrid-moe"])
