@@ -34,6 +34,12 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--system", default=None, help="a system message")
         p.add_argument("--no-think", action="store_true", help="enable_thinking=False (Qwen3 / Qwen3.5 templates)")
+        p.add_argument(
+            "--tensor-parallel",
+            type=int,
+            default=1,
+            help="split the model over N processes, one per device (under torchrun --nproc-per-node N, or spawned)",
+        )
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--raw", action="store_true", help="feed the prompt as plain text, not through the chat template")
     return ap
@@ -59,8 +65,15 @@ def load(args, err):
     dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     start = time.perf_counter()
     print(f"loading {path} ({args.device}, {dtype}) ...", file=err, flush=True)
-    opts = EngineOptions(max_slots=1, max_seq_len=args.max_seq_len, device=args.device, dtype=dtype)
-    engine = QwenEngine.from_pretrained(path, opts)
+    opts = EngineOptions(
+        max_slots=1, max_seq_len=args.max_seq_len, device=args.device, dtype=dtype, tensor_parallel=args.tensor_parallel
+    )
+    if opts.tensor_parallel > 1:  # under torchrun, ranks other than 0 serve rank 0 inside launch and exit there
+        from .parallel import launch
+
+        engine = launch(path, opts)
+    else:
+        engine = QwenEngine.from_pretrained(path, opts)
     engine.require_tokenizer()
     print(f"loaded in {time.perf_counter() - start:.1f} s", file=err, flush=True)
     return engine
@@ -134,6 +147,7 @@ def run_chat(engine, args, stdin, out, err) -> None:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     out, err = sys.stdout, sys.stderr
+    engine = None
     try:
         engine = load(args, err)
         if args.command == "generate":
@@ -146,4 +160,7 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted", file=err)
         return 130
+    finally:
+        if hasattr(engine, "close"):  # a tensor-parallel engine: stop the other ranks
+            engine.close()
     return 0

@@ -253,6 +253,8 @@ class EngineOptions:
     prefix_cache_bytes: int = 1 << 30  # budget for retained prefixes and state checkpoints (live slots never count)
     prefix_block: int = 16  # tokens per hashed block in the cross-slot lookup
     checkpoint_stride: int = 512  # hybrid: also checkpoint the recurrent state at multiples of this (0: prompt ends)
+    tensor_parallel: int = 1  # processes (one per device) the weights are sharded over; see pocketlab.parallel
+    parallel_timeout_s: float = 120.0  # tensor_parallel > 1: a collective waiting longer means a rank died or hung
     warmup: bool = False  # capture every graph and compile every kernel variant at construction (engine.warmup)
 
     def __post_init__(self):
@@ -260,6 +262,12 @@ class EngineOptions:
             raise ValueError(f"speculative_tokens={self.speculative_tokens}: need 0 <= k <= {MAX_SPECULATIVE_TOKENS}")
         if self.speculative_rollback not in ("replay", "states"):
             raise ValueError(f"speculative_rollback {self.speculative_rollback!r} is not one of replay, states")
+        if not (isinstance(self.tensor_parallel, int) and self.tensor_parallel >= 1):
+            raise ValueError(f"tensor_parallel={self.tensor_parallel!r}: need an int >= 1 (processes to split over)")
+        if self.parallel_timeout_s <= 0:
+            raise ValueError(f"parallel_timeout_s={self.parallel_timeout_s}: need a positive number of seconds")
+        if self.tensor_parallel > 1 and self.batch_invariant:
+            raise ValueError("batch_invariant=True is not supported with tensor_parallel > 1 (its kernels run unsplit)")
         if self.batch_invariant:
             self._check_batch_invariant()
         if self.dtype not in DTYPES:

@@ -20,6 +20,7 @@ from .layers.fused import LARGE, compiled_kernels
 from .loader import load_weights, optional_mtp, stack_experts, validate_weights
 from .memory import MemoryPlan, resolve
 from .models import build_model
+from .parallel.comm import gather_snapshot, shard_for
 from .prefix_cache import PrefixCache
 from .requests import BatchDecodeResult, BatchedRequest, BatchPrefillResult, ForwardResult, Refusal
 from .sampling import GREEDY, SamplingParams, sample
@@ -59,14 +60,22 @@ class QwenEngine:
         self.tokenizer, self.generation = tokenizer, dict(generation or {})
         options = options or EngineOptions()
         self.cfg = cfg = optional_mtp(cfg, weights, options.speculative_tokens)
+        # tensor parallelism: this process's shard (Shard() on one device) and the config of its part of the model
+        self.shard, options = shard_for(options)
+        local = self.shard.local_config(cfg)
         device = torch.device(options.device).type
         resident = bool(weights) and all(t.device.type == device for t in weights.values())
         self.memory: MemoryPlan = resolve(cfg, options, weights_resident=resident)  # refuses what cannot fit
         self.options = self.memory.options  # max_slots="auto" resolved
-        weights = validate_weights(stack_experts(dict(weights)), cfg, self.options.device, self.options.torch_dtype)
+        whole = "cpu" if self.shard.world > 1 else self.options.device  # sliced on the host, then moved
+        weights = validate_weights(stack_experts(dict(weights)), cfg, whole, self.options.torch_dtype)
         self.model_id = model_id(cfg, weights)  # snapshots carry it: one restores only into its own model
-        self.model = build_model(cfg, weights, self.options)
-        self.cache = SlotCache(cfg, self.options)
+        if self.shard.world > 1:
+            weights = validate_weights(
+                self.shard.weights(weights, cfg), local, self.options.device, self.options.torch_dtype
+            )
+        self.model = build_model(local, weights, self.options)
+        self.cache = SlotCache(local, self.options)
         self.cache.model_id = self.model_id
         self.prefix = PrefixCache(self.cache, self.options) if self.options.prefix_cache else None
         self.num_slots = self.options.max_slots
@@ -82,7 +91,8 @@ class QwenEngine:
         options = options or EngineOptions()
         cfg = ModelConfig.from_pretrained(path)
         options = resolve(cfg, options).options  # before reading any weights: refuse what cannot fit
-        weights = load_weights(path, cfg, options.device, options.torch_dtype, options.speculative_tokens)
+        device = "cpu" if options.tensor_parallel > 1 else options.device  # each rank moves only its shard
+        weights = load_weights(path, cfg, device, options.torch_dtype, options.speculative_tokens)
         return cls(cfg, weights, options, text.load_tokenizer(path), generation_defaults(path))
 
     def warmup(self, progress: bool = True) -> WarmupReport:
@@ -152,6 +162,8 @@ class QwenEngine:
         (sampling=None: greedy; arrivals: when each is submitted, for replaying a trace); if any prompt is a string
         or a chat (list of {"role", "content"}), every prompt gives a text.Completion (sampling=None: the
         checkpoint's defaults, see default_sampling)."""
+        if arrivals is not None and self.shard.world > 1:  # admission by the clock would differ between the ranks
+            raise ValueError("arrivals (submission by wall-clock time) is not supported with tensor_parallel > 1")
         if all(text.is_token_ids(p) for p in prompts):
             return continuous_batching(self, prompts, GREEDY if sampling is None else sampling, progress, arrivals)
         if arrivals is not None:
@@ -218,11 +230,15 @@ class QwenEngine:
         return self.cache.slots[slot_id].position
 
     def snapshot(self, slot_id: int = 0) -> Snapshot:
+        """The slot's state; split over ranks, every rank's part gathered into the one-device layout."""
         self._check_slot(slot_id)
-        return self.cache.snapshot(slot_id)
+        snap = self.cache.snapshot(slot_id)
+        return snap if self.shard.world == 1 else gather_snapshot(snap, self.shard, self.cfg)
 
     def restore(self, snapshot: Snapshot, slot_id: int = 0) -> None:
+        """Restore a snapshot taken at any tensor_parallel (it holds the one-device layout; each rank its part)."""
         self._check_slot(slot_id)
+        snapshot = dataclasses.replace(snapshot, tensors=self.shard.local_snapshot(snapshot.tensors, self.cfg))
         self.cache.check_snapshot(snapshot)
         self.check_tokens(snapshot.tokens, "snapshot history", allow_empty=True)
         with self._transaction([slot_id]):

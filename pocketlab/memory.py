@@ -8,6 +8,7 @@ head's K/V and hidden queue with speculative decoding), the prefix-cache budget 
 pools (each captured step keeps its logits; plus one decode workspace), and the workspace of the largest single
 forward (one prompt's prefill chunk, or a decode step of every slot). batch_prefill of many long prompts at once
 needs more workspace than that: the estimate is for the engine's own steps, not for every call a user may make.
+With tensor_parallel > 1 every figure is one rank's (its shard of the weights and caches), against its device.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from .config import DTYPES, MAX_SPECULATIVE_TOKENS, EngineOptions, ModelConfig
 from .graphs import key_buckets
 from .loader import expected_shapes
+from .parallel.shard import Shard
 
 AUTO_MAX_SLOTS = 1024  # max_slots="auto" never goes beyond this
 
@@ -84,6 +86,8 @@ def plan(cfg: ModelConfig, options: EngineOptions, free: int, weights_resident: 
     """The plan of `options` exactly as given (max_slots an int). weights_resident: the weights are already on the
     device (an engine built from tensors in memory), so `free` no longer includes them."""
     o, elem = options, DTYPES[options.dtype].itemsize
+    vocab = cfg.vocab_size  # logits are gathered whole on every rank
+    cfg = Shard(0, o.tensor_parallel).local_config(cfg)  # tensor parallelism: one rank's part of the model
     weights = 0 if weights_resident else _weight_bytes(cfg, elem)
     kv_layers = len(cfg.attention_layers) + (1 if o.speculative_tokens else 0)  # the MTP head's own K/V region
     per_slot = kv_layers * 2 * cfg.num_key_value_heads * o.max_seq_len * cfg.head_dim * elem
@@ -96,11 +100,11 @@ def plan(cfg: ModelConfig, options: EngineOptions, free: int, weights_resident: 
         per_slot += (MAX_SPECULATIVE_TOKENS + 1) * cfg.hidden_size * elem + 16
     rows = o.max_slots * (1 + o.speculative_tokens)  # a decode step of every slot (with its drafts)
     workspace = _forward_bytes(cfg, max(min(o.prefill_chunk, o.max_seq_len), rows), o.max_seq_len, elem)
-    workspace += rows * cfg.vocab_size * 4  # float32 logits
+    workspace += rows * vocab * 4  # float32 logits
     graphs = 0
     if o.cuda_graphs and torch.device(o.device).type == "cuda":
         sizes = sorted({b for b in o.graph_batch_sizes if b < o.max_slots} | {o.max_slots})
-        outputs = sum(sizes) * len(key_buckets(o.max_seq_len)) * (1 + o.speculative_tokens) * cfg.vocab_size * 4
+        outputs = sum(sizes) * len(key_buckets(o.max_seq_len)) * (1 + o.speculative_tokens) * vocab * 4
         graphs = outputs + _forward_bytes(cfg, rows, o.max_seq_len, elem)
     prefix = o.prefix_cache_bytes if o.prefix_cache else 0
     return MemoryPlan(o, weights, per_slot, prefix, graphs, workspace, free)

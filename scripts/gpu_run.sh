@@ -56,6 +56,8 @@
 #   STALL_MODELS [qwen3-0.6b qwen3.5-0.8b]  STALL_BENCH_MODELS [qwen3-8b qwen3.5-9b]   the stalls step: cold vs warm
 #                    process starts, and the bench's start/latency/serving sections (the bench step has them too);
 #                    STALL_ARGS [] extra bench arguments there (e.g. a shorter serving trace)
+#   TP_MODELS [qwen3-8b qwen3.5-9b]  TP2_MODELS [qwen3.5-27b-shape]  the tp step (not in the default STEPS: it needs
+#                    two GPUs): CUDA tests of tests/test_tensor_parallel.py, bench_tp at TP=1 and 2 (TP2_MODELS: 2 only)
 #   MOE_MODELS [qwen3.5-35b-a3b qwen3-30b-a3b]  the moe step: tests/test_moe.py on CUDA, one layer's experts per
 #                                       shape (moe_bench: triton vs grouped_mm vs loop); bench them with MODELS=
 #   REPORT_NOTEBOOKS [01,02,03,04,05,06,07]  the reports step's notebooks, in this order, each a step of its own
@@ -81,6 +83,8 @@ MTP_MODELS=${MTP_MODELS-qwen3.5-9b}
 INVARIANT_MODELS=${INVARIANT_MODELS-qwen3-8b qwen3.5-9b}
 INVARIANT_STEPS=${INVARIANT_STEPS:-64}
 MOE_MODELS=${MOE_MODELS-qwen3.5-35b-a3b qwen3-30b-a3b}
+TP_MODELS=${TP_MODELS-qwen3-8b qwen3.5-9b}
+TP2_MODELS=${TP2_MODELS-qwen3.5-27b-shape}
 INVARIANT_TESTS=${INVARIANT_TESTS-tests/test_batch_invariant.py tests/test_invariant_kernels.py tests/test_invariant_attention.py tests/test_linear_decode.py}
 INVARIANT_TIMINGS=${INVARIANT_TIMINGS:-1}
 INVARIANT_SWEEP=${INVARIANT_SWEEP:-0}
@@ -274,6 +278,22 @@ if wants moe; then
   for m in $MOE_MODELS; do
     step "moe experts $m" 150 "$reserve" sh -c "python3 -m pocketlab.tools.moe_bench --model $m \
       --out reports/gpu/moe-experts-$m.json | tee reports/gpu/moe-experts-$m-h200.txt"
+  done
+fi
+
+# -- 5e. tensor parallelism (issue 18), two GPUs (kind nvidia-h200-x2, one lane): its tests on CUDA (TP=2 against
+#        TP=1 over NCCL, float32; the fault tests are gloo-only), then bench_tp at TP=1 and TP=2 per shape (decode
+#        batch 1 and 32, prefill 4,096) and TP=2 alone for TP2_MODELS -> reports/gpu/tp{1,2}-<model>.json --
+if wants tp; then
+  mkdir -p reports/gpu
+  step "pytest tensor parallel (cuda)" 300 "$reserve" \
+    env POCKETLAB_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_tensor_parallel.py
+  for m in $TP_MODELS; do
+    step "bench_tp $m TP=1" 240 "$reserve" python3 -m pocketlab.tools.bench_tp --model "$m" --out "reports/gpu/tp1-$m.json"
+  done
+  for m in $TP_MODELS $TP2_MODELS; do
+    step "bench_tp $m TP=2" 300 "$reserve" python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
+      -m pocketlab.tools.bench_tp --model "$m" --out "reports/gpu/tp2-$m.json"
   done
 fi
 

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from . import activations, moe, norm
 from .linear import fused_at_few_rows
@@ -27,6 +28,18 @@ class Kernels:
     norm_rotate_store: Callable | None = None  # q/k norms, RoPE and the K/V write before `attention`
     delta_rule_in_place: bool = False  # Gated DeltaNet: every token through the in-place kernels, no chunked rule
     moe_experts: Callable = moe.grouped_experts  # (x, gate_up, down, weights, ids) -> the routed experts' sum
+    # tensor parallelism (pocketlab.parallel): the sum over ranks of row-parallel outputs (None: one device), the
+    # vocab-parallel embedding lookup, and the gather of vocab-parallel logits
+    all_reduce: Callable | None = None
+    embedding: Callable = F.embedding
+    gather_vocab: Callable = lambda logits: logits  # noqa: E731
+
+    def project_out(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + x @ weight.T for o_proj, down_proj, out_proj. Split over ranks each holds some input columns:
+        one all-reduce sums the parts, then the residual is added once (not inside the fused kernel per rank)."""
+        if self.all_reduce is None:
+            return self.linear(x, weight, residual=residual)
+        return residual + self.all_reduce(self.linear(x, weight))
 
 
 DEFAULT = Kernels()
@@ -53,7 +66,14 @@ def moe_in_triton(options) -> bool:
 
 
 def kernels_for(options) -> Kernels:
-    return dataclasses.replace(_kernels_for(options), moe_experts=_moe_experts(options))
+    kernels = dataclasses.replace(_kernels_for(options), moe_experts=_moe_experts(options))
+    if options.tensor_parallel == 1:
+        return kernels
+    from ..parallel import comm
+
+    return dataclasses.replace(
+        kernels, all_reduce=comm.all_reduce, embedding=comm.vocab_embedding, gather_vocab=comm.gather_last
+    )
 
 
 def _moe_experts(options) -> Callable:

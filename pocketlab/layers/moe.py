@@ -117,6 +117,7 @@ class SparseMoE:
             self.shared_gate_up = torch.cat([w.pop(s + "gate_proj.weight"), w.pop(s + "up_proj.weight")])
             self.shared_down = w.pop(s + "down_proj.weight")
         self.linear, self.sigmoid_gate, self.experts = kernels.linear, kernels.sigmoid_gate, kernels.moe_experts
+        self.all_reduce = kernels.all_reduce  # tensor parallelism: each rank computes its slice of every expert
 
     def __call__(self, h: torch.Tensor, norm) -> torch.Tensor:
         x = norm(h)
@@ -129,4 +130,6 @@ class SparseMoE:
         if self.shared:
             s = self.linear(self.linear(flat, self.shared_gate_up, swiglu=True), self.shared_down)
             y = y + self.sigmoid_gate(s, logits[:, self.num_experts :])
+        if self.all_reduce is not None:
+            y = self.all_reduce(y)
         return h + y.view_as(h)

@@ -25,7 +25,6 @@ model's real hidden states (see pocketlab.speculative.MTPDrafter).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..cache import SlotCache
 from ..config import ModelConfig
@@ -68,7 +67,7 @@ class MTPHead:
         Writes the MTP KV at index t for each row and returns the normed outputs o_t [B, T, hidden]
         (feed them to `logits`, or back in as the hidden state of the next recursive row)."""
         eps, kernels = self.cfg.rms_norm_eps, self.main.kernels
-        e = kernels.rms_norm(F.embedding(ctx.tokens, self.main.embed), self.norm_embed, eps, True)
+        e = kernels.rms_norm(kernels.embedding(ctx.tokens, self.main.embed), self.norm_embed, eps, True)
         h = kernels.rms_norm(hidden.to(e.dtype), self.norm_hidden, eps, True)
         x = kernels.linear(torch.cat([e, h], dim=-1), self.fc)
         self.main.prepare(ctx)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..cache import SlotCache
 from ..config import ModelConfig
@@ -22,11 +21,11 @@ class MLP:
         # gate and up fused into one matmul: one weight read per step instead of two launches
         self.gate_up = torch.cat([w.pop(p + "gate_proj.weight"), w.pop(p + "up_proj.weight")])
         self.down = w.pop(p + "down_proj.weight")
-        self.linear = kernels.linear
+        self.kernels = kernels
 
     def __call__(self, h, norm):
         """h + down(silu(gate(norm(h))) * up(norm(h))): the norm, then two kernels where the linear fuses."""
-        return self.linear(self.linear(h, self.gate_up, norm=norm, swiglu=True), self.down, residual=h)
+        return self.kernels.project_out(self.kernels.linear(h, self.gate_up, norm=norm, swiglu=True), self.down, h)
 
 
 class Attention:
@@ -83,7 +82,7 @@ class Attention:
         out = out.reshape(B, T, self.nq * self.hd)
         if self.gated:
             out = self.kernels.sigmoid_gate(out, gate)
-        return self.kernels.linear(out, self.o, residual=h)
+        return self.kernels.project_out(out, self.o, h)
 
 
 def make_mlp(cfg: ModelConfig, w: dict, p: str, kernels: Kernels, moe: bool):
@@ -133,7 +132,7 @@ class DecoderModel:
     def forward(self, ctx: ForwardContext, cache: SlotCache) -> torch.Tensor:
         """Final-normed hidden states [B, T, hidden] for every token of the context's runs."""
         self.prepare(ctx)
-        h = F.embedding(ctx.tokens, self.embed)
+        h = self.kernels.embedding(ctx.tokens, self.embed)
         for layer in self.layers:
             h = layer(h, ctx, cache)
         return self.final_norm(h)
@@ -142,7 +141,7 @@ class DecoderModel:
         ctx.prepare(self.rotary, self.decode_kernel, invariant=self.kernels.attention is not None)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.kernels.linear(hidden, self.lm_head).float()
+        return self.kernels.gather_vocab(self.kernels.linear(hidden, self.lm_head)).float()
 
 
 class DenseModel(DecoderModel):

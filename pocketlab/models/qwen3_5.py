@@ -46,7 +46,7 @@ class GatedDeltaNet:
         else:
             o = self._run_gathered(qkv, b, a, conv, rec, ctx)
         o = self.kernels.gated_rms_norm(o, z.reshape(B, T, self.hv, self.dv), self.norm, self.cfg.rms_norm_eps)
-        return self.kernels.linear(o.reshape(B, T, self.hv * self.dv), self.out, residual=h)
+        return self.kernels.project_out(o.reshape(B, T, self.hv * self.dv), self.out, h)
 
     def _run_gathered(self, qkv_in, b, a, conv, rec, ctx: ForwardContext) -> torch.Tensor:
         """Any number of tokens: gather the slots' states, run conv and delta rule on the copies, scatter back.

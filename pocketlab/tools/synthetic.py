@@ -168,6 +168,26 @@ PRESETS: dict[str, tuple[str, dict]] = {
             rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25),
         ),
     ),
+    # the tensor-parallel bench's large hybrid: the shape as we read Qwen3.5-27B's config.json (check it against the
+    # real file before quoting figures as that model's)
+    "qwen3.5-27b-shape": (
+        "qwen3_5_text",
+        dict(
+            vocab_size=248320,
+            hidden_size=5120,
+            intermediate_size=17408,
+            num_hidden_layers=64,
+            num_attention_heads=24,
+            num_key_value_heads=4,
+            head_dim=256,
+            linear_num_key_heads=16,
+            linear_num_value_heads=48,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            tie_word_embeddings=False,
+            rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25),
+        ),
+    ),
 }
 DEFAULT_PRESET = "tiny-qwen3"
 # presets whose checkpoint folder gets the real tokenizer and generation_config.json of their family
