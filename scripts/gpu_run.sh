@@ -38,6 +38,18 @@
 # Still owed: the whole bench (all four shapes with the HF peers) after the fused linear, in-kernel attention merge
 # and the 2**23 compile threshold; profiles at the Qwen3.5 shapes (FUSED_MODELS="qwen3.5-0.8b qwen3.5-9b"); the
 # batch-invariant step again (its matmul now carries the epilogues; SwiGLU at many rows runs two stages).
+# Seen on 2026-12-01 (seventh session, one H200; transformers there is 5.17): the full bench at 0.6B with the static
+# peer and the new start/latency/serving sections 195 s; warm-up 50-61 s per shape (49 graphs); startup (two
+# processes) 113 s at 0.6B; the stalls bench 105 s at 8B without HF's serving side, 115 s with a 64-request trace
+# (HF continuous batching ~27 s of it; the 128-request trace did not finish in 170 s), 153 s at 9B (HF refuses the
+# hybrid); tests/test_moe.py on CUDA 70 s; moe_bench 20 s; a Qwen3.5-0.8B profile 71-100 s. Calls made:
+#   STEPS="stalls bench" MODELS=qwen3-0.6b STALL_MODELS=qwen3-0.6b STALL_BENCH_MODELS=qwen3-8b PEER_MODES=static BENCH_CAP_S=230
+#   STEPS="fused stalls" FUSED_TESTS="" FUSED_SWEEP=0 FUSED_MODELS=qwen3.5-0.8b STALL_MODELS=qwen3-0.6b ... BENCH_CAP_S=170
+#   STEPS=moe MOE_MODELS=qwen3-30b-a3b BUDGET_S=205, then STEPS=stalls STALL_MODELS="" STALL_ARGS="--latency-steps 0
+#     --serving-requests 64 --serving-new 128,256" BENCH_CAP_S=190 BUDGET_S=345 (two OUT folders, one call)
+# Still owed: the stalls bench at 9B after the warm-up's 16-row prompts (were 58 Triton compiles in serving);
+# startup at 0.8B; the MoE model bench (MODELS="qwen3-30b-a3b qwen3.5-35b-a3b", --no-warm); the whole bench
+# at the four dense/hybrid shapes with peers; the invariant step; STEPS=tp on a two-GPU machine.
 # Leave ~30 s between BUDGET_S and the call's limit: the final tar must run, or nothing comes back.
 # After each call unpack each lane's reports.tgz and commit what it measured (reports/bench, reports/gpu,
 # reports/baseline, reports/<model>/): every call starts from your tree, so a later call's reports reuse the
