@@ -83,7 +83,8 @@ class QwenEngine:
         use_graphs = self.options.cuda_graphs and torch.device(self.options.device).type == "cuda"
         self.graphs = StepGraphs(self.model, self.cache, self.options) if use_graphs else None
         self.speculator = Speculator(self) if self.options.speculative_tokens else None  # drafts + one verify forward
-        compile_events.track_triton()
+        if device == "cuda":  # the interpreter compiles nothing: on the CPU there is nothing to count
+            compile_events.track_triton()
         self.warmup_report: WarmupReport | None = self.warmup() if self.options.warmup else None
 
     @classmethod

@@ -67,7 +67,6 @@ def warm_up(engine: QwenEngine, progress: bool = True) -> WarmupReport:
     as it was (slots empty, prefix cache empty, counters unchanged)."""
     if len(engine.free_slots()) != engine.num_slots or any(engine.position(s) for s in range(engine.num_slots)):
         raise ValueError("warm up an idle engine: every slot free and empty (warm-up runs its prompts in them)")
-    compile_events.track_triton()
     before, start, forwards = compile_events.counts(engine.graphs), time.perf_counter(), engine.forward_count
     graphs, calls = graph_steps(engine), prompt_shapes(engine)
     with tqdm(total=len(graphs) + len(calls), desc="warm-up", disable=not progress) as bar:
