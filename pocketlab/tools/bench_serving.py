@@ -2,8 +2,9 @@
 through HF transformers' continuous batching on the same weights; output tokens per second of each.
 
 The trace: ragged prompt lengths and new-token counts, Poisson arrivals. Every request runs to its new-token count
-(no stop token), so both sides produce exactly the same number of tokens. Each side warms up before its clock
-starts (our engine.warmup(); HF's manager warm-up); time counts from the first arrival to the last token.
+(no stop token), so both sides produce exactly the same number of tokens. Each side is warm before its clock
+starts (ours: the bench's engine.warmup() task; HF: its manager's warm-up); time counts from the trace's start
+to the last token.
 """
 
 from __future__ import annotations
