@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import transformers
 
+from .. import compile_events
 from ..generate import stream_tokens
 from ..sampling import SamplingParams
 
@@ -73,7 +74,7 @@ def serve_pocketlab(engine, trace: Trace) -> dict:
         if step.finished:
             finished[step.index] = time.perf_counter() - start
     out = figures(trace, finished, tokens, time.perf_counter() - start)
-    return out | {"events": {k: v - before[k] for k, v in engine.compile_events().items()}}
+    return out | {"events": compile_events.since(before, engine.graphs)}
 
 
 def _hf_manager_options(hf, gc, trace: Trace) -> dict:
