@@ -47,8 +47,9 @@ def prompt_shapes(engine: QwenEngine) -> list[list[int]]:
     """Prompt lengths of each warm-up call (one list: one prefill; several: one batch_prefill), each call then
     decoding two steps: one token, a multiple of 16 and one past it, a full prefill chunk; a few ragged rows; and
     16 ragged rows (Triton specialises integer arguments that are multiples of 16) long enough that every
-    elementwise call runs compiled (fused.LARGE), at two lengths (dynamo compiles the dynamic-shape variant at
-    the second)."""
+    elementwise call runs compiled (twice fused.LARGE per hidden-wide tensor, so that the delta rule's q/k, at
+    least as wide, also pass fla's one-block L2 norm), at two lengths (dynamo compiles the dynamic-shape variant
+    at the second)."""
     opts, longest = engine.options, engine.options.max_seq_len - 4  # room for the prefix extension and two steps
     sizes = sorted({min(n, longest) for n in (1, 16, 17, 100, opts.prefill_chunk)})
     calls = [[n] for n in sizes]
@@ -56,7 +57,7 @@ def prompt_shapes(engine: QwenEngine) -> list[list[int]]:
         calls.append([min(17, longest), min(5, longest)])
     rows = min(16, engine.num_slots)
     if rows >= 4:
-        big = -(-fused.LARGE // (rows * engine.cfg.hidden_size))
+        big = -(-2 * fused.LARGE // (rows * engine.cfg.hidden_size))
         for n in dict.fromkeys(min(m, longest, opts.prefill_chunk) for m in (big, big + 17)):
             calls.append([max(1, n - i % 4) for i in range(rows)])
     return calls

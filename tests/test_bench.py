@@ -8,7 +8,9 @@ import re
 
 import pytest
 
-from pocketlab.tools import bench, bench_tables
+from pocketlab.config import EngineOptions, ModelConfig
+from pocketlab.engine import QwenEngine
+from pocketlab.tools import bench, bench_serving, bench_tables, synthetic
 from pocketlab.verify import perf
 
 ARGS = [
@@ -181,3 +183,16 @@ def test_profile_tables_a_decode_step_and_a_prefill(make_engine):
         assert summary["wall_us"] > 0 and summary["kernels_per_step"] >= 10
         assert (kernels.us_per_step.diff().dropna() <= 0).all()  # costliest first
         assert any(re.search(r"aten::(add)?mm$|gemm", name, re.I) for name in kernels.kernel)
+
+
+def test_serving_peer_for_a_model_hf_continuous_batching_refuses():
+    """The hybrid Qwen3.5: HF's continuous batching refuses it (reported), and the peer becomes HF generate() over
+    arrival batches, every request's tokens counted; a trace arriving at once is one batch, finishing together."""
+    hf = synthetic.build_hf_model("tiny-qwen3_5")
+    weights = dict(hf.state_dict())
+    engine = QwenEngine(ModelConfig.from_dict(hf.config.to_dict()), weights, EngineOptions(max_slots=4, max_seq_len=32))
+    trace = bench_serving.Trace.random(3, (4, 9), (2, 5), 0, engine.cfg.vocab_size, seed=1)
+    out = bench_serving.bench_serving(engine, hf, trace, peer=True)
+    assert "error" in out["hf"] and "error" not in out["hf_batches"], out
+    assert positive(out["pocketlab_over_hf_batches"]) and out["hf_batches"]["latency_p50_s"] > 0
+    assert out["hf_batches"]["latency_p50_s"] == out["hf_batches"]["latency_p99_s"]  # one batch

@@ -19,6 +19,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from . import fused
+
 __all__ = [
     "conv_inputs",
     "window_at",
@@ -291,16 +293,52 @@ def gated_delta_rule(
     else:  # fla only reads h0 and writes the final state to a fresh tensor: no defensive copy needed
         state = initial_state.to(torch.float32).contiguous()
     fla_chunk, fla_recurrent = ops
-    fn = fla_recurrent if T == 1 else fla_chunk
-    o, final_state = fn(
-        q=q.contiguous(),
-        k=k.contiguous(),
-        v=v.contiguous(),
-        g=g.float().contiguous(),
-        beta=beta.contiguous(),
-        scale=dk**-0.5,
+    g, scale = g.float(), dk**-0.5
+    if T > 1:
+        o, final_state = _fla_chunk_packed(fla_chunk, q, k, v, g, beta, state, scale)
+    else:
+        o, final_state = fla_recurrent(
+            **{name: x.contiguous() for name, x in dict(q=q, k=k, v=v, g=g, beta=beta).items()},
+            scale=scale,
+            initial_state=state,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )
+    return o.to(kv_dtype), final_state.float()
+
+
+FLA_CHUNK = 64  # fla's chunk length for the delta rule
+FLA_L2NORM_ROWS = 65536  # fla's in-kernel L2 norm compiles once per this many rows (head vectors) of q or k
+
+
+def _fla_chunk_packed(fla_chunk, q, k, v, g, beta, state, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """fla's chunk kernels over B padded rows as ONE sequence-packed call (batch 1, row b = tokens [bT, (b+1)T)),
+    so that no kernel specialises on the batch size (fla's cumsum takes it as a compile-time constant) and each
+    prompt-batch size stops compiling its own kernels. The packing is built from B and T alone, on the device,
+    so it also runs inside a graph capture. Past one block of FLA_L2NORM_ROWS rows q and k are normalised here
+    instead of in fla's kernel, whose variants grow with the row count."""
+    B, T, H = q.shape[:3]
+    in_kernel = B * T * H <= FLA_L2NORM_ROWS
+    if not in_kernel:
+        q, k = _l2norm_as(q), _l2norm_as(k)
+    n = -(-T // FLA_CHUNK)
+    chunk = torch.arange(B * n, device=q.device)
+    o, final_state = fla_chunk(
+        **{
+            name: x.reshape(1, B * T, *x.shape[2:]).contiguous()
+            for name, x in dict(q=q, k=k, v=v, g=g, beta=beta).items()
+        },
+        scale=scale,
         initial_state=state,
         output_final_state=True,
-        use_qk_l2norm_in_kernel=True,
+        use_qk_l2norm_in_kernel=in_kernel,
+        cu_seqlens=torch.arange(0, (B + 1) * T, T, device=q.device),
+        chunk_indices=torch.stack([chunk // n, chunk % n], dim=1),  # (row, chunk within the row) per chunk
     )
-    return o.to(kv_dtype), final_state.float()
+    return o.reshape(B, T, *o.shape[2:]), final_state
+
+
+@fused.compiled_in_graphs
+def _l2norm_as(x: torch.Tensor) -> torch.Tensor:
+    """Our L2 norm in float32, rounded back to x's dtype (as fla's in-kernel norm stores it)."""
+    return _l2norm(x.float()).to(x.dtype)

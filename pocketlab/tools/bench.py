@@ -248,8 +248,9 @@ def ratios(result: dict) -> dict:
                 out[f"step_b{b}_over_b1"] = d["step_s"] / ours[1]["step_s"]
     for d in result.get("latency", []):
         out[f"latency_max_over_p50_b{d['batch']}"] = d["max_over_p50"]
-    if "pocketlab_over_hf" in result.get("serving", {}):
-        out["serving_pocketlab_over_hf"] = result["serving"]["pocketlab_over_hf"]
+    for peer in ("hf", "hf_batches"):
+        if f"pocketlab_over_{peer}" in result.get("serving", {}):
+            out[f"serving_pocketlab_over_{peer}"] = result["serving"][f"pocketlab_over_{peer}"]
     return out
 
 

@@ -91,11 +91,12 @@ def latency_table(result: dict) -> pd.DataFrame:
 
 
 def serving_table(result: dict) -> pd.DataFrame:
-    """The end-to-end trace: output tokens/s and request latency, ours and HF continuous batching's."""
+    """The end-to-end trace: output tokens/s and request latency, ours, HF continuous batching's and (where that
+    refuses the model) HF generate()'s over arrival batches."""
     serving = result.get("serving") or {}
     rows = [
         {"engine": name} | {k: v for k, v in serving[name].items() if k != "events"}
-        for name in ("pocketlab", "hf")
+        for name in ("pocketlab", "hf", "hf_batches")
         if name in serving
     ]
     return pd.DataFrame(rows)
