@@ -81,6 +81,7 @@
 #   WRITE_BASELINE   [0]                1: overwrite reports/baseline/cuda-<model>.json from this run's bench
 #   BUDGET_S         [480]              wall-clock budget; a step gets min(its cap, what is left)
 #   BENCH_CAP_S      [200]  TESTS_CAP_S [240]  REPORTS_CAP_S [150]  (reports' time is reserved while benching)
+#   TESTS            [tests]            the tests step's pytest arguments (files, -k ...)
 #   REPORTS_PARALLEL [0]                1: the notebooks run at once (host-bound, so the GPU has room; not for 04,
 #                                       whose timings want the GPU alone)
 #   OUT              [out]              folder whose files come back: gpu_run.log, summary.txt, reports.tgz
@@ -119,6 +120,7 @@ WRITE_BASELINE=${WRITE_BASELINE:-0}
 BUDGET_S=${BUDGET_S:-480}
 BENCH_CAP_S=${BENCH_CAP_S:-200}
 TESTS_CAP_S=${TESTS_CAP_S:-240}
+TESTS=${TESTS:-tests}
 REPORTS_CAP_S=${REPORTS_CAP_S:-150}
 REPORTS_PARALLEL=${REPORTS_PARALLEL:-0}
 START=$(date +%s)
@@ -177,7 +179,7 @@ fi
 # -- 1. unit tests on CUDA in float32 (the contracts; bf16 is judged at real shapes by the reports), 4 workers;
 #       each failure printed as it happens, so a run cut by its limit still says what failed -----------
 wants tests && step "pytest tests (POCKETLAB_DEVICE=cuda)" "$TESTS_CAP_S" "$reserve" \
-  env POCKETLAB_DEVICE=cuda POCKETLAB_INSTAFAIL=1 python3 -m pytest -q -p no:cacheprovider -n 4 --tb=short tests
+  env POCKETLAB_DEVICE=cuda POCKETLAB_INSTAFAIL=1 python3 -m pytest -q -p no:cacheprovider -n 4 --tb=short $TESTS
 
 # -- 2. bench each model; JSON rewritten after every task, so a timeout keeps what was measured -------
 if wants bench; then
