@@ -192,7 +192,9 @@ def test_serving_peer_for_a_model_hf_continuous_batching_refuses():
     weights = dict(hf.state_dict())
     engine = QwenEngine(ModelConfig.from_dict(hf.config.to_dict()), weights, EngineOptions(max_slots=4, max_seq_len=32))
     trace = bench_serving.Trace.random(3, (4, 9), (2, 5), 0, engine.cfg.vocab_size, seed=1)
+    attention = hf.config._attn_implementation
     out = bench_serving.bench_serving(engine, hf, trace, peer=True)
+    assert hf.config._attn_implementation == attention  # HF's manager may switch it to paged, then refuse
     assert "error" in out["hf"] and "error" not in out["hf_batches"], out
     assert positive(out["pocketlab_over_hf_batches"]) and out["hf_batches"]["latency_p50_s"] > 0
     assert out["hf_batches"]["latency_p50_s"] == out["hf_batches"]["latency_p99_s"]  # one batch

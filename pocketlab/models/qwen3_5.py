@@ -10,7 +10,7 @@ from ..cache import SlotCache
 from ..config import ModelConfig
 from ..forward import ForwardContext
 from ..layers.decode_attention import available as triton_available
-from ..layers.gated_delta import L2_EPS, causal_conv1d, conv_inputs, gated_delta_rule
+from ..layers.gated_delta import L2_EPS, backend_name, causal_conv1d, conv_inputs, gated_delta_rule
 from ..layers.kernels import Kernels
 from ..layers.linear_decode import conv_step, conv_steps, recurrent_step, recurrent_steps
 from .qwen3 import Attention, DecoderModel
@@ -163,6 +163,7 @@ class HybridModel(DecoderModel):
             or (opts.linear_decode == "auto" and triton_available(opts.device))
         )
         super().__init__(cfg, w, opts)
+        backend_name(opts.device)  # imports fla now (seconds), while loading, rather than in the first request
         self.mtp = None  # the MTP draft head, built only when speculative decoding is on
         if cfg.mtp_num_hidden_layers and opts.speculative_tokens:
             from .mtp import MTPHead

@@ -106,6 +106,14 @@ def _hf_manager_options(hf, gc, trace: Trace) -> dict:
 def serve_hf(hf, trace: Trace, timeout_s: float = 600.0) -> dict:
     """The trace through transformers' continuous batching manager (add_request as each request arrives)."""
     gc = transformers.GenerationConfig(do_sample=False, max_new_tokens=max(trace.new_tokens), pad_token_id=0)
+    attention = hf.config._attn_implementation
+    try:
+        return _serve_hf(hf, trace, timeout_s, gc)
+    finally:  # the manager switches the model to paged attention; a refusal may leave it so
+        hf.set_attn_implementation(attention)
+
+
+def _serve_hf(hf, trace: Trace, timeout_s: float, gc) -> dict:
     finished, tokens, submitted = {}, {}, 0
     with hf.continuous_batching_context_manager(**_hf_manager_options(hf, gc, trace)) as manager:
         start = time.perf_counter()
