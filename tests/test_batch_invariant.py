@@ -142,11 +142,12 @@ def test_delta_rule_switched_back_to_the_chunked_form_is_caught(pairs, monkeypat
     assert not r.summary.bitwise.all(), r.summary.to_string()
 
 
-@pytest.mark.parametrize("model", ["tiny-qwen3", "tiny-qwen3_5"])
+@pytest.mark.parametrize("model", ["tiny-qwen3", "tiny-qwen3_5", "tiny-qwen3_moe", "tiny-qwen3_5_moe"])
 def test_batch_invariant_mode_matches_hf(pairs, model):
     """The invariant kernels compute the same model: float32 logits within 1e-4 of HF's over prefill and decode.
-    HF runs on the CPU (on CUDA its float32 Qwen3.5 takes fla's TF32 kernels, 1e-2 off)."""
-    if model == "tiny-qwen3_5" and backend_name(DEVICE) == "fla":
+    HF runs on the CPU (on CUDA its float32 Qwen3.5 takes fla's TF32 kernels, 1e-2 off). Qwen3.5-MoE: the shared
+    expert's gate is one value per token, broadcast over the hidden dim by the invariant sigmoid-gate kernel."""
+    if model.startswith("tiny-qwen3_5") and backend_name(DEVICE) == "fla":
         pytest.skip("HF's Qwen3.5 runs fla's CUDA-only kernels when fla is installed; the CPU run checks it")
     pair = pairs(model)
     eng = pair.engine(max_slots=2, max_seq_len=64, batch_invariant=True)

@@ -80,8 +80,11 @@ def test_bench_json_has_every_section(result):
         "serving",
         "peer",
         "ratios",
+        "memory",
     }
     assert result["complete"] is True
+    assert result["memory"] == {"after_build": {}, "after_last_task": {}}  # GPU bytes only
+    assert result["meta"]["hf_experts_implementation"] is None  # a dense model
     assert result["meta"]["config"]["model"] == "tiny-qwen3" and result["meta"]["notes"]
     assert positive(result["ceilings"]["copy"]["bytes_per_s"]) and positive(result["ceilings"]["matmul"]["flop_per_s"])
     assert all(positive(v) for v in result["model"].values() if v)  # linear-attention terms are 0 for qwen3

@@ -255,12 +255,14 @@ def test_elementwise_match_torch_and_rows_are_batch_invariant(dtype, M, N):
     """swiglu, sigmoid_gate and decay_and_beta against the torch steps they replace (a rounding step or two
     apart: torch's CPU sigmoid differs in the last bit between its SIMD lanes and scalar tail), on strided
     inputs, with short rows packed many to a program (N = 48, 4) and long ones split over column blocks
-    (N = 1500); then every row bitwise the same in any batch."""
+    (N = 1500), sigmoid_gate's gate also as one column (the MoE shared expert's); then every row bitwise the same
+    in any batch."""
     x = elementwise_inputs(dtype, M, N)
     gate_up, left, right = x, x[:, :N], x[:, N:]  # left and right: strided views
     neg_A, dt_bias = -torch.rand(N, device=DEV) * 4, randn(N, seed=9)
     close(inv.swiglu(gate_up), activations.swiglu(gate_up.float()), dtype)
     close(inv.sigmoid_gate(left, right), activations.sigmoid_gate(left.float(), right.float()), dtype)
+    close(inv.sigmoid_gate(left, right[:, :1]), activations.sigmoid_gate(left.float(), right[:, :1].float()), dtype)
     (g, beta), (g_ref, beta_ref) = (
         f(left, right, neg_A, dt_bias) for f in (inv.decay_and_beta, activations.decay_and_beta)
     )

@@ -308,7 +308,92 @@ def test_roofline_counts_the_experts_a_step_reads(tmp_path):
     args = [a if a != "tiny-qwen3" else "tiny-qwen3_5_moe" for a in ARGS]
     args += ["--no-peer", "--batch-sizes", "1,4", "--out", str(tmp_path / "b.json")]
     result = bench.main(args)
+    assert result["meta"]["hf_experts_implementation"] in ("grouped_mm", "batched_mm", "eager")
     for d in result["decode"]:
         layers = 4  # every Qwen3.5-MoE layer is sparse: 8 experts, top-2
         assert 2 * layers <= d["experts_read"] <= min(8, 2 * d["batch"]) * layers
         assert d["total_bytes"] == d["weight_bytes"] + d["expert_bytes"] + d["kv_bytes"] + d["state_bytes"]
+
+
+# -- the real MoE shapes on one GPU ----------------------------------------------------------------
+def assert_reads_hf_tensors_in_place(eng: QwenEngine, hf) -> None:
+    """The engine's routed experts, embedding and lm_head are HF's own tensors (same memory), not copies."""
+    params = dict(hf.named_parameters())
+    held = {"model.embed_tokens.weight": eng.model.embed, "lm_head.weight": eng.model.lm_head}
+    for i, layer in enumerate(eng.model.layers):
+        if isinstance(layer.mlp, moe.SparseMoE):
+            p = f"model.layers.{i}.mlp.experts."
+            held |= {p + "gate_up_proj": layer.mlp.gate_up, p + "down_proj": layer.mlp.down}
+    assert any(".experts." in n for n in held)
+    copied = [n for n, t in held.items() if t.data_ptr() != params[n].data_ptr()]
+    assert not copied, f"the engine copied {copied[:3]}: at Qwen3-30B-A3B two copies of the experts outgrow one H200"
+
+
+@pytest.mark.parametrize("preset", MOE_PRESETS)
+def test_bench_engine_runs_on_hfs_own_experts(preset):
+    """bench's build(): HF's random-weight model and the engine over the very same expert tensors, so the weights are
+    on the GPU once (Qwen3-30B-A3B: 57 GiB of bf16 weights, 54 of them experts; twice would not fit with its K/V)."""
+    from pocketlab.tools.bench import BenchConfig
+    from pocketlab.tools.bench_engine import build
+
+    cfg = BenchConfig(
+        model=preset,
+        device=DEVICE,
+        dtype=DTYPE,
+        batch_sizes=(1,),
+        latency_batch_sizes=(1,),
+        prompt_lens=(16,),
+        new_tokens=2,
+        decode_prompt=8,
+        ragged=1,
+        latency_steps=0,
+        serving_prompt=(1, 1),
+        serving_new=(1, 1),
+    )
+    hf, eng = build(cfg)
+    assert_reads_hf_tensors_in_place(eng, hf)
+
+
+def test_notebook_pair_of_a_real_shape_preset_shares_hfs_experts(monkeypatch):
+    """verify.load_pair builds a real-shape preset in memory (no checkpoint folder) and its engines over HF's tensors:
+    exercised here through a tiny MoE shape under a real-shape (not tiny-) name."""
+    from pocketlab.tools import synthetic
+    from pocketlab.verify.common import load_pair
+
+    monkeypatch.setitem(synthetic.PRESETS, "moe-shape-under-test", synthetic.PRESETS["tiny-qwen3_5_moe"])
+    pair = load_pair("moe-shape-under-test", DEVICE, DTYPE)
+    assert_reads_hf_tensors_in_place(pair.engine(max_slots=1, max_seq_len=64), pair.hf)
+
+
+@pytest.mark.parametrize(
+    "short, full, experts_gate_up",
+    [
+        ("qwen3-30b-a3b-4-layers", "qwen3-30b-a3b", (128, 2 * 768, 2048)),
+        ("qwen3.5-35b-a3b-4-layers", "qwen3.5-35b-a3b", (256, 2 * 512, 2048)),
+    ],
+)
+def test_notebook_moe_presets_are_the_real_model_cut_to_4_layers(short, full, experts_gate_up):
+    """The notebooks' MoE presets: HF's config of the real-shape preset but for the layer count, so every tensor has
+    the real model's shape (the experts' spelled out: Qwen3-30B-A3B 128 x 768, Qwen3.5-35B-A3B 256 x 512, hidden
+    2,048), the first 4 layers of its kinds (Qwen3.5: 3 linear + 1 full attention); and HF's model of it (built on
+    the meta device: no memory) holds exactly the tensors the engine expects."""
+    import re
+
+    from pocketlab.loader import expected_shapes, stack_experts, validate_weights
+    from pocketlab.tools.synthetic import build_hf_model, hf_config
+
+    a, b = hf_config(short).to_dict(), hf_config(full).to_dict()
+    assert {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)} <= {"num_hidden_layers", "layer_types"}
+    cut, whole = ModelConfig.from_dict(a), ModelConfig.from_dict(b)
+    assert cut.num_hidden_layers == 4 < whole.num_hidden_layers
+    assert cut.layer_types == whole.layer_types[:4] and set(cut.layer_types) == set(whole.layer_types)
+
+    def layer(name: str) -> int:
+        m = re.match(r"model\.layers\.(\d+)\.", name)
+        return int(m[1]) if m else -1
+
+    shapes = expected_shapes(cut)
+    assert shapes == {n: s for n, s in expected_shapes(whole).items() if layer(n) < 4}
+    assert shapes["model.layers.0.mlp.experts.gate_up_proj"] == experts_gate_up
+    hf = build_hf_model(short, device="meta", dtype=torch.bfloat16)
+    validate_weights(stack_experts(dict(hf.state_dict())), ModelConfig.from_dict(hf.config.to_dict()), "meta")

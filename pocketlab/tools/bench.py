@@ -131,6 +131,7 @@ def _run(cfg: BenchConfig, out: Path | None) -> dict:
         "serving": {},
         "peer": [],
         "ratios": {},
+        "memory": {"after_build": device_memory(cfg)},
     }
 
     def ceilings():
@@ -195,6 +196,7 @@ def _run(cfg: BenchConfig, out: Path | None) -> dict:
             bar.set_postfix_str(name)
             task()
             result["ratios"] = ratios(result)
+            result["memory"]["after_last_task"] = device_memory(cfg)
             save(result, out)
     result["complete"] = True
     save(result, out)
@@ -205,6 +207,14 @@ def save(result: dict, out: Path | None) -> None:
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1, default=str))
+
+
+def device_memory(cfg: BenchConfig) -> dict:
+    """Bytes torch's allocator holds on the GPU now and at the run's peak so far (the CUDA context not counted): what
+    an estimate of whether a shape fits is checked against. Nothing on the CPU."""
+    if not cfg.device.startswith("cuda"):
+        return {}
+    return {"allocated": torch.cuda.memory_allocated(cfg.device), "peak": torch.cuda.max_memory_allocated(cfg.device)}
 
 
 def meta(cfg: BenchConfig, engine: QwenEngine, hf) -> dict:
@@ -229,6 +239,8 @@ def meta(cfg: BenchConfig, engine: QwenEngine, hf) -> dict:
         "transformers": transformers.__version__,
         "cuda": torch.version.cuda,
         "hf_attn_implementation": getattr(hf.config, "_attn_implementation", None),
+        # MoE: HF's routed-experts path (transformers 5 defaults to grouped_mm; eager loops over experts in Python)
+        "hf_experts_implementation": getattr(hf.config, "_experts_implementation", None) if engine.cfg.is_moe else None,
         "threads": torch.get_num_threads(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "notes": notes,

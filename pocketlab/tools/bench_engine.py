@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 
 
 def build(cfg: BenchConfig):
-    """The random-weight HF model on the device, and a pocketlab engine over the very same tensors."""
+    """The random-weight HF model on the device, and a pocketlab engine over the very same tensors (only its fused
+    projections are its own), so the weights are on the device once: at the MoE shapes two copies do not fit."""
     hf = build_hf_model(cfg.model, cfg.seed, cfg.device, DTYPES[cfg.dtype])
     mcfg = ModelConfig.from_dict(hf.config.to_dict())
     weights = dict(hf.state_dict())

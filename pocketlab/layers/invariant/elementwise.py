@@ -91,8 +91,9 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """x * sigmoid(gate), both [..., N] of one dtype."""
-    x2, g2 = _rows(x), _rows(gate)
+    """x * sigmoid(gate) of one dtype, gate [..., N] or [..., 1] (the MoE shared expert's one gate per token: broadcast
+    here, as torch broadcasts it, since the kernel reads a gate for every element)."""
+    x2, g2 = _rows(x), _rows(gate.expand_as(x))
     y = torch.empty_like(x2)
     if y.numel():
         rows, n = x2.shape
