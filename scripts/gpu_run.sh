@@ -47,9 +47,21 @@
 #   STEPS="fused stalls" FUSED_TESTS="" FUSED_SWEEP=0 FUSED_MODELS=qwen3.5-0.8b STALL_MODELS=qwen3-0.6b ... BENCH_CAP_S=170
 #   STEPS=moe MOE_MODELS=qwen3-30b-a3b BUDGET_S=205, then STEPS=stalls STALL_MODELS="" STALL_ARGS="--latency-steps 0
 #     --serving-requests 64 --serving-new 128,256" BENCH_CAP_S=190 BUDGET_S=345 (two OUT folders, one call)
-# Still owed: the stalls bench at 9B after the warm-up's 16-row prompts (were 58 Triton compiles in serving);
-# startup at 0.8B; the MoE model bench and notebooks (below); the whole bench at the four dense/hybrid shapes with
-# peers; the invariant step; STEPS=tp on a two-GPU machine.
+# Seen on 2026-12-01 (eighth session, one H200): tests/test_gated_delta.py + test_warmup.py on CUDA 88 s; startup at
+# 0.8B 195 s (then > 240 s once warm-up's long rows doubled: give it 300); the stalls bench (serving 64 requests, no
+# latency) 155 s at 8B, 179 s at 9B without an HF side (> 132 s left were not enough with HF's generate() batches);
+# the MoE model bench (no warm-up, prefill 4,096 only, peer static b1/b32) 291 s at 30B-A3B (cut during its
+# last row), > 210 s at 35B-A3B (cut at HF's first static step). When device time runs short the call's limit
+# shrinks below 600 s: set BUDGET_S 30 s under the limit the call will get, or the tar never runs. Calls made:
+#   STEPS="tests stalls" TESTS="tests/test_gated_delta.py tests/test_warmup.py" STALL_MODELS=qwen3.5-0.8b
+#     STALL_BENCH_MODELS=qwen3.5-9b STALL_ARGS="--latency-steps 0 --serving-requests 64 --serving-new 128,256"
+#   STEPS=stalls STALL_MODELS=qwen3.5-0.8b STALL_BENCH_MODELS="qwen3-8b qwen3.5-9b" (same STALL_ARGS) BUDGET_S=565
+#   STEPS=bench MODELS="qwen3-30b-a3b qwen3.5-35b-a3b" PEER_MODES=static BENCH_ARGS="--no-warm --batch-sizes
+#     1,8,32,64 --prompt-lens 4096 --peer-batch-sizes 1,32 --skip latency,serving" BENCH_CAP_S=290 BUDGET_S=535
+# Still owed: startup at 0.8B after fla's import moved into loading (STALL_MODELS=qwen3.5-0.8b, cap 300 s); the 9B
+# serving trace with HF's generate() batches as the peer; the MoE bench at 35B-A3B alone (one call) and the MoE
+# notebooks (below); the whole bench at the four dense/hybrid shapes with peers; the invariant step; STEPS=tp on a
+# two-GPU machine.
 # MoE at real shapes (issue 17), one H200, one call each (the engine runs on the HF peer's own tensors, so the weights
 # are on the GPU once: peak ~86 GiB at 30B-A3B, ~81 GiB at 35B-A3B, most of it the weights and, at 30B, 24 GiB of K/V
 # for 64 slots x 4,097 positions; the JSON's "memory" has the measured peak). Engine warm-up, latency and serving
@@ -291,7 +303,7 @@ fi
 #        bench's start / latency / serving sections alone (its other sections come with the bench step) --------
 if wants stalls; then
   for m in $STALL_MODELS; do
-    step "startup $m (cold vs warm process)" 240 "$reserve" python3 -m pocketlab.tools.startup --model "$m" \
+    step "startup $m (cold vs warm process)" 300 "$reserve" python3 -m pocketlab.tools.startup --model "$m" \
       --root /tmp/checkpoints --out "reports/bench/startup-cuda-$m.json"
   done
   for m in $STALL_BENCH_MODELS; do
