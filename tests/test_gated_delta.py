@@ -204,11 +204,11 @@ def test_dispatcher_on_cpu_uses_torch():
 def fla_chunk_stand_in(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, **packing):
     """What fla 0.6's chunk entry point computes for a sequence-packed call: each sequence [cu[i], cu[i+1]) of
     the one batch row on its own, from its own initial state, its chunks listed in chunk_indices."""
-    cu, chunks = packing.pop("cu_seqlens"), packing.pop("chunk_indices")
+    cu, chunks, size = packing.pop("cu_seqlens"), packing.pop("chunk_indices"), packing.pop("chunk_size")
     assert not packing and q.shape[0] == 1 and output_final_state is True
     lens = (cu[1:] - cu[:-1]).tolist()
     assert initial_state.dtype == torch.float32 and initial_state.shape == (len(lens), H, DK, DV)
-    assert chunks.tolist() == [[i, c] for i, n in enumerate(lens) for c in range(-(-n // gd.FLA_CHUNK))]
+    assert chunks.tolist() == [[i, c] for i, n in enumerate(lens) for c in range(-(-n // size))]
     assert math.isclose(scale, q.shape[-1] ** -0.5)
     assert torch.isfinite(q).all() and torch.isfinite(g).all() and torch.isfinite(beta).all()
     if not use_qk_l2norm_in_kernel:  # normalised by the caller (padding is zero): the stand-in must not do it again
@@ -223,6 +223,7 @@ def fla_chunk_stand_in(q, k, v, g, beta, scale, initial_state, output_final_stat
             initial_state=initial_state[i : i + 1].clone(),
             output_final_state=True,
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            chunk_size=size,
         )
         outs.append(o)
         states.append(s)

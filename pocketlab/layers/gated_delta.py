@@ -307,7 +307,7 @@ def gated_delta_rule(
     return o.to(kv_dtype), final_state.float()
 
 
-FLA_CHUNK = 64  # fla's chunk length for the delta rule
+FLA_CHUNK = 64  # the delta rule's chunk length in fla (its default), which the chunk indices count in
 FLA_L2NORM_ROWS = 65536  # fla's in-kernel L2 norm compiles once per this many rows (head vectors) of q or k
 
 
@@ -334,6 +334,7 @@ def _fla_chunk_packed(fla_chunk, q, k, v, g, beta, state, scale) -> tuple[torch.
         use_qk_l2norm_in_kernel=in_kernel,
         cu_seqlens=torch.arange(0, (B + 1) * T, T, device=q.device),
         chunk_indices=torch.stack([chunk // n, chunk % n], dim=1),  # (row, chunk within the row) per chunk
+        chunk_size=FLA_CHUNK,
     )
     return o.reshape(B, T, *o.shape[2:]), final_state
 
