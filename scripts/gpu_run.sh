@@ -52,7 +52,7 @@
 # latency) 155 s at 8B, 179 s at 9B without an HF side (> 132 s left were not enough with HF's generate() batches);
 # the MoE model bench (no warm-up, prefill 4,096 only, peer static b1/b32) 291 s at 30B-A3B (cut during its
 # last row), > 210 s at 35B-A3B (cut at HF's first static step). When device time runs short the call's limit
-# shrinks below 600 s: set BUDGET_S 30 s under the limit the call will get, or the tar never runs. Calls made:
+# shrinks below 600 s, and the 30 s margin below (BUDGET_S to limit) counts from that. Calls made:
 #   STEPS="tests stalls" TESTS="tests/test_gated_delta.py tests/test_warmup.py" STALL_MODELS=qwen3.5-0.8b
 #     STALL_BENCH_MODELS=qwen3.5-9b STALL_ARGS="--latency-steps 0 --serving-requests 64 --serving-new 128,256"
 #   STEPS=stalls STALL_MODELS=qwen3.5-0.8b STALL_BENCH_MODELS="qwen3-8b qwen3.5-9b" (same STALL_ARGS) BUDGET_S=565
@@ -208,6 +208,7 @@ fi
 
 # -- 1. unit tests on CUDA in float32 (the contracts; bf16 is judged at real shapes by the reports), 4 workers;
 #       each failure printed as it happens, so a run cut by its limit still says what failed -----------
+# shellcheck disable=SC2086
 wants tests && step "pytest tests (POCKETLAB_DEVICE=cuda)" "$TESTS_CAP_S" "$reserve" \
   env POCKETLAB_DEVICE=cuda POCKETLAB_INSTAFAIL=1 python3 -m pytest -q -p no:cacheprovider -n 4 --tb=short $TESTS
 
