@@ -114,3 +114,26 @@ def test_compile_events_count_torch_compile_graphs():
     middle = compile_events.since(before)
     f(torch.ones(3))
     assert middle["compiled_graphs"] == 1 and compile_events.since(before)["compiled_graphs"] == 1
+
+
+@pytest.mark.parametrize("fused_linear", ["torch", "auto"])
+def test_gpu_decode_graphs_hold_no_torch_compile_graph(make_engine, fused_linear):
+    """On CUDA the default kernels run decode's norms and gates as Triton row kernels: capturing a decode graph
+    compiles no torch.compile graph, which a new process would trace again before its first decode step even with
+    the disk cache warm. With fused_linear="torch" the same captures do compile (the counter can move)."""
+    if not torch.cuda.is_available():
+        pytest.skip("torch.compile runs only on CUDA tensors (layers.fused)")
+    from pocketlab import compile_events
+
+    torch._dynamo.reset()  # graphs compiled by earlier tests would otherwise hide this one's
+    for preset in ("tiny-qwen3", "tiny-qwen3_5"):
+        eng = make_engine(preset, device="cuda", fused_linear=fused_linear)
+        before = compile_events.counts()
+        for rows in (1, 2):
+            requests = [BatchedRequest(i, random_prompt(9, seed=i)) for i in range(rows)]
+            eng.batch_prefill(requests)
+            for _ in range(3):
+                eng.batch_decode_step(requests)
+            eng.reset()
+        compiled = compile_events.since(before)["compiled_graphs"]
+        assert (compiled == 0) == (fused_linear == "auto"), (preset, fused_linear, compiled)

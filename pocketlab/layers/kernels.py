@@ -51,7 +51,9 @@ def _triton_on_cuda(options) -> bool:
 
 def fuses_linear(options) -> bool:
     """Whether the default kernels run few-row projections through the fused Triton kernel (matmul and residual
-    add or SwiGLU in one launch): options.fused_linear, "auto" meaning on CUDA with Triton."""
+    add or SwiGLU in one launch) and the norms and gates through their Triton row kernels: options.fused_linear,
+    "auto" meaning on CUDA with Triton. Then no decode graph holds a torch.compile graph, which dynamo would trace
+    again in every new process before its first decode step, disk cache or not."""
     if options.fused_linear == "auto":
         return _triton_on_cuda(options)
     return options.fused_linear == "triton"
@@ -79,29 +81,20 @@ def kernels_for(options) -> Kernels:
 def _moe_experts(options) -> Callable:
     if not moe_in_triton(options):
         return moe.grouped_experts
-    from .moe_kernel import fused_experts
+    from .moe_kernel import default_experts, fused_experts
 
-    return fused_experts
+    return fused_experts if options.batch_invariant else default_experts
 
 
 def _kernels_for(options) -> Kernels:
-    if not options.batch_invariant:
-        if not fuses_linear(options):
-            return DEFAULT
-        from .invariant.matmul import linear as fused
-
-        return Kernels(fused_at_few_rows(fused))
+    if not (options.batch_invariant or fuses_linear(options)):
+        return DEFAULT
     from . import invariant
+
+    rows = (invariant.rms_norm, invariant.gated_rms_norm, invariant.sigmoid_gate, invariant.decay_and_beta)
+    if not options.batch_invariant:  # rows never mix in these, so the row kernels cost no speed: only the matmul
+        return Kernels(fused_at_few_rows(invariant.linear), *rows)  # stays cuBLAS beyond decode's rows
     from .invariant.attention import attention
     from .invariant.rotate import norm_rotate_store
 
-    return Kernels(
-        invariant.linear,
-        invariant.rms_norm,
-        invariant.gated_rms_norm,
-        invariant.sigmoid_gate,
-        invariant.decay_and_beta,
-        attention,
-        norm_rotate_store,
-        delta_rule_in_place=True,
-    )
+    return Kernels(invariant.linear, *rows, attention, norm_rotate_store, delta_rule_in_place=True)
