@@ -62,6 +62,26 @@ def test_recurrent_step_matches_the_reference_rule(hk, hv, dk, dv):
     assert torch.equal(state[others], before[others])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_recurrent_step_with_raw_gates_equals_decay_and_beta_first(dtype):
+    """The decode step's kernel computing g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b) itself gives
+    the bits of the separate decay_and_beta kernel followed by the step: outputs and states. a spans softplus's
+    linear branch (> 20) too."""
+    from pocketlab.layers.invariant import decay_and_beta
+
+    gen = torch.Generator().manual_seed(7)
+    B, hk, hv, dk, dv, slots = 3, 2, 4, 16, 32, torch.tensor([2, 0, 3], device=DEV)
+    q, k, v = randn(B, hk, dk, gen=gen).to(dtype), randn(B, hk, dk, gen=gen).to(dtype), randn(B, hv, dv, gen=gen)
+    ab = (randn(B, 2 * hv + 1, gen=gen) * 12).to(dtype)  # strided halves, as the in_proj output's a and b
+    a, b = ab[:, :hv], ab[:, hv : 2 * hv]
+    neg_A, dt_bias = -randn(hv, gen=gen).exp(), randn(hv, gen=gen)
+    state = randn(4, hv, dk, dv, gen=gen)
+    want_state = state.clone()
+    want = ld.recurrent_step(q, k, v.to(dtype), *decay_and_beta(a, b, neg_A, dt_bias), want_state, slots, gd.L2_EPS)
+    got = ld.recurrent_step(q, k, v.to(dtype), a, b, state, slots, gd.L2_EPS, gates=(neg_A, dt_bias))
+    assert torch.equal(got, want) and torch.equal(state, want_state)
+
+
 def one_token_at_a_time(lengths, T, step):
     """Drive a one-token kernel over ragged rows: step(rows, t) for the rows still inside their lengths."""
     for t in range(T):

@@ -23,6 +23,9 @@ STATE_WARPS = 4  # one- and multi-token recurrent programs alike: the same layou
 if triton is not None:
     import triton.language as tl
 
+    from .invariant.elementwise import sigmoid, softplus
+    from .invariant.rounding import cast
+
     @triton.jit
     def _conv_token(x_ptr, stride_xt, window_ptr, w_ptr, t, c, chan, live, K: tl.constexpr):
         """silu(w[c, K-1] x[t, c] + sum_{j < K-1} w[c, j] full[t + j, c]) in float32 for tokens t [BT] and
@@ -166,11 +169,15 @@ if triton is not None:
         stride_sk,
         stride_ob,
         stride_oh,
+        neg_a_ptr,
+        dt_ptr,
         GROUP: tl.constexpr,
         DK: tl.constexpr,
         BLOCK_V: tl.constexpr,
+        RAW_GATES: tl.constexpr,
     ):
-        """One token per row: the state block of (slot, value head, value block) loaded, advanced, stored."""
+        """One token per row: the state block of (slot, value head, value block) loaded, advanced, stored. With
+        RAW_GATES g and beta are computed here from the raw a and b, as invariant.decay_and_beta computes them."""
         b, hv, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         slot = tl.load(slot_ptr + b).to(tl.int64)
         hk = hv // GROUP  # value head hv reads key head hv // GROUP
@@ -181,6 +188,9 @@ if triton is not None:
         v = tl.load(v_ptr + b * stride_vb + hv * stride_vh + vv).to(tl.float32)
         g = tl.load(g_ptr + b * stride_gb + hv).to(tl.float32)
         beta = tl.load(beta_ptr + b * stride_bb + hv).to(tl.float32)
+        if RAW_GATES:  # g holds a, beta holds b
+            g = tl.load(neg_a_ptr + hv) * softplus(g + tl.load(dt_ptr + hv))
+            beta = cast(sigmoid(beta), beta_ptr.dtype.element_ty).to(tl.float32)
         cells = state_ptr + slot * stride_ss + hv * stride_sh + kk[:, None] * stride_sk + vv[None, :]
         S, o = _delta_rule_token(tl.load(cells), q, k, v, g, beta, scale, eps)
         tl.store(cells, S)
@@ -351,9 +361,12 @@ def recurrent_step(
     state: torch.Tensor,
     slot_ids: torch.Tensor,
     eps: float,
+    gates: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """q, k [B, Hk, dk] raw; v [B, Hv, dv]; g (log-decay), beta [B, Hv] -> o [B, Hv, dv] in v's dtype, while
-    state[slot_ids[b]] ([Hv, dk, dv] float32) advances by one token in place."""
+    state[slot_ids[b]] ([Hv, dk, dv] float32) advances by one token in place. With `gates` = (neg_A, dt_bias)
+    [Hv] float32, g and beta are the raw a and b, and the decay and beta are computed in the same kernel (one
+    launch less per layer and step)."""
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))  # the kernel reads rows whole
     B, Hk, dk = q.shape
     Hv, dv = v.shape[1], v.shape[2]
@@ -383,9 +396,11 @@ def recurrent_step(
         state.stride(2),
         o.stride(0),
         o.stride(1),
+        *(gates if gates is not None else (g, g)),
         GROUP=Hv // Hk,
         DK=dk,
         BLOCK_V=block_v,
+        RAW_GATES=gates is not None,
         num_warps=STATE_WARPS,
     )
     return o

@@ -5,7 +5,8 @@ block padded with empty rows), in buffers of a size fixed by (tokens, k, experts
 step with it is captured in a CUDA graph. Then
 - `_gate_up`: per block, its rows' [gate | up] = x @ W_gate_up[e]^T with silu(gate) * up in the epilogue;
 - `_down`: per block, (silu(gate) * up) @ W_down[e]^T scaled by each pair's routing weight;
-- the k outputs of a token are added in k order (moe.sum_over_k).
+- `_sum_over_k`: the k outputs of a token added in k order in float32, as moe.sum_over_k (no torch.compile graph in
+  a decode step: dynamo would trace it again in every new process).
 Each expert's weights are read once per column tile, however many of its tokens the step holds. A row's dot
 products run over K in the same BLOCK_K steps wherever the row sits in its block, so a token's output does not
 depend on the other tokens of the batch (and with `dot`'s in-order interpreter path, not on numpy's BLAS either).
@@ -27,7 +28,7 @@ import triton
 import triton.language as tl
 
 from .invariant.dot import dot, precision
-from .moe import expert_order, sum_over_k
+from .moe import expert_order
 
 
 @dataclass(frozen=True)
@@ -167,6 +168,17 @@ def _down(
     tl.store(out_ptr + pair[:, None] * stride_o + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _sum_over_k(pairs_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """out[token, n] = pairs[token, 0, n] + pairs[token, 1, n] + ... in float32, in k order."""
+    token = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(pairs_ptr + (token * TOP_K + j) * H + n, mask=n < H, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * H + n, acc.to(out_ptr.dtype.element_ty), mask=n < H)
+
+
 def fused_experts(x, gate_up, down, weights, ids) -> torch.Tensor:
     """Same contract as moe.looped_experts: x [N, H], gate_up [E, 2I, H], down [E, H, I], weights/ids [N, k]."""
     N, top_k = ids.shape
@@ -194,7 +206,10 @@ def fused_experts(x, gate_up, down, weights, ids) -> torch.Tensor:
         h.stride(0), down.stride(0), down.stride(1), out.stride(0),
         NUM_EXPERTS=E, **launch,
     )  # fmt: skip
-    return sum_over_k(out.view(N, top_k, H))
+    total = torch.empty(N, H, dtype=x.dtype, device=x.device)
+    if N:
+        _sum_over_k[(N, triton.cdiv(H, 1024))](out, total, H, TOP_K=top_k, BLOCK=1024)
+    return total
 
 
 ROWS_MAX_PAIRS = 32  # (token, k) pairs up to which the default engine runs row_experts (tools.moe_bench: crossover)

@@ -76,17 +76,17 @@ class GatedDeltaNet:
         """One token per row: [B, Hv, dv] outputs, each slot's conv window and state advanced where they live."""
         y = conv_step(qkv, conv, self.conv_weight, slot_ids)
         q, k, v = y.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
-        g, beta = self.kernels.decay_and_beta(a[:, 0], b[:, 0], self.neg_A, self.dt_bias)
         B = y.shape[0]
         return recurrent_step(
             q.view(B, self.hk, self.dk),
             k.view(B, self.hk, self.dk),
             v.view(B, self.hv, self.dv),
-            g,
-            beta,
+            a[:, 0],
+            b[:, 0],
             rec,
             slot_ids,
             L2_EPS,
+            gates=(self.neg_A, self.dt_bias),  # the decay and beta computed in the step's kernel
         )
 
     def _run_invariant(self, qkv_in, b, a, conv, rec, ctx: ForwardContext) -> torch.Tensor:

@@ -16,8 +16,14 @@ TILE = 1024  # elements per program: [TILE // BLOCK rows, BLOCK columns], BLOCK 
 
 
 @triton.jit
-def _sigmoid(x):
+def sigmoid(x):
     return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def softplus(x):
+    """log(1 + exp(x)), linear above 20 as torch's."""
+    return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
 
 
 @triton.jit
@@ -36,7 +42,7 @@ def _swiglu(x_ptr, y_ptr, M, N, stride_x, stride_y, ROWS: tl.constexpr, BLOCK: t
     gate = tl.load(x_ptr + rows * stride_x + cols, mask=live, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + rows * stride_x + N + cols, mask=live, other=0.0).to(tl.float32)
     dtype = y_ptr.dtype.element_ty
-    silu = cast(gate * _sigmoid(gate), dtype).to(tl.float32)
+    silu = cast(gate * sigmoid(gate), dtype).to(tl.float32)
     tl.store(y_ptr + rows * stride_y + cols, cast(silu * up, dtype), mask=live)
 
 
@@ -47,7 +53,7 @@ def _sigmoid_gate(x_ptr, g_ptr, y_ptr, M, N, stride_x, stride_g, stride_y, ROWS:
     x = tl.load(x_ptr + rows * stride_x + cols, mask=live, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + rows * stride_g + cols, mask=live, other=0.0).to(tl.float32)
     dtype = y_ptr.dtype.element_ty
-    tl.store(y_ptr + rows * stride_y + cols, cast(x * cast(_sigmoid(g), dtype).to(tl.float32), dtype), mask=live)
+    tl.store(y_ptr + rows * stride_y + cols, cast(x * cast(sigmoid(g), dtype).to(tl.float32), dtype), mask=live)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -58,10 +64,9 @@ def _decay_and_beta(
     rows, cols, live = _tile(M, N, ROWS, BLOCK)
     x = tl.load(a_ptr + rows * stride_a + cols, mask=live, other=0.0).to(tl.float32)
     x += tl.load(dt_ptr + cols, mask=cols < N, other=0.0)
-    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
-    tl.store(g_ptr + rows * N + cols, tl.load(neg_a_ptr + cols, mask=cols < N, other=0.0) * softplus, mask=live)
+    tl.store(g_ptr + rows * N + cols, tl.load(neg_a_ptr + cols, mask=cols < N, other=0.0) * softplus(x), mask=live)
     b = tl.load(b_ptr + rows * stride_b + cols, mask=live, other=0.0).to(tl.float32)
-    tl.store(beta_ptr + rows * N + cols, cast(_sigmoid(b), beta_ptr.dtype.element_ty), mask=live)
+    tl.store(beta_ptr + rows * N + cols, cast(sigmoid(b), beta_ptr.dtype.element_ty), mask=live)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from ..arrivals import arrival_counts
 from .dot import dot, precision
+from .elementwise import sigmoid
 from .rounding import cast
 
 PROGRAMS_WANTED = 256  # about two programs per SM of an H200 (132 SMs) for the weight-bound decode shapes
@@ -107,11 +108,6 @@ def _slice_sum(x_rows, w_cols, up_cols, live_m, live_n, k_start, k_end, K, strid
     return acc, acc_up
 
 
-@triton.jit
-def _sigmoid(x):
-    return 1.0 / (1.0 + tl.exp(-x))
-
-
 @triton.jit(do_not_specialize=["rows"])
 def _matmul(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, arrived_ptr, res_ptr, rows, N, K, k_per_split, split_k,
             stride_xm, stride_wn, stride_wk, stride_ym, stride_ps, stride_pm, stride_rm,
@@ -169,7 +165,7 @@ def _matmul(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, arrived_ptr, res_ptr, rows, N,
             y = cast(y.to(tl.float32) + r.to(tl.float32), dtype)
         elif EPILOGUE == 2:  # silu(gate) rounded, times up (rounded), rounded: as layers.activations.swiglu
             gate = y.to(tl.float32)
-            silu = cast(gate * _sigmoid(gate), dtype).to(tl.float32)
+            silu = cast(gate * sigmoid(gate), dtype).to(tl.float32)
             y = cast(silu * cast(total_up, dtype).to(tl.float32), dtype)
         tl.store(y_ptr + m.to(tl.int64)[:, None] * stride_ym + n[None, :], y, mask=live)
 
