@@ -214,6 +214,25 @@ def test_fused_experts_rows_do_not_depend_on_the_batch():
 
 
 @needs_triton
+def test_align_in_one_launch_gives_the_torch_layout():
+    """The one-program align (histogram, sort, scans) lays the pairs out exactly as the torch ops do: experts
+    idle, in one partial block, over several blocks; one pair alone; the most pairs it takes."""
+    from pocketlab.layers.moe_kernel import ALIGN_MAX_PAIRS, align, align_in_one_launch
+
+    gen = torch.Generator().manual_seed(3)
+    cases = [(torch.randint(0, 8, (N, 3), generator=gen), 8, 4) for N in (1, 5, 40)]
+    skewed = torch.where(torch.rand(64, 8, generator=gen) < 0.7, 2, torch.randint(0, 128, (64, 8), generator=gen))
+    cases += [(torch.zeros(1, 1, dtype=torch.int64), 4, 16), (skewed, 128, 16)]
+    cases += [(torch.randint(0, 60, (ALIGN_MAX_PAIRS // 8, 8), generator=gen), 60, 16)]
+    for ids, E, block in cases:
+        ids = ids.to(DEVICE)
+        for want, got in zip(align(ids, E, block), align_in_one_launch(ids, E, block), strict=True):
+            assert torch.equal(got, want), (tuple(ids.shape), E, block)
+    with pytest.raises(ValueError, match="pairs"):
+        align_in_one_launch(torch.zeros(ALIGN_MAX_PAIRS + 1, 1, dtype=torch.int64, device=DEVICE), 4, 16)
+
+
+@needs_triton
 @pytest.mark.parametrize("N", [1, 5])
 def test_row_experts_equal_the_loop_and_ignore_the_batch(N):
     """The few-token kernels (a program per pair, then per token with the k-ordered weighted sum) against the

@@ -2,7 +2,8 @@
 
 `align` sorts the pairs by expert and lays them out in blocks of BLOCK_M rows, each block one expert's (its last
 block padded with empty rows), in buffers of a size fixed by (tokens, k, experts) alone: no host sync, so a decode
-step with it is captured in a CUDA graph. Then
+step with it is captured in a CUDA graph. Up to ALIGN_MAX_PAIRS pairs (decode) one Triton program does it
+(`_align`: a histogram, a sort, two scans) where the torch ops take some twenty launches. Then
 - `_gate_up`: per block, its rows' [gate | up] = x @ W_gate_up[e]^T with silu(gate) * up in the epilogue;
 - `_down`: per block, (silu(gate) * up) @ W_down[e]^T scaled by each pair's routing weight;
 - `_sum_over_k`: the k outputs of a token added in k order in float32, as moe.sum_over_k (no torch.compile graph in
@@ -73,6 +74,58 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
     pair_of_row[padded_end[expert] - padded[expert] + rank] = order
     starts = torch.arange(blocks, device=ids.device) * block_m
     expert_of_block = torch.searchsorted(padded_end, starts, right=True)
+    return pair_of_row, expert_of_block
+
+
+ALIGN_MAX_PAIRS = 1024  # up to here `align` is one Triton program; beyond, torch ops (prefill: their cost is noise)
+
+
+@triton.jit
+def _align(
+    ids_ptr, pair_of_row, expert_of_block, firsts, PAIRS, ROWS, BLOCKS,
+    NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, P: tl.constexpr, E: tl.constexpr, R: tl.constexpr,
+    NB: tl.constexpr,
+):  # fmt: skip
+    """`align`'s two buffers from the flat expert ids, in one program: per expert its count (a histogram), its first
+    place in expert order and its first row (exclusive scans, kept in `firsts` to be gathered); then the pairs
+    sorted stably by expert (keys expert * P + pair), each stored at its expert's first row plus its rank, and
+    each block's expert written by the pair at the block's first row."""
+    i = tl.arange(0, P)
+    expert = tl.load(ids_ptr + i, mask=i < PAIRS, other=NUM_EXPERTS).to(tl.int32)  # lanes past the pairs: no expert
+    bins = tl.arange(0, E)
+    counts = tl.histogram(expert, E)
+    padded = tl.where(bins < NUM_EXPERTS, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+    tl.store(firsts + bins, tl.cumsum(counts, 0) - counts)
+    tl.store(firsts + E + bins, tl.cumsum(padded, 0) - padded)
+    rows, blocks = tl.arange(0, R), tl.arange(0, NB)
+    tl.store(pair_of_row + rows, PAIRS, mask=rows < ROWS)
+    tl.store(expert_of_block + blocks, NUM_EXPERTS, mask=blocks < BLOCKS)
+    tl.debug_barrier()  # the scans and the empty rows are in memory before any thread reads or overwrites them
+    key = tl.sort(expert * P + i)  # position i of the stable expert order
+    e, pair = key // P, key % P
+    live = e < NUM_EXPERTS
+    rank = i - tl.load(firsts + e, mask=live, other=0)
+    row = tl.load(firsts + E + e, mask=live, other=0) + rank
+    tl.store(pair_of_row + row, pair, mask=live)
+    tl.store(expert_of_block + row // BLOCK_M, e, mask=live & (rank % BLOCK_M == 0))
+
+
+def align_in_one_launch(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`align`'s result (the same buffers, bit for bit) from one Triton program; up to ALIGN_MAX_PAIRS pairs."""
+    flat = ids.reshape(-1).contiguous()
+    pairs = flat.numel()
+    if pairs > ALIGN_MAX_PAIRS:
+        raise ValueError(f"align_in_one_launch takes up to {ALIGN_MAX_PAIRS} pairs, got {pairs}")
+    blocks = max_blocks(pairs, num_experts, block_m)
+    pair_of_row = torch.empty(blocks * block_m, dtype=torch.int64, device=ids.device)
+    expert_of_block = torch.empty(blocks, dtype=torch.int64, device=ids.device)
+    E = triton.next_power_of_2(num_experts + 1)  # one bin more: the lanes past the pairs
+    firsts = torch.empty(2 * E, dtype=torch.int32, device=ids.device)
+    _align[(1,)](
+        flat, pair_of_row, expert_of_block, firsts, pairs, blocks * block_m, blocks,
+        NUM_EXPERTS=num_experts, BLOCK_M=block_m, P=triton.next_power_of_2(max(pairs, 2)), E=E,
+        R=triton.next_power_of_2(blocks * block_m), NB=triton.next_power_of_2(blocks),
+    )  # fmt: skip
     return pair_of_row, expert_of_block
 
 
@@ -189,7 +242,8 @@ def fused_experts(x, gate_up, down, weights, ids) -> torch.Tensor:
     x = x.contiguous()
     pairs = N * top_k
     t = tiles(pairs, x.dtype, x.device)
-    pair_of_row, expert_of_block = align(ids, E, t.block_m)
+    aligned = align_in_one_launch if pairs <= ALIGN_MAX_PAIRS else align
+    pair_of_row, expert_of_block = aligned(ids, E, t.block_m)
     blocks = expert_of_block.numel()
     prec = precision(x.dtype, x.device)
     h = torch.empty(pairs, I, dtype=x.dtype, device=x.device)
