@@ -291,6 +291,8 @@ if wants fused; then
     env POCKETLAB_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider --tb=short $FUSED_TESTS
   [ "$FUSED_SWEEP" = 1 ] && step "fused linear launches (sweep)" 150 "$reserve" sh -c \
     "python3 -m pocketlab.layers.invariant.sweep --fused | tee reports/gpu/fused-linear-sweep-h200.txt"
+  [ "$FUSED_SWEEP" = 1 ] && step "residual projection + next norm, one launch vs two" 90 "$reserve" sh -c \
+    "python3 -m pocketlab.layers.invariant.sweep --add-norm --few 1,4,8,16 | tee reports/gpu/add-norm-h200.txt"
   for m in $FUSED_MODELS; do
     for fl in $FUSED_MODES; do
       step "profile $m fused_linear=$fl" 100 "$reserve" sh -c "python3 -m pocketlab.tools.profile --model $m \

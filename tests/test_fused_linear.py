@@ -1,7 +1,8 @@
-"""The fused linear (layers.invariant.matmul): matmul and residual add or SwiGLU in one kernel (after the pre-norm)
-give what the unfused torch steps give, and each row the same bits in any batch (natively on CUDA, through Triton's
-interpreter on the CPU)."""
+"""The fused linear (layers.invariant.matmul): matmul and residual add or SwiGLU in one kernel, and the residual add
+with the next block's RMSNorm after it, give what the unfused torch steps give, and each row the same bits in any
+batch (natively on CUDA, through Triton's interpreter on the CPU)."""
 
+import dataclasses
 import os
 from types import SimpleNamespace
 
@@ -18,7 +19,8 @@ from invariance import assert_rows_invariant  # noqa: E402
 from pocketlab.layers import invariant as inv  # noqa: E402
 from pocketlab.layers import linear as torch_linear  # noqa: E402
 from pocketlab.layers.invariant import matmul  # noqa: E402
-from pocketlab.layers.norm import RMSNorm  # noqa: E402
+from pocketlab.layers.invariant.matmul import linear_add_norm  # noqa: E402
+from pocketlab.layers.norm import RMSNorm, rms_norm  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # (N, K): K in several slices at few rows, and a shape off the tiles in one slice
@@ -32,19 +34,21 @@ def randn(*shape, dtype=torch.float32, scale=1.0, seed=0):
     return (torch.randn(*shape, generator=gen) * scale).to(DEV, dtype)
 
 
-def inputs(M, N, K, dtype, flavour, epilogue, seed=0):
-    """x [M, K] at a scale the norm must undo, the weight (2N rows for swiglu) and the fused extras."""
-    x = randn(M, K, dtype=dtype, scale=3.0, seed=seed)
+def inputs(M, N, K, dtype, epilogue, seed=0):
+    """x [M, K], the weight (2N rows for swiglu) and the fused extras."""
+    x = randn(M, K, dtype=dtype, seed=seed)
     w = randn(2 * N if epilogue == "swiglu" else N, K, dtype=dtype, scale=K**-0.5, seed=seed + 1)
-    offset = FLAVOURS[flavour]
-    norm = None if offset is None else RMSNorm(randn(K, dtype=dtype, scale=0.3, seed=seed + 2) + 1.0, 1e-6, offset)
     extras = dict(
-        norm=norm,
         residual=randn(M, N, dtype=dtype, seed=seed + 3) if epilogue == "residual" else None,
         swiglu=epilogue == "swiglu",
     )
     bias = randn(N, dtype=dtype, seed=seed + 4) if epilogue == "bias" else None
     return x, w, bias, extras
+
+
+def norm_of(N, dtype, flavour, seed=0, kernels=None):
+    """An RMSNorm of width N in the given flavour, its weight away from 1; `kernels`: whose rms_norm applies it."""
+    return RMSNorm(randn(N, dtype=dtype, scale=0.3, seed=seed + 2) + 1.0, 1e-6, FLAVOURS[flavour], kernels)
 
 
 def fp32_matmul(x, w, bias=None):
@@ -53,16 +57,15 @@ def fp32_matmul(x, w, bias=None):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("flavour", list(FLAVOURS))
 @pytest.mark.parametrize("epilogue", EPILOGUES)
-def test_fused_linear_matches_the_unfused_torch_steps(dtype, flavour, epilogue):
-    """Against the unfused torch steps (layers.linear.composed: norm, matmul, SwiGLU or residual add), at rows that
+def test_fused_linear_matches_the_unfused_torch_steps(dtype, epilogue):
+    """Against the unfused torch steps (layers.linear.composed: matmul, SwiGLU or residual add), at rows that
     take a program per K slice and at rows that take every slice in one program. float32: a few ulps. bf16: every
     rounding in the same place, so the two differ only where the float32 sums' order tips a rounding (well under
     1% of the outputs, by an ulp or two); a rounding moved or missed would change about a third of them."""
     for N, K in SHAPES[dtype]:
         for M in (1, 5, matmul.MANY_ROWS + 3):
-            x, w, bias, extras = inputs(M, N, K, dtype, flavour, epilogue, seed=M)
+            x, w, bias, extras = inputs(M, N, K, dtype, epilogue, seed=M)
             want = torch_linear.composed(fp32_matmul, x, w, bias, **extras)
             got = inv.linear(x, w, bias, **extras)
             assert got.shape == want.shape and got.dtype == dtype
@@ -75,13 +78,11 @@ def test_fused_linear_matches_the_unfused_torch_steps(dtype, flavour, epilogue):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("flavour,epilogue", [("w * x", "swiglu"), ("(1 + w) * x", "residual"), ("w * x", "bias")])
-def test_fused_rows_are_batch_invariant(dtype, flavour, epilogue):
+@pytest.mark.parametrize("epilogue", ["swiglu", "residual", "bias"])
+def test_fused_rows_are_batch_invariant(dtype, epilogue):
     """Each row's bits are its own in any batch: the K slices in a fixed order, epilogues row by row."""
     N, K = SHAPES[dtype][0]
-    x, w, bias, extras = inputs(20, N, K, dtype, flavour, epilogue)
-    norm = extras["norm"]  # the invariant norm kernel (torch's reduces a row in an order that follows the batch)
-    extras["norm"] = RMSNorm(norm.weight, norm.eps, norm.offset, SimpleNamespace(rms_norm=inv.rms_norm))
+    x, w, bias, extras = inputs(20, N, K, dtype, epilogue)
     residual = extras.pop("residual")
     if residual is None:
         assert_rows_invariant(lambda x: inv.linear(x, w, bias, **extras), x)
@@ -93,18 +94,18 @@ def test_both_launches_give_a_fused_row_the_same_bits():
     """A program per K slice (few rows) and every slice in one program (many rows) agree bit for bit, SwiGLU
     included."""
     N, K = SHAPES[torch.bfloat16][0]
-    x, w, _, extras = inputs(matmul.MANY_ROWS + 2, N, K, torch.bfloat16, "w * x", "swiglu")
+    x, w, _, extras = inputs(matmul.MANY_ROWS + 2, N, K, torch.bfloat16, "swiglu")
     many = inv.linear(x, w, **extras)
     for rows in (1, 7, matmul.MANY_ROWS - 1):
         assert torch.equal(inv.linear(x[:rows], w, **extras), many[:rows])
 
 
 def test_fused_linear_checks_its_inputs():
-    x, w, _, extras = inputs(3, 40, 64, torch.float32, "w * x", "residual")
+    x, w, _, extras = inputs(3, 40, 64, torch.float32, "residual")
     with pytest.raises(ValueError, match="residual"):
         inv.linear(x, w, residual=extras["residual"][:, :-1])
     with pytest.raises(ValueError, match="norm weight"):
-        inv.linear(x, w, norm=RMSNorm(torch.ones(63, device=DEV), 1e-6))
+        linear_add_norm(x, w, extras["residual"], RMSNorm(torch.ones(39, device=DEV), 1e-6))
     with pytest.raises(ValueError, match="swiglu"):
         inv.linear(x, w[:-1], swiglu=True)
     with pytest.raises(ValueError, match="swiglu"):
@@ -117,7 +118,6 @@ def test_the_default_kernels_fuse_only_few_rows_with_something_to_fuse(monkeypat
     run = torch_linear.fused_at_few_rows(lambda *a, **k: calls.append(a[0].shape[0]) or F.linear(a[0], a[1]))
     w = randn(8, 16)
     run(randn(4, 16), w)
-    run(randn(4, 16), w, norm=RMSNorm(torch.ones(16, device=DEV), 1e-6))
     run(randn(torch_linear.FUSED_MAX_ROWS + 1, 16), w, residual=randn(torch_linear.FUSED_MAX_ROWS + 1, 8))
     run(randn(torch_linear.FUSED_MAX_ROWS, 16), w, residual=randn(torch_linear.FUSED_MAX_ROWS, 8))
     assert calls == [torch_linear.FUSED_MAX_ROWS]
@@ -130,14 +130,56 @@ def test_gpu_fused_launches_keep_the_bits():
         pytest.skip("the GPU's launch choices (the interpreter keeps one tile shape)")
     from pocketlab.layers.invariant import sweep
 
-    for flavour, epilogue in [("w * x", "swiglu"), ("(1 + w) * x", "residual"), ("w * x", "plain")]:
+    for epilogue in ["swiglu", "residual", "plain"]:
         for N, K in [(1536, 4096), (1024, 6144)]:
-            x, w, _, extras = inputs(200, N, K, torch.bfloat16, flavour, epilogue)
+            x, w, _, extras = inputs(200, N, K, torch.bfloat16, epilogue)
             fused = matmul.Fused(extras["residual"], getattr(matmul, epilogue.upper()))
             o = inv.order(N, K, torch.bfloat16)
-            want = inv.linear(x[:16], w, norm=extras["norm"], swiglu=extras["swiglu"],
+            want = inv.linear(x[:16], w, swiglu=extras["swiglu"],
                               residual=None if extras["residual"] is None else extras["residual"][:16])  # fmt: skip
-            normed = extras["norm"](x)
             for t in sweep.FUSED_FEW + [matmul.tiles(200, N, x.dtype, x.device, extras["swiglu"])]:
-                y = matmul.launch(normed, w, None, torch.empty(200, N, dtype=x.dtype, device=DEV), o, t, fused)
-                assert torch.equal(y[:16], want), (flavour, epilogue, N, K, t)
+                y = matmul.launch(x, w, None, torch.empty(200, N, dtype=x.dtype, device=DEV), o, t, fused)
+                assert torch.equal(y[:16], want), (epilogue, N, K, t)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("flavour", ["w * x", "(1 + w) * x"])
+def test_add_norm_gives_the_residual_add_and_the_norm_kernels_result(dtype, flavour):
+    """linear_add_norm (o_proj / down_proj into the residual stream, and the next block's RMSNorm of it, in one
+    launch): h as the residual epilogue gives it, and norm(h) the bits of the norm kernel run on that h (on the GPU
+    within an ulp: its row layout may differ). One row block and several (rows past ADD_NORM_MAX_ROWS take it too:
+    each block's last program norms its rows), a program per K slice and all slices in one; and every row its own
+    bits in any batch."""
+    for N, K in SHAPES[dtype]:
+        for M in (1, 5, torch_linear.ADD_NORM_MAX_ROWS + 3, matmul.MANY_ROWS + 3):
+            x, w, _, extras = inputs(M, N, K, dtype, "residual", seed=M)
+            norm = norm_of(N, dtype, flavour, seed=M)
+            h, normed = linear_add_norm(x, w, extras["residual"], norm)
+            assert torch.equal(h, inv.linear(x, w, residual=extras["residual"]))
+            want = inv.rms_norm(h, norm.weight, norm.eps, norm.offset)
+            if DEV == "cpu":
+                assert torch.equal(normed, want), (N, K, M)
+            else:
+                torch.testing.assert_close(normed, want, atol=0, rtol=2**-7 if dtype == torch.bfloat16 else 1e-6)
+            torch.testing.assert_close(normed, rms_norm(h, norm.weight, norm.eps, norm.offset), atol=1e-5, rtol=1e-2)
+    x, w, _, extras = inputs(12, N, K, dtype, "residual")
+    assert_rows_invariant(lambda x, r: linear_add_norm(x, w, r, norm)[1], x, extras["residual"])
+
+
+def test_the_default_kernels_project_into_the_stream_with_the_next_norm_at_few_rows():
+    """Kernels.project_out: one add_norm launch at up to ADD_NORM_MAX_ROWS rows, the linear then the norm beyond
+    (and in the batch-invariant engine, whose norms must not depend on the row count); (h, norm(h)) either way."""
+    from pocketlab import EngineOptions
+    from pocketlab.layers.kernels import kernels_for
+
+    calls = []
+    kernels = kernels_for(EngineOptions(device=DEV, fused_linear="triton"))
+    assert kernels.add_norm is linear_add_norm
+    kernels = dataclasses.replace(kernels, add_norm=lambda *a: calls.append(a[0].shape[0]) or linear_add_norm(*a))
+    norm = norm_of(40, torch.float32, "w * x", kernels=SimpleNamespace(rms_norm=inv.rms_norm))
+    for M in (1, torch_linear.ADD_NORM_MAX_ROWS, torch_linear.ADD_NORM_MAX_ROWS + 1):
+        x, w, _, extras = inputs(M, 40, 300, torch.float32, "residual")
+        h, normed = kernels.project_out(x, w, extras["residual"], norm)
+        assert torch.equal(normed, norm(h)) and torch.equal(h, inv.linear(x, w, residual=extras["residual"]))
+    assert calls == [1, torch_linear.ADD_NORM_MAX_ROWS]
+    assert kernels_for(EngineOptions(device=DEV, batch_invariant=True)).add_norm is None

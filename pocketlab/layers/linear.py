@@ -1,4 +1,4 @@
-"""A projection with what runs around it: the pre-norm before, the residual add or SwiGLU after.
+"""A projection with what runs after it: the residual add or SwiGLU (and, in Kernels.project_out, the next norm).
 
 `composed` runs them as separate steps (torch, or whatever kernels it is handed); the Triton kernel of
 layers.invariant.matmul runs the matmul and the add or SwiGLU in one launch, which at few rows (decode) saves
@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from . import activations
 
 FUSED_MAX_ROWS = 64  # the default kernels fuse at up to this many rows (decode batches); cuBLAS beyond
+ADD_NORM_MAX_ROWS = 8  # and the next norm too at up to this many: one program norms a row block's rows at its end
 
 
 def composed(
@@ -23,14 +24,11 @@ def composed(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
-    norm=None,
     residual: torch.Tensor | None = None,
     swiglu: bool = False,
     activation=activations.swiglu,
 ) -> torch.Tensor:
-    """[residual +] matmul(norm(x), weight, bias), or with `swiglu` silu(gate) * up of the [gate | up] output."""
-    if norm is not None:
-        x = norm(x)
+    """[residual +] matmul(x, weight, bias), or with `swiglu` silu(gate) * up of the [gate | up] output."""
     y = matmul(x, weight, bias)
     if swiglu:
         y = activation(y)
@@ -44,9 +42,9 @@ def fused_at_few_rows(fused):
     """The default engine's linear: `fused` (the Triton kernel) where the rows are few and it has an epilogue to
     fuse (residual add, SwiGLU), `linear` (cuBLAS and torch) everywhere else."""
 
-    def run(x, weight, bias=None, *, norm=None, residual=None, swiglu=False):
+    def run(x, weight, bias=None, *, residual=None, swiglu=False):
         if (residual is not None or swiglu) and x.numel() <= FUSED_MAX_ROWS * x.shape[-1]:
-            return fused(x, weight, bias, norm=norm, residual=residual, swiglu=swiglu)
-        return linear(x, weight, bias, norm=norm, residual=residual, swiglu=swiglu)
+            return fused(x, weight, bias, residual=residual, swiglu=swiglu)
+        return linear(x, weight, bias, residual=residual, swiglu=swiglu)
 
     return run

@@ -119,8 +119,8 @@ class SparseMoE:
         self.linear, self.sigmoid_gate, self.experts = kernels.linear, kernels.sigmoid_gate, kernels.moe_experts
         self.all_reduce = kernels.all_reduce  # tensor parallelism: each rank computes its slice of every expert
 
-    def __call__(self, h: torch.Tensor, norm) -> torch.Tensor:
-        x = norm(h)
+    def __call__(self, h: torch.Tensor, x: torch.Tensor, then) -> tuple[torch.Tensor, torch.Tensor]:
+        """h + moe(x) and `then` of it."""
         flat = x.reshape(-1, x.shape[-1])
         logits = self.linear(flat, self.router)
         weights, ids = route(logits[:, : self.num_experts], self.top_k, self.renormalize)
@@ -132,4 +132,5 @@ class SparseMoE:
             y = y + self.sigmoid_gate(s, logits[:, self.num_experts :])
         if self.all_reduce is not None:
             y = self.all_reduce(y)
-        return h + y.view_as(h)
+        h = h + y.view_as(h)
+        return h, then(h)

@@ -27,7 +27,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 
 class RMSNorm:
     """A pre-norm: its weight, eps and flavour, applied by `kernels.rms_norm` (None: the torch one) when called,
-    or handed to a linear that norms its input itself (layers.linear)."""
+    or handed to the projection whose kernel writes its input (Kernels.project_out, invariant.linear_add_norm)."""
 
     def __init__(self, weight: torch.Tensor, eps: float, offset: bool = False, kernels=None):
         self.weight, self.eps, self.offset = weight, eps, offset

@@ -23,9 +23,9 @@ class MLP:
         self.down = w.pop(p + "down_proj.weight")
         self.kernels = kernels
 
-    def __call__(self, h, norm):
-        """h + down(silu(gate(norm(h))) * up(norm(h))): the norm, then two kernels where the linear fuses."""
-        return self.kernels.project_out(self.kernels.linear(h, self.gate_up, norm=norm, swiglu=True), self.down, h)
+    def __call__(self, h, x, then):
+        """h + down(silu(gate(x)) * up(x)) and `then` of it: two kernels where the linear fuses."""
+        return self.kernels.project_out(self.kernels.linear(x, self.gate_up, swiglu=True), self.down, h, then)
 
 
 class Attention:
@@ -43,10 +43,10 @@ class Attention:
         self.q_norm = w.pop(p + "q_norm.weight", None)
         self.k_norm = w.pop(p + "k_norm.weight", None)
 
-    def __call__(self, h, norm, ctx: ForwardContext, cache: SlotCache):
-        """h + attention(norm(h)), the residual add inside o_proj's kernel where the linear fuses."""
+    def __call__(self, h, x, then, ctx: ForwardContext, cache: SlotCache):
+        """h + attention(x) and `then` of it, the residual add (and `then`) inside o_proj's kernel where it fuses."""
         B, T, _ = h.shape
-        q, k, v = self.kernels.linear(h, self.qkv, self.qkv_bias, norm=norm).split(
+        q, k, v = self.kernels.linear(x, self.qkv, self.qkv_bias).split(
             [self.q_size, self.nkv * self.hd, self.nkv * self.hd], dim=-1
         )
         if self.gated:  # per head: [q_h | gate_h]
@@ -82,7 +82,7 @@ class Attention:
         out = out.reshape(B, T, self.nq * self.hd)
         if self.gated:
             out = self.kernels.sigmoid_gate(out, gate)
-        return self.kernels.project_out(out, self.o, h)
+        return self.kernels.project_out(out, self.o, h, then)
 
 
 def make_mlp(cfg: ModelConfig, w: dict, p: str, kernels: Kernels, moe: bool):
@@ -100,9 +100,11 @@ class DecoderLayer:
         self.post_norm = RMSNorm(w.pop(p + "post_attention_layernorm.weight"), eps, offset, kernels)
         self.mlp = mlp
 
-    def __call__(self, h, ctx: ForwardContext, cache: SlotCache):
-        h = self.mixer(h, self.input_norm, ctx, cache)  # h + mixer(input_norm(h))
-        return self.mlp(h, self.post_norm)  # h + mlp(post_norm(h))
+    def __call__(self, h, x, then, ctx: ForwardContext, cache: SlotCache):
+        """(h, x = input_norm(h)) -> (h', then(h')): each projection into the residual stream also norms it for
+        whoever reads it next (in one kernel where the linear fuses), so no norm runs on its own."""
+        h, x = self.mixer(h, x, self.post_norm, ctx, cache)  # h + mixer(x), and post_norm of that
+        return self.mlp(h, x, then)  # h + mlp(x), and the next block's input norm (or the final norm) of that
 
 
 class DecoderModel:
@@ -125,6 +127,7 @@ class DecoderModel:
             p = f"model.layers.{i}."
             mlp = make_mlp(cfg, w, p + "mlp.", self.kernels, cfg.is_moe_layer(i))
             self.layers.append(DecoderLayer(w, p, self.make_mixer(w, p, i), mlp, eps, self.norm_offset, self.kernels))
+        self.norms_after = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]  # layer i's `then`
 
     def make_mixer(self, w: dict, p: str, i: int):
         return Attention(self.cfg, w, p + "self_attn.", i, self.kernels)
@@ -133,9 +136,10 @@ class DecoderModel:
         """Final-normed hidden states [B, T, hidden] for every token of the context's runs."""
         self.prepare(ctx)
         h = self.kernels.embedding(ctx.tokens, self.embed)
-        for layer in self.layers:
-            h = layer(h, ctx, cache)
-        return self.final_norm(h)
+        x = self.layers[0].input_norm(h)
+        for layer, then in zip(self.layers, self.norms_after, strict=True):
+            h, x = layer(h, x, then, ctx, cache)
+        return x
 
     def prepare(self, ctx: ForwardContext) -> None:
         ctx.prepare(self.rotary, self.decode_kernel, invariant=self.kernels.attention is not None)
