@@ -62,6 +62,14 @@
 # serving trace with HF's generate() batches as the peer; the MoE bench at 35B-A3B alone (one call) and the MoE
 # notebooks (below); the whole bench at the four dense/hybrid shapes with peers; the invariant step; STEPS=tp on a
 # two-GPU machine.
+# Ninth session (2026-12-01): no GPU was lent. What it built is checked on the CPU only, so the next calls, in order:
+#   STEPS="tests stalls moe" TESTS="tests/test_warmup.py tests/test_fused_linear.py tests/test_linear_decode.py
+#     tests/test_parity.py tests/test_graphs.py" STALL_MODELS=qwen3.5-0.8b STALL_BENCH_MODELS="" BUDGET_S=560
+#     (the new kernels on CUDA: add+norm epilogue, decode row experts and one-program align, raw-gate GDN step, and the
+#     no-torch.compile decode graphs; the 0.8B warm start; moe_bench's triton_rows column sets ROWS_MAX_PAIRS)
+#   STEPS=fused FUSED_TESTS="" FUSED_MODELS="qwen3-0.6b qwen3.5-0.8b qwen3-8b" FUSED_MODES=triton BUDGET_S=400
+#     (the add-norm sweep sets ADD_NORM_MAX_ROWS; kernels per layer after: 5 dense, 7 Gated DeltaNet expected)
+#   then the eighth session's owed calls below (9B serving with the generate() peer, 35B-A3B bench, MoE notebooks).
 # MoE at real shapes (issue 17), one H200, one call each (the engine runs on the HF peer's own tensors, so the weights
 # are on the GPU once: peak ~86 GiB at 30B-A3B, ~81 GiB at 35B-A3B, most of it the weights and, at 30B, 24 GiB of K/V
 # for 64 slots x 4,097 positions; the JSON's "memory" has the measured peak). Engine warm-up, latency and serving

@@ -89,11 +89,14 @@ def sweep_shape(name: str, N: int, K: int, x: torch.Tensor, few, many, splits) -
             line(M, chosen, t, launch_ms(xs[M], weights, chosen, t), bits)
 
 
-FUSED_SHAPES = {  # (N, K, the epilogue) at the Qwen3-0.6B and Qwen3-8B decode shapes
+FUSED_SHAPES = {  # (N, K, the epilogue) at the Qwen3-0.6B, Qwen3.5-0.8B and Qwen3-8B decode shapes
     "0.6b o+res": (1024, 2048, "residual"), "0.6b gate_up+swiglu": (3072, 1024, "swiglu"),
     "0.6b down+res": (1024, 3072, "residual"), "8b o+res": (4096, 4096, "residual"),
     "8b gate_up+swiglu": (12288, 4096, "swiglu"), "8b down+res": (4096, 12288, "residual"),
+    # the plain projections cuBLAS runs today: whether the Triton kernel should take them at decode rows too
+    "0.6b qkv": (4096, 1024, "plain"), "0.8b gdn in": (8224, 1024, "plain"), "8b qkv": (6144, 4096, "plain"),
 }  # fmt: skip
+EPILOGUE_OF = {"plain": matmul.PLAIN, "residual": matmul.RESIDUAL, "swiglu": matmul.SWIGLU}
 FUSED_FEW = [Tiles(16, 32, 4, 4, LAST_SUMS), Tiles(16, 64, 4, 4, LAST_SUMS), Tiles(16, 32, 4, 2, LAST_SUMS),
              Tiles(16, 64, 8, 4, LAST_SUMS), Tiles(32, 64, 4, 4, LAST_SUMS)]  # fmt: skip
 
@@ -115,7 +118,7 @@ def sweep_fused(rows: list[int], splits: list[int]) -> None:
         for M in rows:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             res = torch.randn(M, N, device="cuda", dtype=torch.bfloat16) if extra == "residual" else None
-            fused = matmul.Fused(res, matmul.SWIGLU if extra == "swiglu" else matmul.RESIDUAL)
+            fused = matmul.Fused(res, EPILOGUE_OF[extra])
             y = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
             cublas = graph_ms(lambda w, x=x: F.linear(x, w), weights)
             ref = matmul.launch(x, weights[0], None, y.clone(), chosen, matmul.tiles(M, N, x.dtype, x.device), fused)
