@@ -1,6 +1,7 @@
-"""The reductions and elementwise steps every layer calls, as one set chosen per engine: the default (cuBLAS,
-torch; the fastest) or the batch-invariant Triton kernels (every row reduced in an order fixed by the weights'
-shapes, never by the number of rows), so a request's logits do not depend on what else the batch holds."""
+"""The reductions and elementwise steps every layer calls, as one set chosen per engine: the default (the fastest:
+cuBLAS and torch, and on CUDA our Triton kernels for decode-sized projections and every row-wise step) or the
+batch-invariant Triton kernels (every row reduced in an order fixed by the weights' shapes, never by the number of
+rows), so a request's logits do not depend on what else the batch holds."""
 
 from __future__ import annotations
 
