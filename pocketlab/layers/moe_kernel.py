@@ -15,9 +15,9 @@ depend on the other tokens of the batch (and with `dot`'s in-order interpreter p
 At a few tokens (decode, batch <= ROWS_MAX_PAIRS / k) the default engine takes `row_experts` instead: no sort, no
 blocks; a program per (pair, column tile) reads its expert's rows and reduces them against the token (`_gate_up_rows`),
 then a program per (token, column tile) sums its k pairs' down projections, weighted, in k order (`_down_rows`). Two
-launches where `align` and the block kernels take a dozen, and no 16-row tile of which one row is real; an expert
-two tokens share is read twice, which is why it stops at a few tokens. Its sums run in another order than the block
-kernels', so the batch-invariant engine keeps `fused_experts` at every size.
+launches where the block path takes four (align, its two kernels, the k-sum), and no 16-row tile of which one row is
+real; an expert two tokens share is read twice, which is why it stops at a few tokens. Its sums run in another order
+than the block kernels', so the batch-invariant engine keeps `fused_experts` at every size.
 """
 
 from __future__ import annotations
