@@ -98,3 +98,37 @@ def pytest_runtest_logreport(report):
     if report.failed and os.environ.get("POCKETLAB_INSTAFAIL"):
         sys.__stderr__.write(f"\nFAILED {report.nodeid} ({report.when})\n{report.longreprtext[-2500:]}\n")
         sys.__stderr__.flush()
+
+
+# In Triton's interpreter, each distinct kernel launch is recorded and, at the session's end, compiled for the
+# H200 by tests/sm90.py (the interpreter accepts kernels the compiler refuses). POCKETLAB_SM90=0 skips it.
+LAUNCHES: set[str] = set()
+if os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("POCKETLAB_SM90", "1") != "0":
+    from sm90 import launch_key  # noqa: E402
+    from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+    _interpreted_run = InterpretedFunction.run
+
+    def _recorded_run(self, *args, grid, warmup, **kwargs):
+        LAUNCHES.add(launch_key(self.fn, args, dict(kwargs)))
+        return _interpreted_run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    InterpretedFunction.run = _recorded_run
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The recorded launches compiled for sm_90 in a process without the interpreter; a failure fails the run."""
+    if not LAUNCHES:
+        return
+    import subprocess
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
+        f.write("\n".join(sorted(LAUNCHES)) + "\n")
+    env = os.environ | {"TRITON_INTERPRET": "0"}
+    done = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "sm90.py"), f.name], env=env,
+                          capture_output=True, text=True)  # fmt: skip
+    sys.__stdout__.write("\n" + done.stdout + done.stderr[-3000:] * (done.returncode != 0))
+    os.unlink(f.name)
+    if done.returncode:
+        session.exitstatus = 1

@@ -232,38 +232,6 @@ def test_align_in_one_launch_gives_the_torch_layout():
         align_in_one_launch(torch.zeros(ALIGN_MAX_PAIRS + 1, 1, dtype=torch.int64, device=DEVICE), 4, 16)
 
 
-@needs_triton
-@pytest.mark.parametrize("N", [1, 5])
-def test_row_experts_equal_the_loop_and_ignore_the_batch(N):
-    """The few-token kernels (a program per pair, then per token with the k-ordered weighted sum) against the
-    reference loop, off the tiles in H and I; and a token's output the same bits alone as among the others."""
-    from pocketlab.layers.moe_kernel import row_experts
-
-    x, gu, d, w, ids = expert_inputs(N, H=300, I=40, seed=10 + N)
-    full = row_experts(x, gu, d, w, ids)
-    torch.testing.assert_close(full, moe.looped_experts(x, gu, d, w, ids), atol=2e-5, rtol=1e-5)
-    for i in {0, N - 1}:
-        assert torch.equal(row_experts(x[i : i + 1], gu, d, w[i : i + 1], ids[i : i + 1])[0], full[i])
-
-
-@needs_triton
-def test_default_experts_take_the_row_kernels_only_at_a_few_pairs(monkeypatch):
-    """Decode's few pairs go to row_experts, more to the block kernels; the batch-invariant engine keeps the
-    block kernels at every size (their sums' order is the one prefill uses)."""
-    from pocketlab.layers import kernels, moe_kernel
-
-    calls = []
-    for name in ("row_experts", "fused_experts"):
-        monkeypatch.setattr(moe_kernel, name, lambda *a, name=name: calls.append((name, a[4].numel())))
-    limit = moe_kernel.ROWS_MAX_PAIRS
-    for N in (1, limit // 3, limit // 3 + 1):
-        moe_kernel.default_experts(*expert_inputs(N, k=3))
-    assert calls == [("row_experts", 3), ("row_experts", limit // 3 * 3), ("fused_experts", (limit // 3 + 1) * 3)]
-    assert kernels.kernels_for(EngineOptions(moe_kernel="triton")).moe_experts is moe_kernel.default_experts
-    invariant = EngineOptions(batch_invariant=True, device=DEVICE)
-    assert kernels.kernels_for(invariant).moe_experts is moe_kernel.fused_experts
-
-
 def test_padding_rows_do_not_touch_real_tokens():
     """The torch path too: rows of garbage (NaN, huge) beside real tokens leave the real rows' outputs alone."""
     x, gu, d, w, ids = expert_inputs(7, seed=5)

@@ -88,9 +88,9 @@ def kernels_for(options) -> Kernels:
 def _moe_experts(options) -> Callable:
     if not moe_in_triton(options):
         return moe.grouped_experts
-    from .moe_kernel import default_experts, fused_experts
+    from .moe_kernel import fused_experts
 
-    return fused_experts if options.batch_invariant else default_experts
+    return fused_experts
 
 
 def _kernels_for(options) -> Kernels:

@@ -11,13 +11,6 @@ step with it is captured in a CUDA graph. Up to ALIGN_MAX_PAIRS pairs (decode) o
 Each expert's weights are read once per column tile, however many of its tokens the step holds. A row's dot
 products run over K in the same BLOCK_K steps wherever the row sits in its block, so a token's output does not
 depend on the other tokens of the batch (and with `dot`'s in-order interpreter path, not on numpy's BLAS either).
-
-At a few tokens (decode, batch <= ROWS_MAX_PAIRS / k) the default engine takes `row_experts` instead: no sort, no
-blocks; a program per (pair, column tile) reads its expert's rows and reduces them against the token (`_gate_up_rows`),
-then a program per (token, column tile) sums its k pairs' down projections, weighted, in k order (`_down_rows`). Two
-launches where the block path takes four (align, its two kernels, the k-sum), and no 16-row tile of which one row is
-real; an expert two tokens share is read twice, which is why it stops at a few tokens. Its sums run in another order
-than the block kernels', so the batch-invariant engine keeps `fused_experts` at every size.
 """
 
 from __future__ import annotations
@@ -268,82 +261,3 @@ def fused_experts(x, gate_up, down, weights, ids) -> torch.Tensor:
     if N:
         _sum_over_k[(N, triton.cdiv(H, 1024))](out, total, H, TOP_K=top_k, BLOCK=1024)
     return total
-
-
-ROWS_MAX_PAIRS = 32  # (token, k) pairs up to which the default engine runs row_experts (tools.moe_bench: crossover)
-ROWS_BLOCK_N, ROWS_BLOCK_K = 16, 256  # a program's output columns and its step along K
-
-
-@triton.jit
-def _gate_up_rows(
-    x_ptr, ids_ptr, w_ptr, out_ptr, H, I, stride_x, stride_we, stride_wn, stride_o,
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """out[pair, n] = silu(x[token] . W[e, n]) * (x[token] . W[e, I + n]) for one pair and BLOCK_N columns."""
-    pair = tl.program_id(0)
-    e = tl.load(ids_ptr + pair).to(tl.int64)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < I
-    x_row = x_ptr + (pair // TOP_K).to(tl.int64) * stride_x
-    w = w_ptr + e * stride_we
-    gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < H
-        a = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        both = n_ok[:, None] & k_ok[None, :]
-        gate += a * tl.load(w + n[:, None] * stride_wn + k[None, :], mask=both, other=0.0).to(tl.float32)
-        up += a * tl.load(w + (n[:, None] + I) * stride_wn + k[None, :], mask=both, other=0.0).to(tl.float32)
-    g, u = tl.sum(gate, 1), tl.sum(up, 1)
-    tl.store(
-        out_ptr + pair.to(tl.int64) * stride_o + n, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=n_ok
-    )
-
-
-@triton.jit
-def _down_rows(
-    h_ptr, ids_ptr, weights_ptr, w_ptr, out_ptr, H, I, stride_h, stride_we, stride_wn, stride_o,
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """out[token, n] = sum over j in k order of weight[pair] * (h[pair] . W_down[e, n]), pair = token * k + j."""
-    token = tl.program_id(0)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < H
-    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for j in range(TOP_K):
-        pair = token * TOP_K + j
-        w = w_ptr + tl.load(ids_ptr + pair).to(tl.int64) * stride_we
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k < I
-            a = tl.load(h_ptr + pair.to(tl.int64) * stride_h + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-            acc += a * tl.load(w + n[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        total += tl.sum(acc, 1) * tl.load(weights_ptr + pair).to(tl.float32)
-    tl.store(out_ptr + token.to(tl.int64) * stride_o + n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
-
-
-def row_experts(x, gate_up, down, weights, ids) -> torch.Tensor:
-    """fused_experts' contract for a few tokens: one program per (pair, column tile), then per (token, column
-    tile) with the k-ordered sum inside (module docstring)."""
-    N, top_k, E, H, I = _sizes(ids, gate_up, down, "row_experts")  # noqa: E741
-    x, ids, weights = x.contiguous(), ids.reshape(-1).contiguous(), weights.reshape(-1).contiguous()
-    h = torch.empty(N * top_k, I, dtype=x.dtype, device=x.device)
-    out = torch.empty(N, H, dtype=x.dtype, device=x.device)
-    if not N:
-        return out
-    tiles = dict(TOP_K=top_k, BLOCK_N=ROWS_BLOCK_N, BLOCK_K=ROWS_BLOCK_K)
-    _gate_up_rows[(N * top_k, triton.cdiv(I, ROWS_BLOCK_N))](
-        x, ids, gate_up, h, H, I, x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0), **tiles
-    )
-    _down_rows[(N, triton.cdiv(H, ROWS_BLOCK_N))](
-        h, ids, weights, down, out, H, I, h.stride(0), down.stride(0), down.stride(1), out.stride(0), **tiles
-    )
-    return out
-
-
-def default_experts(x, gate_up, down, weights, ids) -> torch.Tensor:
-    """The default engine's routed experts on the GPU: row_experts at up to ROWS_MAX_PAIRS pairs, fused_experts
-    beyond."""
-    return (row_experts if ids.numel() <= ROWS_MAX_PAIRS else fused_experts)(x, gate_up, down, weights, ids)

@@ -6,9 +6,7 @@ the Triton kernels (layers.moe_kernel) and torch's grouped_mm (layers.moe) compa
 Per token count N: the experts its routing reads (random weights, random router), the step time of each path
 (captured in a CUDA graph for N <= 64, as decode runs it; eager beyond, as prefill does), the bytes it must read
 (distinct experts x an expert's weights) over the measured copy bandwidth, and its flops over the matmul rate.
-The loop path (one matmul per expert hit, host syncs: HF's eager way) runs eagerly as the baseline; triton_rows
-(moe_kernel.row_experts, the default engine's path at a few pairs) runs at decode sizes only: where it beats triton
-sets moe_kernel.ROWS_MAX_PAIRS.
+The loop path (one matmul per expert hit, host syncs: HF's eager way) runs eagerly as the baseline.
 """
 
 from __future__ import annotations
@@ -33,9 +31,9 @@ GRAPH_MAX_TOKENS = 64  # decode batches: the engine replays these from CUDA grap
 def paths(device: str) -> dict:
     out = {"grouped_mm": moe.grouped_experts, "loop": moe.looped_experts}
     if torch.device(device).type == "cuda":
-        from ..layers.moe_kernel import fused_experts, row_experts
+        from ..layers.moe_kernel import fused_experts
 
-        out = {"triton": fused_experts, "triton_rows": row_experts} | out
+        out = {"triton": fused_experts} | out
     return out
 
 
@@ -71,9 +69,6 @@ def bench_layer(cfg: ModelConfig, n: int, device: str, dtype: torch.dtype, clock
     row = {"tokens": n, "experts_hit": hit, "bytes": moved, "flops": flops}
     reference = moe.looped_experts(*args)
     for name, fn in paths(device).items():
-        if name == "triton_rows" and n > GRAPH_MAX_TOKENS:  # decode's path: prefill's tokens would each reread
-            row[name] = {"error": "decode sizes only"}
-            continue
         try:
             graphed = clock.cuda and n <= GRAPH_MAX_TOKENS and name != "loop"
             run = in_graph(fn, args) if graphed else functools.partial(fn, *args)
