@@ -279,12 +279,12 @@ if wants invariant; then
   # shellcheck disable=SC2086
   [ -n "$INVARIANT_TESTS" ] && step "pytest batch-invariant mode + kernels (cuda)" 240 "$reserve" \
     env POCKETLAB_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider --tb=short $INVARIANT_TESTS
-  [ "$INVARIANT_TIMINGS" = 1 ] && step "invariant kernel timings" 120 "$reserve" sh -c \
+  [ "$INVARIANT_TIMINGS" = 1 ] && step "invariant kernel timings" 120 "$reserve" bash -o pipefail -c \
     "python3 -m pocketlab.layers.invariant.bench --runs 20 && python3 -m pocketlab.layers.invariant.attention_bench"
-  [ "$INVARIANT_SWEEP" = 1 ] && step "invariant matmul launches (sweep)" 200 "$reserve" sh -c \
+  [ "$INVARIANT_SWEEP" = 1 ] && step "invariant matmul launches (sweep)" 200 "$reserve" bash -o pipefail -c \
     "TQDM_DISABLE=1 python3 -m pocketlab.layers.invariant.sweep | tee reports/gpu/invariant-matmul-sweep-h200.txt"
   [ -n "$INVARIANT_PROFILE" ] && for bi in False True; do
-    step "profile $INVARIANT_PROFILE batch_invariant=$bi" 90 "$reserve" sh -c "python3 -m pocketlab.tools.profile \
+    step "profile $INVARIANT_PROFILE batch_invariant=$bi" 90 "$reserve" bash -o pipefail -c "python3 -m pocketlab.tools.profile \
       --model $INVARIANT_PROFILE --batch-sizes 1,32 --prefill-lens 4096 --steps 10 --top 25 \
       --engine-option batch_invariant=$bi | tee reports/gpu/profile-$INVARIANT_PROFILE-invariant-$bi.txt"
   done
@@ -297,13 +297,13 @@ if wants fused; then
   # shellcheck disable=SC2086
   [ -n "$FUSED_TESTS" ] && step "pytest fused linear (cuda)" 200 "$reserve" \
     env POCKETLAB_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider --tb=short $FUSED_TESTS
-  [ "$FUSED_SWEEP" = 1 ] && step "fused linear launches (sweep)" 150 "$reserve" sh -c \
+  [ "$FUSED_SWEEP" = 1 ] && step "fused linear launches (sweep)" 150 "$reserve" bash -o pipefail -c \
     "python3 -m pocketlab.layers.invariant.sweep --fused | tee reports/gpu/fused-linear-sweep-h200.txt"
-  [ "$FUSED_SWEEP" = 1 ] && step "residual projection + next norm, one launch vs two" 90 "$reserve" sh -c \
+  [ "$FUSED_SWEEP" = 1 ] && step "residual projection + next norm, one launch vs two" 90 "$reserve" bash -o pipefail -c \
     "python3 -m pocketlab.layers.invariant.sweep --add-norm --few 1,4,8,16 | tee reports/gpu/add-norm-h200.txt"
   for m in $FUSED_MODELS; do
     for fl in $FUSED_MODES; do
-      step "profile $m fused_linear=$fl" 100 "$reserve" sh -c "python3 -m pocketlab.tools.profile --model $m \
+      step "profile $m fused_linear=$fl" 100 "$reserve" bash -o pipefail -c "python3 -m pocketlab.tools.profile --model $m \
         --batch-sizes $FUSED_BATCHES --prefill-lens 4096 --steps 10 --top 25 --engine-option fused_linear=$fl \
         | tee reports/gpu/profile-$m-fused-$fl-h200.txt"
     done
@@ -331,7 +331,7 @@ if wants moe; then
   step "pytest MoE (cuda)" 200 "$reserve" \
     env POCKETLAB_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_moe.py
   for m in $MOE_MODELS; do
-    step "moe experts $m" 150 "$reserve" sh -c "python3 -m pocketlab.tools.moe_bench --model $m \
+    step "moe experts $m" 150 "$reserve" bash -o pipefail -c "python3 -m pocketlab.tools.moe_bench --model $m \
       --out reports/gpu/moe-experts-$m.json | tee reports/gpu/moe-experts-$m-h200.txt"
   done
 fi

@@ -181,8 +181,8 @@ def _matmul(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, arrived_ptr, res_ptr, rows, N,
         if EPILOGUE == 3:  # release our tile, acquire the row block's others: the last one norms
             arrivals = rows_arrived_ptr + pid_m
             if tl.atomic_add(arrivals, 1, sem="acq_rel") == tl.num_programs(1) - 1:
-                for r in range(0, BLOCK_M):
-                    row = pid_m * BLOCK_M + r
+                for i in range(0, BLOCK_M):
+                    row = pid_m * BLOCK_M + i
                     if row < rows:
                         at = tl.zeros((1, 1), dtype=tl.int64) + row
                         norm_rows(y_ptr + at * stride_ym, y_ptr, normed_ptr + at * stride_nm, at < rows, nw_ptr, N,
