@@ -68,7 +68,6 @@
 #     (the new kernels on CUDA: add+norm epilogue, decode row experts and one-program align, raw-gate GDN step, and the
 #     no-torch.compile decode graphs; the 0.8B warm start; moe_bench's triton_rows column sets ROWS_MAX_PAIRS)
 #   STEPS=fused FUSED_TESTS="" FUSED_MODELS="qwen3-0.6b qwen3.5-0.8b qwen3-8b" FUSED_MODES=triton BUDGET_S=400
-#     (the add-norm sweep sets ADD_NORM_MAX_ROWS; kernels per layer after: 5 dense, 7 Gated DeltaNet expected)
 #   then the eighth session's owed calls below (9B serving with the generate() peer, 35B-A3B bench, MoE notebooks).
 # MoE at real shapes (issue 17), one H200, one call each (the engine runs on the HF peer's own tensors, so the weights
 # are on the GPU once: peak ~86 GiB at 30B-A3B, ~81 GiB at 35B-A3B, most of it the weights and, at 30B, 24 GiB of K/V
@@ -299,8 +298,6 @@ if wants fused; then
     env POCKETLAB_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider --tb=short $FUSED_TESTS
   [ "$FUSED_SWEEP" = 1 ] && step "fused linear launches (sweep)" 150 "$reserve" bash -o pipefail -c \
     "python3 -m pocketlab.layers.invariant.sweep --fused | tee reports/gpu/fused-linear-sweep-h200.txt"
-  [ "$FUSED_SWEEP" = 1 ] && step "residual projection + next norm, one launch vs two" 90 "$reserve" bash -o pipefail -c \
-    "python3 -m pocketlab.layers.invariant.sweep --add-norm --few 1,4,8,16 | tee reports/gpu/add-norm-h200.txt"
   for m in $FUSED_MODELS; do
     for fl in $FUSED_MODES; do
       step "profile $m fused_linear=$fl" 100 "$reserve" bash -o pipefail -c "python3 -m pocketlab.tools.profile --model $m \

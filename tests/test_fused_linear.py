@@ -1,10 +1,8 @@
-"""The fused linear (layers.invariant.matmul): matmul and residual add or SwiGLU in one kernel, and the residual add
-with the next block's RMSNorm after it, give what the unfused torch steps give, and each row the same bits in any
-batch (natively on CUDA, through Triton's interpreter on the CPU)."""
+"""The fused linear (layers.invariant.matmul): matmul and residual add or SwiGLU in one kernel give what the unfused
+torch steps give, and each row the same bits in any batch (natively on CUDA, through Triton's interpreter on the
+CPU)."""
 
-import dataclasses
 import os
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,13 +17,10 @@ from invariance import assert_rows_invariant  # noqa: E402
 from pocketlab.layers import invariant as inv  # noqa: E402
 from pocketlab.layers import linear as torch_linear  # noqa: E402
 from pocketlab.layers.invariant import matmul  # noqa: E402
-from pocketlab.layers.invariant.matmul import linear_add_norm  # noqa: E402
-from pocketlab.layers.norm import RMSNorm, rms_norm  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # (N, K): K in several slices at few rows, and a shape off the tiles in one slice
 SHAPES = {torch.float32: [(40, 300), (100, 70)], torch.bfloat16: [(40, 1030), (100, 70)]}
-FLAVOURS = {"no norm": None, "w * x": False, "(1 + w) * x": True}
 EPILOGUES = ["plain", "bias", "residual", "swiglu"]
 
 
@@ -44,11 +39,6 @@ def inputs(M, N, K, dtype, epilogue, seed=0):
     )
     bias = randn(N, dtype=dtype, seed=seed + 4) if epilogue == "bias" else None
     return x, w, bias, extras
-
-
-def norm_of(N, dtype, flavour, seed=0, kernels=None):
-    """An RMSNorm of width N in the given flavour, its weight away from 1; `kernels`: whose rms_norm applies it."""
-    return RMSNorm(randn(N, dtype=dtype, scale=0.3, seed=seed + 2) + 1.0, 1e-6, FLAVOURS[flavour], kernels)
 
 
 def fp32_matmul(x, w, bias=None):
@@ -104,8 +94,6 @@ def test_fused_linear_checks_its_inputs():
     x, w, _, extras = inputs(3, 40, 64, torch.float32, "residual")
     with pytest.raises(ValueError, match="residual"):
         inv.linear(x, w, residual=extras["residual"][:, :-1])
-    with pytest.raises(ValueError, match="norm weight"):
-        linear_add_norm(x, w, extras["residual"], RMSNorm(torch.ones(39, device=DEV), 1e-6))
     with pytest.raises(ValueError, match="swiglu"):
         inv.linear(x, w[:-1], swiglu=True)
     with pytest.raises(ValueError, match="swiglu"):
@@ -140,46 +128,3 @@ def test_gpu_fused_launches_keep_the_bits():
             for t in sweep.FUSED_FEW + [matmul.tiles(200, N, x.dtype, x.device, extras["swiglu"])]:
                 y = matmul.launch(x, w, None, torch.empty(200, N, dtype=x.dtype, device=DEV), o, t, fused)
                 assert torch.equal(y[:16], want), (epilogue, N, K, t)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("flavour", ["w * x", "(1 + w) * x"])
-def test_add_norm_gives_the_residual_add_and_the_norm_kernels_result(dtype, flavour):
-    """linear_add_norm (o_proj / down_proj into the residual stream, and the next block's RMSNorm of it, in one
-    launch): h as the residual epilogue gives it, and norm(h) the bits of the norm kernel run on that h (on the GPU
-    within an ulp: its row layout may differ). One row block and several (rows past ADD_NORM_MAX_ROWS take it too:
-    each block's last program norms its rows), a program per K slice and all slices in one; and every row its own
-    bits in any batch."""
-    for N, K in SHAPES[dtype]:
-        for M in (1, 5, torch_linear.ADD_NORM_MAX_ROWS + 3, matmul.MANY_ROWS + 3):
-            x, w, _, extras = inputs(M, N, K, dtype, "residual", seed=M)
-            norm = norm_of(N, dtype, flavour, seed=M)
-            h, normed = linear_add_norm(x, w, extras["residual"], norm)
-            assert torch.equal(h, inv.linear(x, w, residual=extras["residual"]))
-            want = inv.rms_norm(h, norm.weight, norm.eps, norm.offset)
-            if DEV == "cpu":
-                assert torch.equal(normed, want), (N, K, M)
-            else:
-                torch.testing.assert_close(normed, want, atol=0, rtol=2**-7 if dtype == torch.bfloat16 else 1e-6)
-            torch.testing.assert_close(normed, rms_norm(h, norm.weight, norm.eps, norm.offset), atol=1e-5, rtol=1e-2)
-    x, w, _, extras = inputs(12, N, K, dtype, "residual")
-    assert_rows_invariant(lambda x, r: linear_add_norm(x, w, r, norm)[1], x, extras["residual"])
-
-
-def test_the_default_kernels_project_into_the_stream_with_the_next_norm_at_few_rows():
-    """Kernels.project_out: one add_norm launch at up to ADD_NORM_MAX_ROWS rows, the linear then the norm beyond
-    (and in the batch-invariant engine, whose norms must not depend on the row count); (h, norm(h)) either way."""
-    from pocketlab import EngineOptions
-    from pocketlab.layers.kernels import kernels_for
-
-    calls = []
-    kernels = kernels_for(EngineOptions(device=DEV, fused_linear="triton"))
-    assert kernels.add_norm is linear_add_norm
-    kernels = dataclasses.replace(kernels, add_norm=lambda *a: calls.append(a[0].shape[0]) or linear_add_norm(*a))
-    norm = norm_of(40, torch.float32, "w * x", kernels=SimpleNamespace(rms_norm=inv.rms_norm))
-    for M in (1, torch_linear.ADD_NORM_MAX_ROWS, torch_linear.ADD_NORM_MAX_ROWS + 1):
-        x, w, _, extras = inputs(M, 40, 300, torch.float32, "residual")
-        h, normed = kernels.project_out(x, w, extras["residual"], norm)
-        assert torch.equal(normed, norm(h)) and torch.equal(h, inv.linear(x, w, residual=extras["residual"]))
-    assert calls == [1, torch_linear.ADD_NORM_MAX_ROWS]
-    assert kernels_for(EngineOptions(device=DEV, batch_invariant=True)).add_norm is None

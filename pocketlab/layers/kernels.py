@@ -14,14 +14,13 @@ import torch
 import torch.nn.functional as F
 
 from . import activations, moe, norm
-from .linear import ADD_NORM_MAX_ROWS, fused_at_few_rows
+from .linear import fused_at_few_rows
 from .linear import linear as composed_linear
 
 
 @dataclass(frozen=True)
 class Kernels:
     linear: Callable = composed_linear  # (x, weight, bias=None, *, residual=None, swiglu=False)
-    add_norm: Callable | None = None  # (x, weight, residual, norm) -> (residual + x @ weight.T, norm of it), one kernel
     rms_norm: Callable = norm.rms_norm
     gated_rms_norm: Callable = norm.gated_rms_norm
     sigmoid_gate: Callable = activations.sigmoid_gate
@@ -38,12 +37,10 @@ class Kernels:
 
     def project_out(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm) -> tuple:
         """(h, norm(h)) with h = residual + x @ weight.T, for o_proj, down_proj, out_proj: the residual stream and
-        what the next block reads from it (one kernel at a few rows where add_norm exists). Split over ranks each
-        holds some input columns: one all-reduce sums the parts, then the residual is added once."""
+        what the next block reads from it. Split over ranks each holds some input columns: one all-reduce sums the
+        parts, then the residual is added once."""
         if self.all_reduce is not None:
             h = residual + self.all_reduce(self.linear(x, weight))
-        elif self.add_norm is not None and x.numel() <= ADD_NORM_MAX_ROWS * x.shape[-1]:
-            return self.add_norm(x, weight, residual, norm)
         else:
             h = self.linear(x, weight, residual=residual)
         return h, norm(h)
@@ -100,10 +97,8 @@ def _kernels_for(options) -> Kernels:
 
     rows = (invariant.rms_norm, invariant.gated_rms_norm, invariant.sigmoid_gate, invariant.decay_and_beta)
     if not options.batch_invariant:  # rows never mix in these, so the row kernels cost no speed: only the matmul
-        from .invariant.matmul import linear_add_norm  # stays cuBLAS beyond decode's rows
-
-        return Kernels(fused_at_few_rows(invariant.linear), linear_add_norm, *rows)
+        return Kernels(fused_at_few_rows(invariant.linear), *rows)  # stays cuBLAS beyond decode's rows
     from .invariant.attention import attention
     from .invariant.rotate import norm_rotate_store
 
-    return Kernels(invariant.linear, None, *rows, attention, norm_rotate_store, delta_rule_in_place=True)
+    return Kernels(invariant.linear, *rows, attention, norm_rotate_store, delta_rule_in_place=True)

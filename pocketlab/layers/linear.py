@@ -1,4 +1,4 @@
-"""A projection with what runs after it: the residual add or SwiGLU (and, in Kernels.project_out, the next norm).
+"""A projection with what runs after it: the residual add or SwiGLU.
 
 `composed` runs them as separate steps (torch, or whatever kernels it is handed); the Triton kernel of
 layers.invariant.matmul runs the matmul and the add or SwiGLU in one launch, which at few rows (decode) saves
@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from . import activations
 
 FUSED_MAX_ROWS = 64  # the default kernels fuse at up to this many rows (decode batches); cuBLAS beyond
-ADD_NORM_MAX_ROWS = 8  # and the next norm too at up to this many: one program norms a row block's rows at its end
 
 
 def composed(

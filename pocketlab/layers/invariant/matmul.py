@@ -14,10 +14,7 @@ element: rows never mix inside tl.dot, and each of the three ways to add the sli
   (tests/test_invariant_kernels.py checks the GPU's tiles bitwise against each other).
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import triton
@@ -26,7 +23,6 @@ import triton.language as tl
 from ..arrivals import arrival_counts
 from .dot import dot, precision
 from .elementwise import sigmoid
-from .norm import MAX_BLOCK, TL_DTYPES, norm_rows
 from .rounding import cast
 
 PROGRAMS_WANTED = 256  # about two programs per SM of an H200 (132 SMs) for the weight-bound decode shapes
@@ -35,7 +31,6 @@ MAX_SPLIT = 8
 DECODE_BLOCK_N = 64  # the N extent the split count is sized for (few-row tiles are 32 or 64 wide)
 MANY_ROWS = 128  # from this many rows on, a program runs all slices of its tile (IN_PROGRAM)
 IN_PROGRAM, LAST_SUMS = 0, 1
-PLAIN, RESIDUAL, SWIGLU, RESIDUAL_NORM = 0, 1, 2, 3  # the epilogues (the kernel spells them as numbers)
 
 
 @dataclass(frozen=True)
@@ -116,15 +111,10 @@ def _slice_sum(x_rows, w_cols, up_cols, live_m, live_n, k_start, k_end, K, strid
 @triton.jit(do_not_specialize=["rows"])
 def _matmul(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, arrived_ptr, res_ptr, rows, N, K, k_per_split, split_k,
             stride_xm, stride_wn, stride_wk, stride_ym, stride_ps, stride_pm, stride_rm,
-            nw_ptr, normed_ptr, rows_arrived_ptr, stride_nm, eps,
             MODE: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
-            PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-            OFFSET: tl.constexpr = False, WX_DTYPE: tl.constexpr = tl.float32,
-            NORM_BLOCK: tl.constexpr = 1):  # fmt: skip
+            PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """One [BLOCK_M, BLOCK_N] tile of y: all K slices (IN_PROGRAM) or slice program_id(2) (LAST_SUMS).
-    EPILOGUE 1: y = residual + x @ W^T; EPILOGUE 2: W is [gate | up] (2N rows) and y = silu(x @ gate^T) * (x @ up^T);
-    EPILOGUE 3: as 1, then the last of a row block's tiles to store (an arrival count per row block) norms those
-    rows of y, read back whole, into `normed` (invariant.norm's code, the flavour OFFSET and WX_DTYPE pick)."""
+    EPILOGUE 1: y = residual + x @ W^T; EPILOGUE 2: W is [gate | up] (2N rows) and y = silu(x @ gate^T) * (x @ up^T)."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -170,7 +160,7 @@ def _matmul(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, arrived_ptr, res_ptr, rows, N,
         if HAS_BIAS:
             total += tl.load(b_ptr + n, mask=live_n, other=0.0).to(tl.float32)[None, :]
         y = cast(total, dtype)
-        if EPILOGUE == 1 or EPILOGUE == 3:  # the residual add after the projection, in the dtype
+        if EPILOGUE == 1:  # the residual add after the projection, in the dtype
             r = tl.load(res_ptr + m.to(tl.int64)[:, None] * stride_rm + n[None, :], mask=live, other=0.0)
             y = cast(y.to(tl.float32) + r.to(tl.float32), dtype)
         elif EPILOGUE == 2:  # silu(gate) rounded, times up (rounded), rounded: as layers.activations.swiglu
@@ -178,16 +168,6 @@ def _matmul(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, arrived_ptr, res_ptr, rows, N,
             silu = cast(gate * sigmoid(gate), dtype).to(tl.float32)
             y = cast(silu * cast(total_up, dtype).to(tl.float32), dtype)
         tl.store(y_ptr + m.to(tl.int64)[:, None] * stride_ym + n[None, :], y, mask=live)
-        if EPILOGUE == 3:  # release our tile, acquire the row block's others: the last one norms
-            arrivals = rows_arrived_ptr + pid_m
-            if tl.atomic_add(arrivals, 1, sem="acq_rel") == tl.num_programs(1) - 1:
-                for i in range(0, BLOCK_M):
-                    row = pid_m * BLOCK_M + i
-                    if row < rows:
-                        at = tl.zeros((1, 1), dtype=tl.int64) + row
-                        norm_rows(y_ptr + at * stride_ym, y_ptr, normed_ptr + at * stride_nm, at < rows, nw_ptr, N,
-                                  eps, OFFSET, False, dtype, WX_DTYPE, 1, NORM_BLOCK, True)  # fmt: skip
-                tl.atomic_xchg(arrivals, 0)  # ready for the next launch
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -196,34 +176,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     fp32 accumulation, the bias added in fp32 before the one rounding to x's dtype. Fused into the same kernel:
     `residual` [..., N] added after (residual + y); `swiglu`: weight is [gate | up] ([2N, K]) and
     y = silu(x @ gate^T) * (x @ up^T) [..., N]."""
-    N = _check(x, weight, bias, residual, swiglu)
-    y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
-    if y.numel():
-        epilogue = RESIDUAL if residual is not None else SWIGLU if swiglu else PLAIN
-        fused = Fused(None if residual is None else _rows(residual, N), epilogue)
-        _launch_rows(x, weight, bias, y, fused, swiglu)
-    return y
-
-
-def linear_add_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm) -> tuple:
-    """(h, norm(h)) with h = residual + x @ weight^T, in one launch: the projection into the residual stream and
-    the RMSNorm (a layers.norm.RMSNorm) of the block that reads it next, computed as invariant.rms_norm computes it
-    by the last of each row block's tiles to finish, which norms the block's rows alone: for few rows (decode).
-    The other way round, a pre-norm folded into the next matmul's loop, was measured slower in the sixth session
-    (the x tiles' elementwise work, repeated by every program; README)."""
-    N = _check(x, weight, None, residual, False)
-    if tuple(norm.weight.shape) != (N,) or norm.weight.dtype not in TL_DTYPES:
-        raise ValueError(f"linear_add_norm: norm weight {tuple(norm.weight.shape)} {norm.weight.dtype} should be [{N}]")
-    h = torch.empty_like(residual)
-    normed_dtype = x.dtype if norm.offset else torch.promote_types(norm.weight.dtype, x.dtype)
-    normed = torch.empty(h.shape, dtype=normed_dtype, device=x.device)
-    if h.numel():
-        _launch_rows(x, weight, None, h, Fused(_rows(residual, N), RESIDUAL_NORM, norm, _rows(normed, N)), False)
-    return h, normed
-
-
-def _check(x, weight, bias, residual, swiglu) -> int:
-    """The output width N, after checking the operands fit together."""
     if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
         raise ValueError(
             f"linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match as [..., K], [N, K]"
@@ -233,7 +185,7 @@ def _check(x, weight, bias, residual, swiglu) -> int:
             f"linear: x, weight and bias must share a dtype, got {x.dtype}, {weight.dtype}, "
             f"{None if bias is None else bias.dtype}"
         )
-    N = weight.shape[0]
+    N, K = weight.shape
     if swiglu and (N % 2 or bias is not None or residual is not None):
         raise ValueError(f"linear: swiglu needs a [gate | up] weight of even rows ({N}), no bias, no residual")
     N = N // 2 if swiglu else N
@@ -242,13 +194,14 @@ def _check(x, weight, bias, residual, swiglu) -> int:
     lead = x.shape[:-1]
     if residual is not None and (residual.shape != (*lead, N) or residual.dtype != x.dtype):
         raise ValueError(f"linear: residual {tuple(residual.shape)} {residual.dtype} should be {(*lead, N)} {x.dtype}")
-    return N
-
-
-def _launch_rows(x, weight, bias, y, fused: Fused, swiglu: bool) -> None:
-    N, K = y.shape[-1], x.shape[-1]
     x2 = _rows(x, K)
-    launch(x2, weight, bias, _rows(y, N), order(N, K, x.dtype), tiles(x2.shape[0], N, x.dtype, x.device, swiglu), fused)
+    M = x2.shape[0]
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M:
+        epilogue = RESIDUAL if residual is not None else SWIGLU if swiglu else PLAIN
+        fused = Fused(None if residual is None else _rows(residual, N), epilogue)
+        launch(x2, weight, bias, y, order(N, K, x.dtype), tiles(M, N, x.dtype, x.device, swiglu), fused)
+    return y.reshape(*lead, N)
 
 
 def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -256,15 +209,15 @@ def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+PLAIN, RESIDUAL, SWIGLU = 0, 1, 2  # the epilogues
+
+
 @dataclass(frozen=True)
 class Fused:
-    """What runs after the matmul in the same kernel: PLAIN, RESIDUAL (residual [M, N] + y), SWIGLU, or
-    RESIDUAL_NORM (the residual add, then `norm` of the sum's rows into `normed` [M, N])."""
+    """What runs after the matmul in the same kernel: PLAIN, RESIDUAL (residual [M, N] + y) or SWIGLU."""
 
     residual: torch.Tensor | None = None
     epilogue: int = PLAIN
-    norm: Any = None  # a layers.norm.RMSNorm
-    normed: torch.Tensor | None = None
 
 
 def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, o: Order,
@@ -274,25 +227,19 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
     N = y.shape[1]
     grid_m, grid_n = triton.cdiv(M, t.block_m), triton.cdiv(N, t.block_n)
     split = t.mode == LAST_SUMS and o.split_k > 1
-    part = torch.empty(o.split_k, M, 2 * N if fused.epilogue == SWIGLU else N, dtype=torch.float32,
-                       device=x2.device) if split else y  # fmt: skip
-    norm = fused.epilogue == RESIDUAL_NORM
-    # counts: one per tile (split K), then one per row block (the norm)
-    arrived = arrival_counts(x2.device, grid_m * grid_n + grid_m) if split or norm else y
-    res, normed = fused.residual, fused.normed
-    extra = {}
-    if norm:
-        dtypes = (fused.norm.weight.dtype, x2.dtype)
-        extra = dict(OFFSET=fused.norm.offset, WX_DTYPE=TL_DTYPES[torch.promote_types(*dtypes)],
-                     NORM_BLOCK=min(triton.next_power_of_2(N), MAX_BLOCK))  # fmt: skip
+    if split:
+        width = 2 * N if fused.epilogue == SWIGLU else N
+        part = torch.empty(o.split_k, M, width, dtype=torch.float32, device=x2.device)
+        arrived = arrival_counts(x2.device, grid_m * grid_n)
+    else:
+        part = arrived = y  # never read
+    res = fused.residual
     _matmul[(grid_m, grid_n, o.split_k if split else 1)](
         x2, weight, y if bias is None else bias, y, part, arrived, y if res is None else res, M, N, K, o.k_per_split,
         o.split_k, x2.stride(0), weight.stride(0), weight.stride(1), y.stride(0), part.stride(0) if split else 0,
         part.stride(1) if split else 0, 0 if res is None else res.stride(0),
-        fused.norm.weight if norm else y, normed if norm else y, arrived[grid_m * grid_n :] if norm else y,
-        normed.stride(0) if norm else 0, fused.norm.eps if norm else 0.0,
         MODE=LAST_SUMS if split else IN_PROGRAM, HAS_BIAS=bias is not None, EPILOGUE=fused.epilogue,
         PRECISION=precision(x2.dtype, x2.device), BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-        BLOCK_K=o.block_k, num_warps=t.num_warps, num_stages=t.num_stages, **extra,
+        BLOCK_K=o.block_k, num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
     return y

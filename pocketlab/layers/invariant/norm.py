@@ -26,34 +26,6 @@ def rows_per_program(block: int) -> int:
     return max(1, TILE // block)
 
 
-@triton.jit
-def norm_rows(x_rows, g_rows, y_rows, real, w_ptr, N, eps, OFFSET: tl.constexpr, GATED: tl.constexpr,
-              X_DTYPE: tl.constexpr, WX_DTYPE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-              VOLATILE: tl.constexpr = False):  # fmt: skip
-    """y = norm(x) for ROWS rows (x_rows, g_rows, y_rows: [ROWS, 1] row pointers; real [ROWS, 1]: rows that
-    exist) in the flavour the flags pick (see the wrappers). WX_DTYPE is the dtype of `w * x` (the two promoted).
-    VOLATILE: x was written by other programs of this launch (the fused residual add and norm of matmul)."""
-    squares = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
-    for c0 in range(0, N, BLOCK):
-        cols = c0 + tl.arange(0, BLOCK)[None, :]
-        h = tl.load(x_rows + cols, mask=real & (cols < N), other=0.0, volatile=VOLATILE).to(tl.float32)
-        squares += h * h
-    inv_rms = tl.rsqrt(tl.sum(squares, 1) / N + eps)[:, None]
-    for c0 in range(0, N, BLOCK):
-        cols = c0 + tl.arange(0, BLOCK)[None, :]
-        live = real & (cols < N)
-        normed = tl.load(x_rows + cols, mask=live, other=0.0, volatile=VOLATILE).to(tl.float32) * inv_rms
-        w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-        if OFFSET:  # Qwen3.5: (x * (1 + w)) in float32, rounded once
-            y = normed * (1.0 + w)
-        else:  # w * x rounded to x's dtype, the product rounded to the common dtype of w and x
-            y = cast(w * cast(normed, X_DTYPE).to(tl.float32), WX_DTYPE).to(tl.float32)
-            if GATED:  # that times silu(gate) in float32
-                g = tl.load(g_rows + cols, mask=live, other=0.0).to(tl.float32)
-                y = y * (g / (1.0 + tl.exp(-g)))
-        tl.store(y_rows + cols, cast(y, y_rows.dtype.element_ty), mask=live)
-
-
 @triton.jit(do_not_specialize=["M"])
 def _rms_norm_rows(
     x_ptr,
@@ -73,15 +45,34 @@ def _rms_norm_rows(
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Rows program_id(0) * ROWS + [0, ROWS) through norm_rows."""
+    """Rows program_id(0) * ROWS + [0, ROWS): y = norm(x) in the flavour the flags pick (see the wrappers).
+    WX_DTYPE is the dtype of `w * x` (the two promoted)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     real = (rows < M)[:, None]
     rows = rows.to(tl.int64)[:, None]
-    norm_rows(x_ptr + rows * stride_x, g_ptr + rows * stride_g, y_ptr + rows * stride_y, real, w_ptr, N, eps,
-              OFFSET, GATED, X_DTYPE, WX_DTYPE, ROWS, BLOCK)  # fmt: skip
+    x_rows = x_ptr + rows * stride_x
+    squares = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
+    for c0 in range(0, N, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)[None, :]
+        h = tl.load(x_rows + cols, mask=real & (cols < N), other=0.0).to(tl.float32)
+        squares += h * h
+    inv_rms = tl.rsqrt(tl.sum(squares, 1) / N + eps)[:, None]
+    for c0 in range(0, N, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)[None, :]
+        live = real & (cols < N)
+        normed = tl.load(x_rows + cols, mask=live, other=0.0).to(tl.float32) * inv_rms
+        w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+        if OFFSET:  # Qwen3.5: (x * (1 + w)) in float32, rounded once
+            y = normed * (1.0 + w)
+        else:  # w * x rounded to x's dtype, the product rounded to the common dtype of w and x
+            y = cast(w * cast(normed, X_DTYPE).to(tl.float32), WX_DTYPE).to(tl.float32)
+            if GATED:  # that times silu(gate) in float32
+                g = tl.load(g_ptr + rows * stride_g + cols, mask=live, other=0.0).to(tl.float32)
+                y = y * (g / (1.0 + tl.exp(-g)))
+        tl.store(y_ptr + rows * stride_y + cols, cast(y, y_ptr.dtype.element_ty), mask=live)
 
 
-TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+_TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
 def _rows(t: torch.Tensor, N: int) -> torch.Tensor:
@@ -90,7 +81,7 @@ def _rows(t: torch.Tensor, N: int) -> torch.Tensor:
 
 
 def _launch(x, weight, gate, eps, offset, out_dtype):
-    if x.dtype not in TL_DTYPES or weight.dtype not in TL_DTYPES:
+    if x.dtype not in _TL or weight.dtype not in _TL:
         raise ValueError(f"rms_norm supports float32, bfloat16, float16; got {x.dtype} with weight {weight.dtype}")
     N = x.shape[-1]
     if tuple(weight.shape) != (N,):
@@ -108,8 +99,8 @@ def _launch(x, weight, gate, eps, offset, out_dtype):
             x2, weight.contiguous(), g2, y, rows, N, x2.stride(0), g2.stride(0), y.stride(0), float(eps),
             OFFSET=offset,
             GATED=gate is not None,
-            X_DTYPE=TL_DTYPES[x.dtype],
-            WX_DTYPE=TL_DTYPES[torch.promote_types(weight.dtype, x.dtype)],
+            X_DTYPE=_TL[x.dtype],
+            WX_DTYPE=_TL[torch.promote_types(weight.dtype, x.dtype)],
             ROWS=per_program,
             BLOCK=block,
             num_warps=4 if block <= 2048 else 8,

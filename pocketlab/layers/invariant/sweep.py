@@ -139,44 +139,13 @@ def sweep_fused(rows: list[int], splits: list[int]) -> None:
         torch.cuda.empty_cache()
 
 
-def sweep_add_norm(rows: list[int]) -> None:
-    """The projection into the residual stream with the next block's RMSNorm in the same launch (linear_add_norm)
-    against the same two steps as two launches (the residual epilogue, then the norm kernel), graphed, at the
-    residual projections of FUSED_SHAPES: what fusing the norm saves per projection, per row count."""
-    from ..norm import RMSNorm
-    from .norm import rms_norm
-
-    print(f"{'shape':<20}{'M':>4}{'one launch ms':>15}{'two launches ms':>17}{'saved us':>10}")
-    for name, (N, K, extra) in FUSED_SHAPES.items():
-        if extra != "residual":
-            continue
-        copies = max(1, min(16, (800 * 2**20) // (N * K * 2)))
-        weights = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K**-0.5 for _ in range(copies)]
-        norm = RMSNorm(torch.rand(N, device="cuda", dtype=torch.bfloat16) + 0.5, 1e-6)
-        for M in rows:
-            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-            res = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
-
-            def two(w, x=x, res=res, norm=norm):
-                return rms_norm(matmul.linear(x, w, residual=res), norm.weight, norm.eps)
-
-            one = graph_ms(lambda w, x=x, res=res, norm=norm: matmul.linear_add_norm(x, w, res, norm), weights)
-            split = graph_ms(two, weights)
-            print(f"{name:<20}{M:>4}{one:>15.4f}{split:>17.4f}{(split - one) * 1e3:>10.1f}")
-        del weights
-        torch.cuda.empty_cache()
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--few", default="1,8,32")
     ap.add_argument("--many", default="128,4096")
     ap.add_argument("--splits", default="1,2,4,8")
     ap.add_argument("--fused", action="store_true", help="the fused kernel's launches at the --few rows instead")
-    ap.add_argument("--add-norm", action="store_true", help="the residual projection with the next norm fused, vs not")
     a = ap.parse_args(argv)
-    if a.add_norm:
-        return sweep_add_norm([int(v) for v in a.few.split(",")])
     if a.fused:
         return sweep_fused([int(v) for v in a.few.split(",")], [int(v) for v in a.splits.split(",")])
     few, many, splits = ([int(v) for v in s.split(",")] for s in (a.few, a.many, a.splits))
