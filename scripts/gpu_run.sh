@@ -62,13 +62,20 @@
 # serving trace with HF's generate() batches as the peer; the MoE bench at 35B-A3B alone (one call) and the MoE
 # notebooks (below); the whole bench at the four dense/hybrid shapes with peers; the invariant step; STEPS=tp on a
 # two-GPU machine.
-# Ninth session (2026-12-01): no GPU was lent. What it built is checked on the CPU only, so the next calls, in order:
+# Tenth session (2026-12-01, one H200): the CUDA tests of the changed kernels 96-131 s (-n 4 to 6), tests/test_moe.py
+# 42-70 s, moe_bench 30-33 s per shape, the fused sweep 24 s, a profile 22-60 s (0.6B, 8B) and > 100 s at 0.8B.
+# Two calls were lost to a kernel that compiled only in the interpreter (make test now compiles every launch for
+# sm_90: tests/sm90.py). Calls made:
 #   STEPS="tests stalls moe" TESTS="tests/test_warmup.py tests/test_fused_linear.py tests/test_linear_decode.py
 #     tests/test_parity.py tests/test_graphs.py" STALL_MODELS=qwen3.5-0.8b STALL_BENCH_MODELS="" BUDGET_S=560
-#     (the new kernels on CUDA: add+norm epilogue, decode row experts and one-program align, raw-gate GDN step, and the
-#     no-torch.compile decode graphs; the 0.8B warm start; moe_bench's triton_rows column sets ROWS_MAX_PAIRS)
-#   STEPS=fused FUSED_TESTS="" FUSED_MODELS="qwen3-0.6b qwen3.5-0.8b qwen3-8b" FUSED_MODES=triton BUDGET_S=400
-#   then the eighth session's owed calls below (9B serving with the generate() peer, 35B-A3B bench, MoE notebooks).
+#   STEPS="tests moe fused" TESTS="-n 4 <those files> tests/test_gated_delta.py" MOE_MODELS="" FUSED_TESTS=""
+#     FUSED_MODELS="qwen3-0.6b qwen3.5-0.8b qwen3-8b" FUSED_MODES=triton BUDGET_S=420 (+ the add-norm sweep after)
+#   STEPS=tests TESTS="-n 6 tests/test_moe.py tests/test_fused_linear.py tests/test_warmup.py tests/test_gated_delta.py
+#     tests/test_linear_decode.py" TESTS_CAP_S=190 BUDGET_S=195
+# Still owed, in order: the warm 0.8B start (STEPS=stalls STALL_MODELS=qwen3.5-0.8b STALL_BENCH_MODELS="", cap 300 s);
+# the MoE model bench at b1 after the one-program align (MODELS=qwen3-30b-a3b, below; then qwen3.5-35b-a3b); the
+# eighth session's owed calls below (9B serving with the generate() peer, MoE notebooks, the whole bench, the
+# invariant step, STEPS=tp on two GPUs).
 # MoE at real shapes (issue 17), one H200, one call each (the engine runs on the HF peer's own tensors, so the weights
 # are on the GPU once: peak ~86 GiB at 30B-A3B, ~81 GiB at 35B-A3B, most of it the weights and, at 30B, 24 GiB of K/V
 # for 64 slots x 4,097 positions; the JSON's "memory" has the measured peak). Engine warm-up, latency and serving
