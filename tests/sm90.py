@@ -2,7 +2,7 @@
 
 Triton's interpreter runs a kernel as Python, so it accepts code the compiler refuses (a name rebound to another
 type in a branch), and such a kernel first failed on a lent GPU. conftest records each distinct launch (the
-kernel, its arguments' types, its constexprs); at the session's end `python tests/sm90.py launches.json` compiles
+kernel, its arguments' types, its constexprs); at the session's end `python tests/sm90.py launches.jsonl` compiles
 each, without the interpreter, to a cubin (Triton's own ptxas, no driver needed), and names those that fail.
 """
 
@@ -16,8 +16,9 @@ import sys
 import torch
 
 LAUNCH_OPTIONS = ("num_warps", "num_stages")
-POINTEE = {torch.bool: "i1", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
-           torch.int32: "i32", torch.int8: "i8", torch.uint8: "u8"}  # fmt: skip
+POINTEE = {torch.bool: "i1", torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16",
+           torch.float16: "fp16", torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8",
+           torch.uint8: "u8"}  # fmt: skip
 
 
 def _type(value) -> str:
@@ -79,7 +80,9 @@ def compile_one(launch: dict) -> str | None:
 def main(path: str) -> int:
     with open(path) as f:
         launches = [json.loads(line) for line in f]
-    failures = [why for why in map(compile_one, launches) if why]
+    # a launch conftest could not describe is a failure too: the check must not skip what it cannot read
+    failures = [launch["unrecorded"] if "unrecorded" in launch else compile_one(launch) for launch in launches]
+    failures = [why for why in failures if why]
     print(f"sm_90 compile: {len(launches)} distinct Triton launches, {len(failures)} failed")
     for why in failures:
         print(why)
