@@ -164,6 +164,10 @@ class StepGraphs:
                 return True
             except RuntimeError as e:  # torch.AcceleratorError is a RuntimeError
                 why = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+                # an error inside a capture can leave its pool taking allocations ("already recording to
+                # mempool_id" on the next capture into it, seen on the H200): the retry and later captures take
+                # a fresh pool
+                self.pool = None
                 warnings.warn(f"CUDA graph capture of {key} failed ({why}); {attempt}", RuntimeWarning, stacklevel=2)
         self.failed[key] = why
         return False

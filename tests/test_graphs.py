@@ -45,6 +45,19 @@ class FailingGraphs(RerunGraphs):
         raise RuntimeError("operation failed due to a previous error during capture")
 
 
+class FlakyGraphs(RerunGraphs):
+    """The first capture fails the way a real one does: inside, after taking the engine's pool."""
+
+    pools_seen: list
+
+    def record(self, fn):
+        self.pools_seen = getattr(self, "pools_seen", []) + [self.pool]
+        if len(self.pools_seen) == 1:
+            self.pool = object()  # as record() takes torch.cuda.graph_pool_handle()
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+        return super().record(fn)
+
+
 def batch_decode(eng, prompts, steps):
     reqs = [BatchedRequest(i, p) for i, p in enumerate(prompts)]
     eng.batch_prefill(reqs)
@@ -70,6 +83,17 @@ def test_graphed_decode_equals_eager(make_engine, graphs):
         assert set(eng.graphs.graphs) == {("decode", 4, 1, 128), ("decode", 4, 1, 160)}
     assert got[0] == want[0]
     torch.testing.assert_close(got[1], want[1], atol=LOGIT_TOL, rtol=0)  # a 4-row matmul rounds differently
+
+
+def test_a_retried_capture_takes_a_fresh_pool(make_engine):
+    """After a capture fails inside, its pool may still be taking allocations: the retry must not capture into
+    it (on the GPU that retry fails with "already recording to mempool_id" and the shape runs eagerly)."""
+    eng = make_engine("tiny-qwen3", max_slots=2, max_seq_len=128)
+    eng.graphs = FlakyGraphs(eng.model, eng.cache, eng.options)
+    with pytest.warns(RuntimeWarning, match="retrying"):
+        batch_decode(eng, [random_prompt(5, seed=1)], 2)
+    assert eng.graphs.pools_seen[:2] == [None, None] and not eng.graphs.failed
+    assert ("decode", 1, 1, 128) in eng.graphs.graphs
 
 
 def test_key_buckets_double_up_to_the_context():
