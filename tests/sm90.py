@@ -43,9 +43,10 @@ def launch_key(fn, args: tuple, kwargs: dict) -> str:
     """One launch of the interpreted kernel `fn` (its Python function) as a JSON line; the same key for launches
     the compiler would see as one kernel."""
     options = {k: kwargs.pop(k) for k in LAUNCH_OPTIONS if k in kwargs}
-    bound = inspect.signature(fn).bind(*args, **kwargs)
+    signature_of_fn = inspect.signature(fn)
+    bound = signature_of_fn.bind(*args, **kwargs)
     bound.apply_defaults()
-    params = inspect.signature(fn).parameters
+    params = signature_of_fn.parameters
     signature, constants = {}, {}
     for name, value in bound.arguments.items():
         if "constexpr" in str(params[name].annotation) or value is None:

@@ -225,17 +225,13 @@ def _sum_over_k(pairs_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr)
     tl.store(out_ptr + token * H + n, acc.to(out_ptr.dtype.element_ty), mask=n < H)
 
 
-def _sizes(ids, gate_up, down, name: str) -> tuple[int, int, int, int, int]:
-    """(tokens, k, experts, hidden, expert width), after checking the weights read rows whole along their input."""
-    if gate_up.stride(2) != 1 or down.stride(2) != 1:
-        raise ValueError(f"{name} needs expert weights contiguous along their input dimension")
-    E, two_i, H = gate_up.shape
-    return (*ids.shape, E, H, two_i // 2)
-
-
 def fused_experts(x, gate_up, down, weights, ids) -> torch.Tensor:
     """Same contract as moe.looped_experts: x [N, H], gate_up [E, 2I, H], down [E, H, I], weights/ids [N, k]."""
-    N, top_k, E, H, I = _sizes(ids, gate_up, down, "fused_experts")  # noqa: E741
+    N, top_k = ids.shape
+    E, two_i, H = gate_up.shape
+    I = two_i // 2  # noqa: E741
+    if gate_up.stride(2) != 1 or down.stride(2) != 1:
+        raise ValueError("fused_experts needs expert weights contiguous along their input dimension")
     x = x.contiguous()
     pairs = N * top_k
     t = tiles(pairs, x.dtype, x.device)
