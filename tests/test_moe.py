@@ -232,6 +232,28 @@ def test_align_in_one_launch_gives_the_torch_layout():
         align_in_one_launch(torch.zeros(ALIGN_MAX_PAIRS + 1, 1, dtype=torch.int64, device=DEVICE), 4, 16)
 
 
+@needs_triton
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_route_in_one_launch_equals_torch_route(renormalize):
+    """The one-launch routing (softmax, top-k, rescale) against moe.route: the same experts in the same order, the
+    same weights, from logits that are a column slice (the shared expert's gate beside them), for 8-256 experts.
+    On CUDA also where bf16 logits tie often and where most tie: torch.topk there takes the lowest expert first
+    (on the CPU it orders ties its own way, so the engine routes there by torch)."""
+    from pocketlab.layers.moe_kernel import route_in_one_launch
+
+    gen = torch.Generator().manual_seed(7)
+    cases = [(torch.randn(N, E + 1, generator=gen) * 3, k) for N, E, k in ((1, 8, 3), (13, 128, 8), (6, 256, 8))]
+    if DEVICE == "cuda":
+        cases += [(torch.randn(64, 129, generator=gen).bfloat16(), 8), (torch.randint(0, 3, (64, 129)).float(), 8)]
+    for logits, k in cases:
+        logits = logits.to(DEVICE)[:, :-1]
+        want, got = moe.route(logits, k, renormalize), route_in_one_launch(logits, k, renormalize)
+        assert torch.equal(got[1], want[1]), (tuple(logits.shape), k)
+        torch.testing.assert_close(got[0], want[0])  # the dtype's tolerance: bf16 rounds the float32 weights
+    with pytest.raises(ValueError, match="top_k must be in 1..8"):
+        route_in_one_launch(torch.zeros(2, 8, device=DEVICE), 9, False)
+
+
 def test_padding_rows_do_not_touch_real_tokens():
     """The torch path too: rows of garbage (NaN, huge) beside real tokens leave the real rows' outputs alone."""
     x, gu, d, w, ids = expert_inputs(7, seed=5)

@@ -28,6 +28,7 @@ class Kernels:
     attention: Callable | None = None  # over the slot cache for every query; None: SDPA / the decode kernel
     norm_rotate_store: Callable | None = None  # q/k norms, RoPE and the K/V write before `attention`
     delta_rule_in_place: bool = False  # Gated DeltaNet: every token through the in-place kernels, no chunked rule
+    moe_route: Callable = moe.route  # (router logits, top_k, renormalize) -> (weights, expert ids)
     moe_experts: Callable = moe.grouped_experts  # (x, gate_up, down, weights, ids) -> the routed experts' sum
     # tensor parallelism (pocketlab.parallel): the sum over ranks of row-parallel outputs (None: one device), the
     # vocab-parallel embedding lookup, and the gather of vocab-parallel logits
@@ -72,7 +73,7 @@ def moe_in_triton(options) -> bool:
 
 
 def kernels_for(options) -> Kernels:
-    kernels = dataclasses.replace(_kernels_for(options), moe_experts=_moe_experts(options))
+    kernels = dataclasses.replace(_kernels_for(options), **_moe_kernels(options))
     if options.tensor_parallel == 1:
         return kernels
     from ..parallel import comm
@@ -82,12 +83,15 @@ def kernels_for(options) -> Kernels:
     )
 
 
-def _moe_experts(options) -> Callable:
+def _moe_kernels(options) -> dict:
+    """The routing kernel runs on CUDA only: it breaks ties as torch.topk does there (the lowest expert first), and
+    torch.topk on the CPU, which HF runs there, orders them its own way."""
     if not moe_in_triton(options):
-        return moe.grouped_experts
-    from .moe_kernel import fused_experts
+        return dict(moe_route=moe.route, moe_experts=moe.grouped_experts)
+    from .moe_kernel import fused_experts, route_in_one_launch
 
-    return fused_experts
+    on_cuda = torch.device(options.device).type == "cuda"
+    return dict(moe_route=route_in_one_launch if on_cuda else moe.route, moe_experts=fused_experts)
 
 
 def _kernels_for(options) -> Kernels:

@@ -116,14 +116,15 @@ class SparseMoE:
             s = p + "shared_expert."
             self.shared_gate_up = torch.cat([w.pop(s + "gate_proj.weight"), w.pop(s + "up_proj.weight")])
             self.shared_down = w.pop(s + "down_proj.weight")
-        self.linear, self.sigmoid_gate, self.experts = kernels.linear, kernels.sigmoid_gate, kernels.moe_experts
+        self.linear, self.sigmoid_gate = kernels.linear, kernels.sigmoid_gate
+        self.route, self.experts = kernels.moe_route, kernels.moe_experts
         self.all_reduce = kernels.all_reduce  # tensor parallelism: each rank computes its slice of every expert
 
     def __call__(self, h: torch.Tensor, x: torch.Tensor, then) -> tuple[torch.Tensor, torch.Tensor]:
         """h + moe(x) and `then` of it."""
         flat = x.reshape(-1, x.shape[-1])
         logits = self.linear(flat, self.router)
-        weights, ids = route(logits[:, : self.num_experts], self.top_k, self.renormalize)
+        weights, ids = self.route(logits[:, : self.num_experts], self.top_k, self.renormalize)
         if _recorders:
             _recorders[-1].append(ids)
         y = self.experts(flat, self.gate_up, self.down, weights, ids)

@@ -1,5 +1,6 @@
 """The routed experts on the GPU: (token, k) pairs grouped by expert, one Triton launch per projection.
 
+`route_in_one_launch` (`_route`) gives moe.route's weights and expert ids from the router logits in one launch.
 `align` sorts the pairs by expert and lays them out in blocks of BLOCK_M rows, each block one expert's (its last
 block padded with empty rows), in buffers of a size fixed by (tokens, k, experts) alone: no host sync, so a decode
 step with it is captured in a CUDA graph. Up to ALIGN_MAX_PAIRS pairs (decode) one Triton program does it
@@ -26,23 +27,31 @@ from .moe import expert_order
 
 
 @dataclass(frozen=True)
-class Tiles:
-    block_m: int
+class Launch:
+    """How one projection's launch covers its columns: speed only (the K steps, hence a row's sums, stay fixed)."""
+
     block_n: int
-    block_k: int
     num_warps: int = 4
     num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class Tiles:
+    block_m: int  # rows per block: the layout `align` writes, shared by both projections
+    block_k: int
+    gate_up: Launch
+    down: Launch
 
 
 def tiles(pairs: int, dtype: torch.dtype, device: torch.device) -> Tiles:
     """Speed only, never a value's bits: decode's few pairs per expert take 16-row blocks and narrow columns (more
     programs stream the weights); prefill's many take 64-row blocks. The interpreter keeps tiny tiles."""
     if device.type == "cpu":
-        return Tiles(16, 32, 32)
+        return Tiles(16, 32, Launch(32), Launch(32))
     block_k = 32 if dtype == torch.float32 else 64
     if pairs <= 1024:
-        return Tiles(16, 32, block_k, num_warps=4, num_stages=4)
-    return Tiles(64, 64, block_k, num_warps=4, num_stages=3)
+        return Tiles(16, block_k, Launch(32, 4, 4), Launch(32, 4, 4))
+    return Tiles(64, block_k, Launch(64), Launch(64))
 
 
 def max_blocks(pairs: int, num_experts: int, block_m: int) -> int:
@@ -225,8 +234,9 @@ def _sum_over_k(pairs_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr)
     tl.store(out_ptr + token * H + n, acc.to(out_ptr.dtype.element_ty), mask=n < H)
 
 
-def fused_experts(x, gate_up, down, weights, ids) -> torch.Tensor:
-    """Same contract as moe.looped_experts: x [N, H], gate_up [E, 2I, H], down [E, H, I], weights/ids [N, k]."""
+def fused_experts(x, gate_up, down, weights, ids, t: Tiles | None = None) -> torch.Tensor:
+    """Same contract as moe.looped_experts: x [N, H], gate_up [E, 2I, H], down [E, H, I], weights/ids [N, k].
+    t: the launches' tiles (default `tiles(...)`; the bench's sweep passes others)."""
     N, top_k = ids.shape
     E, two_i, H = gate_up.shape
     I = two_i // 2  # noqa: E741
@@ -234,26 +244,73 @@ def fused_experts(x, gate_up, down, weights, ids) -> torch.Tensor:
         raise ValueError("fused_experts needs expert weights contiguous along their input dimension")
     x = x.contiguous()
     pairs = N * top_k
-    t = tiles(pairs, x.dtype, x.device)
+    t = t or tiles(pairs, x.dtype, x.device)
     aligned = align_in_one_launch if pairs <= ALIGN_MAX_PAIRS else align
     pair_of_row, expert_of_block = aligned(ids, E, t.block_m)
     blocks = expert_of_block.numel()
     prec = precision(x.dtype, x.device)
+
+    def launch(p: Launch) -> dict:
+        cuda = dict(num_warps=p.num_warps, num_stages=p.num_stages) if x.is_cuda else {}
+        return dict(BLOCK_M=t.block_m, BLOCK_N=p.block_n, BLOCK_K=t.block_k, PRECISION=prec, **cuda)
+
     h = torch.empty(pairs, I, dtype=x.dtype, device=x.device)
-    launch = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, PRECISION=prec)
-    launch |= dict(num_warps=t.num_warps, num_stages=t.num_stages) if x.is_cuda else {}
-    _gate_up[(blocks, triton.cdiv(I, t.block_n))](
+    _gate_up[(blocks, triton.cdiv(I, t.gate_up.block_n))](
         x, gate_up, h, pair_of_row, expert_of_block, pairs, H, I,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
-        TOP_K=top_k, NUM_EXPERTS=E, **launch,
+        TOP_K=top_k, NUM_EXPERTS=E, **launch(t.gate_up),
     )  # fmt: skip
     out = torch.empty(pairs, H, dtype=x.dtype, device=x.device)
-    _down[(blocks, triton.cdiv(H, t.block_n))](
+    _down[(blocks, triton.cdiv(H, t.down.block_n))](
         h, down, weights.reshape(-1).contiguous(), out, pair_of_row, expert_of_block, pairs, H, I,
         h.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        NUM_EXPERTS=E, **launch,
+        NUM_EXPERTS=E, **launch(t.down),
     )  # fmt: skip
     total = torch.empty(N, H, dtype=x.dtype, device=x.device)
     if N:
         _sum_over_k[(N, triton.cdiv(H, 1024))](out, total, H, TOP_K=top_k, BLOCK=1024)
     return total
+
+
+@triton.jit
+def _route(logits_ptr, stride, weights_ptr, ids_ptr, NUM_EXPERTS, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+           BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """One token's routing: softmax over its experts in float32, the k largest (equal ones: the lowest expert
+    first, as torch.topk), optionally rescaled to sum 1, in the logits' dtype."""
+    row = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    x = tl.load(logits_ptr + row * stride + e, mask=e < NUM_EXPERTS, other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, 0))
+    p = p / tl.sum(p, 0)
+    left = tl.where(e < NUM_EXPERTS, p, -1.0)  # probabilities are >= 0: a lane past the experts is never taken
+    j = tl.arange(0, BLOCK_K)
+    top = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    which = tl.zeros((BLOCK_K,), dtype=tl.int64)
+    for i in tl.static_range(TOP_K):
+        best = tl.max(left, 0)
+        pick = tl.min(tl.where(left == best, e, BLOCK_E), 0)
+        top = tl.where(j == i, best, top)
+        which = tl.where(j == i, pick, which)
+        left = tl.where(e == pick, -1.0, left)
+    if RENORMALIZE:
+        top = top / tl.sum(top, 0)
+    tl.store(weights_ptr + row * TOP_K + j, top.to(weights_ptr.dtype.element_ty), mask=j < TOP_K)
+    tl.store(ids_ptr + row * TOP_K + j, which, mask=j < TOP_K)
+
+
+def route_in_one_launch(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe.route's (weights [N, k], ids [N, k]) in one launch where torch takes five (softmax, topk, sum, divide,
+    cast). logits [N, E] may be a column slice (the shared expert's gate beside them)."""
+    N, E = logits.shape
+    if logits.stride(1) != 1:
+        raise ValueError("route_in_one_launch needs each token's logits contiguous")
+    if not 0 < top_k <= E:
+        raise ValueError(f"top_k must be in 1..{E} (the experts), got {top_k}")
+    weights = torch.empty(N, top_k, dtype=logits.dtype, device=logits.device)
+    ids = torch.empty(N, top_k, dtype=torch.int64, device=logits.device)
+    if N:
+        _route[(N,)](
+            logits, logits.stride(0), weights, ids, E, TOP_K=top_k, RENORMALIZE=renormalize,
+            BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(top_k),
+        )  # fmt: skip
+    return weights, ids
