@@ -113,8 +113,9 @@
 #                    STALL_ARGS [] extra bench arguments there (e.g. a shorter serving trace)
 #   TP_MODELS [qwen3-8b qwen3.5-9b]  TP2_MODELS [qwen3.5-27b-shape]  the tp step (not in the default STEPS: it needs
 #                    two GPUs): CUDA tests of tests/test_tensor_parallel.py, bench_tp at TP=1 and 2 (TP2_MODELS: 2 only)
-#   MOE_MODELS [qwen3.5-35b-a3b qwen3-30b-a3b]  the moe step: tests/test_moe.py on CUDA, one layer's experts per
-#                                       shape (moe_bench: triton vs grouped_mm vs loop); bench them with MODELS=
+#   MOE_MODELS [qwen3.5-35b-a3b qwen3-30b-a3b]  the moe step: MOE_TESTS [tests/test_moe.py] on CUDA, one layer's
+#                    experts per shape (moe_bench: triton vs grouped_mm vs loop, MOE_ARGS [] e.g. --sweep), kernel
+#                    tables for MOE_PROFILE [] (e.g. the *-4-layers presets); bench the models with MODELS=
 #   REPORT_NOTEBOOKS [01,02,03,04,05,06,07]  the reports step's notebooks, in this order, each a step of its own
 #   TTFT_STRIDES     [512]              checkpoint strides the TTFT table is measured at, comma-separated
 #   PEER_MODES       [eager,static]     HF peers (static = static cache + HF's compiled decode step)
@@ -140,6 +141,9 @@ MTP_MODELS=${MTP_MODELS-qwen3.5-9b}
 INVARIANT_MODELS=${INVARIANT_MODELS-qwen3-8b qwen3.5-9b}
 INVARIANT_STEPS=${INVARIANT_STEPS:-64}
 MOE_MODELS=${MOE_MODELS-qwen3.5-35b-a3b qwen3-30b-a3b}
+MOE_ARGS=${MOE_ARGS:-}
+MOE_PROFILE=${MOE_PROFILE-}
+MOE_TESTS=${MOE_TESTS-tests/test_moe.py}
 TP_MODELS=${TP_MODELS-qwen3-8b qwen3.5-9b}
 TP2_MODELS=${TP2_MODELS-qwen3.5-27b-shape}
 INVARIANT_TESTS=${INVARIANT_TESTS-tests/test_batch_invariant.py tests/test_invariant_kernels.py tests/test_invariant_attention.py tests/test_linear_decode.py}
@@ -332,11 +336,16 @@ fi
 #        (Triton kernels, torch grouped_mm, the per-expert loop) against the copy rate -> reports/gpu/moe-experts-* --
 if wants moe; then
   mkdir -p reports/gpu
-  step "pytest MoE (cuda)" 200 "$reserve" \
-    env POCKETLAB_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_moe.py
+  # shellcheck disable=SC2086
+  [ -n "$MOE_TESTS" ] && step "pytest MoE (cuda)" 200 "$reserve" \
+    env POCKETLAB_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider --tb=short $MOE_TESTS
   for m in $MOE_MODELS; do
-    step "moe experts $m" 150 "$reserve" bash -o pipefail -c "python3 -m pocketlab.tools.moe_bench --model $m \
-      --out reports/gpu/moe-experts-$m.json | tee reports/gpu/moe-experts-$m-h200.txt"
+    step "moe experts $m" 200 "$reserve" bash -o pipefail -c "python3 -m pocketlab.tools.moe_bench --model $m \
+      --out reports/gpu/moe-experts-$m.json $MOE_ARGS | tee reports/gpu/moe-experts-$m-h200.txt"
+  done
+  for m in $MOE_PROFILE; do
+    step "profile $m" 120 "$reserve" bash -o pipefail -c "python3 -m pocketlab.tools.profile --model $m \
+      --batch-sizes 1,32 --prefill-lens 4096 --steps 10 --top 25 | tee reports/gpu/profile-$m-h200.txt"
   done
 fi
 

@@ -2,16 +2,19 @@
 the Triton kernels (layers.moe_kernel) and torch's grouped_mm (layers.moe) compare, to choose moe_kernel "auto".
 
     python -m pocketlab.tools.moe_bench --model qwen3.5-35b-a3b --device cuda [--tokens 1,2,4,8,16,32,64,4096]
+        [--sweep]   (CUDA: each projection's launch tiles at the decode sizes, to choose moe_kernel.tiles)
 
 Per token count N: the experts its routing reads (random weights, random router), the step time of each path
 (captured in a CUDA graph for N <= 64, as decode runs it; eager beyond, as prefill does), the bytes it must read
 (distinct experts x an expert's weights) over the measured copy bandwidth, and its flops over the matmul rate.
-The loop path (one matmul per expert hit, host syncs: HF's eager way) runs eagerly as the baseline.
+The loop path (one matmul per expert hit, host syncs: HF's eager way) runs eagerly as the baseline. On CUDA the
+routing itself too: torch's ops (softmax, topk, rescale) against the one-launch kernel.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 from pathlib import Path
@@ -51,7 +54,9 @@ def in_graph(fn, args):
 
 
 @torch.inference_mode()
-def bench_layer(cfg: ModelConfig, n: int, device: str, dtype: torch.dtype, clock: Clock, repeats: int, ceil: dict):
+def bench_layer(
+    cfg: ModelConfig, n: int, device: str, dtype: torch.dtype, clock: Clock, repeats: int, ceil: dict, sweep: bool
+):
     gen = torch.Generator(device=device).manual_seed(n)
     E, H, I, k = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
 
@@ -60,7 +65,8 @@ def bench_layer(cfg: ModelConfig, n: int, device: str, dtype: torch.dtype, clock
 
     x, router = randn(n, H), randn(E, H, scale=H**-0.5)
     gate_up, down = randn(E, 2 * I, H, scale=H**-0.5), randn(E, H, I, scale=I**-0.5)
-    weights, ids = moe.route(x @ router.T, k, cfg.norm_topk_prob)
+    logits = x @ router.T
+    weights, ids = moe.route(logits, k, cfg.norm_topk_prob)
     args = (x, gate_up, down, weights, ids)
     hit = int(ids.unique().numel())
     elem = torch.finfo(dtype).bits // 8
@@ -68,6 +74,11 @@ def bench_layer(cfg: ModelConfig, n: int, device: str, dtype: torch.dtype, clock
     flops = 2 * n * k * 3 * I * H
     row = {"tokens": n, "experts_hit": hit, "bytes": moved, "flops": flops}
     reference = moe.looped_experts(*args)
+    if clock.cuda and n <= GRAPH_MAX_TOKENS:
+        from ..layers.moe_kernel import route_in_one_launch
+
+        for name, fn in (("route_torch", moe.route), ("route_triton", route_in_one_launch)):
+            row[name] = {"seconds": clock.measure(in_graph(fn, (logits, k, cfg.norm_topk_prob)), repeats, warmup=3)}
     for name, fn in paths(device).items():
         try:
             graphed = clock.cuda and n <= GRAPH_MAX_TOKENS and name != "loop"
@@ -83,7 +94,34 @@ def bench_layer(cfg: ModelConfig, n: int, device: str, dtype: torch.dtype, clock
             "matmul_frac": flops / seconds / ceil["matmul"]["flop_per_s"],
             "max_abs_diff_vs_loop": err,
         }
+    if sweep and clock.cuda and n <= GRAPH_MAX_TOKENS:
+        row["sweep"] = sweep_tiles(args, clock, repeats)
     return row
+
+
+def sweep_tiles(args, clock: Clock, repeats: int) -> list[dict]:
+    """The Triton path graphed with each projection's launch varied alone (the other at its default): columns per
+    program, warps, pipeline stages. Rows per block and the K step stay (they fix the layout and a row's sums)."""
+    from ..layers.moe_kernel import Launch, fused_experts, tiles
+
+    base = tiles(args[4].numel(), args[0].dtype, args[0].device)
+    launches = [Launch(n, w, s) for n in (16, 32, 64, 128) for w in (2, 4) for s in (3, 5)]
+    out = []
+    for proj in ("gate_up", "down"):
+        for launch in launches:
+            cell = {"projection": proj, **dataclasses.asdict(launch)}
+            try:
+                run = in_graph(
+                    functools.partial(fused_experts, *args, t=dataclasses.replace(base, **{proj: launch})), ()
+                )
+                out.append(cell | {"seconds": clock.measure(run, repeats, 3)})
+            except Exception as exc:  # noqa: BLE001 - a launch the compiler refuses is reported, not fatal
+                print(f"sweep: {cell} failed: {type(exc).__name__}: {exc}")
+    return out
+
+
+def us(cell: dict) -> str:
+    return f"{cell['seconds'] * 1e6:.1f}"
 
 
 def main(argv=None) -> dict:
@@ -93,6 +131,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--dtype", default="")
     ap.add_argument("--tokens", type=ints, default=(1, 2, 4, 8, 16, 32, 64, 4096))
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--sweep", action="store_true", help="CUDA: time each projection's launch tiles (decode sizes)")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
     dtype = DTYPES[a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32")]
@@ -105,7 +144,7 @@ def main(argv=None) -> dict:
         "copy": copy_bandwidth(clock, a.device, 1024 if cuda else 64, 10),
         "matmul": matmul_rate(clock, a.device, dtype, 8192 if cuda else 512, 10),
     }
-    rows = [bench_layer(cfg, n, a.device, dtype, clock, a.repeats, ceil) for n in a.tokens]
+    rows = [bench_layer(cfg, n, a.device, dtype, clock, a.repeats, ceil, a.sweep) for n in a.tokens]
     result = {"model": a.model, "device": a.device, "dtype": str(dtype), "ceilings": ceil, "rows": rows}
     print(f"{a.model}: E={cfg.num_experts} top-{cfg.num_experts_per_tok} I={cfg.moe_intermediate_size}, {dtype}")
     print(f"{'tokens':>6} {'experts':>7} " + " ".join(f"{p + ' us':>14} {'bw frac':>7}" for p in paths(a.device)))
@@ -117,6 +156,13 @@ def main(argv=None) -> dict:
                 f"{'error':>14} {'':>7}" if "error" in c else f"{c['seconds'] * 1e6:14.1f} {c['bandwidth_frac']:7.2f}"
             )
         print(f"{r['tokens']:>6} {r['experts_hit']:>7} " + " ".join(cells))
+    for r in (r for r in rows if "route_torch" in r):
+        print(f"routing, {r['tokens']} tokens: torch {us(r['route_torch'])}, one launch {us(r['route_triton'])} us")
+    for r in (r for r in rows if "sweep" in r):
+        for proj in ("gate_up", "down"):
+            runs = sorted((c for c in r["sweep"] if c["projection"] == proj), key=lambda c: c["seconds"])
+            best = ", ".join(f"n{c['block_n']} w{c['num_warps']} s{c['num_stages']} {us(c)}" for c in runs[:4])
+            print(f"sweep, {r['tokens']} tokens, {proj}: default {us(r['triton'])} us; fastest {best}")
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=2))
     return result
