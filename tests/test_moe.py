@@ -198,6 +198,21 @@ def test_fused_experts_equal_the_torch_path(N):
 
 
 @needs_triton
+@pytest.mark.parametrize("parts", ["residual", "shared", "both"])
+def test_fused_experts_add_the_shared_expert_and_residual_as_torch(parts):
+    """The k-sum's launch also adds the gated shared expert (one gate per token, a column of the router's logits)
+    and the residual stream: as moe.combine's torch ops do after the reference loop."""
+    from pocketlab.layers.moe_kernel import fused_experts
+
+    args = expert_inputs(6, H=70, seed=2)
+    g = torch.Generator().manual_seed(9)
+    residual, shared, logits = (torch.randn(6, n, generator=g).to(DEVICE) for n in (70, 70, 9))
+    extra = dict(residual=residual) if parts != "shared" else {}
+    extra |= dict(shared=shared, shared_gate=logits[:, 8:]) if parts != "residual" else {}
+    torch.testing.assert_close(fused_experts(*args, **extra), moe.looped_experts(*args, **extra), atol=2e-5, rtol=1e-5)
+
+
+@needs_triton
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the huge rows' SiLU, in the interpreter
 def test_fused_experts_rows_do_not_depend_on_the_batch():
     """A token's output is the same bits alone, among others, and beside garbage rows (huge or NaN inputs)."""

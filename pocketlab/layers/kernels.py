@@ -29,7 +29,7 @@ class Kernels:
     norm_rotate_store: Callable | None = None  # q/k norms, RoPE and the K/V write before `attention`
     delta_rule_in_place: bool = False  # Gated DeltaNet: every token through the in-place kernels, no chunked rule
     moe_route: Callable = moe.route  # (router logits, top_k, renormalize) -> (weights, expert ids)
-    moe_experts: Callable = moe.grouped_experts  # (x, gate_up, down, weights, ids) -> the routed experts' sum
+    moe_experts: Callable = moe.grouped_experts  # (x, gate_up, down, weights, ids, residual, shared, shared_gate)
     # tensor parallelism (pocketlab.parallel): the sum over ranks of row-parallel outputs (None: one device), the
     # vocab-parallel embedding lookup, and the gather of vocab-parallel logits
     all_reduce: Callable | None = None

@@ -54,9 +54,17 @@ def sum_over_k(pairs: torch.Tensor) -> torch.Tensor:
     return acc.to(pairs.dtype)
 
 
-def looped_experts(x, gate_up, down, weights, ids) -> torch.Tensor:
+def combine(routed, residual=None, shared=None, shared_gate=None) -> torch.Tensor:
+    """[residual +] (routed [+ shared * sigmoid(shared_gate)]): the routed experts' sum, the shared expert behind its
+    one gate per token [N, 1], and the residual stream, each step rounded to the dtype."""
+    y = routed if shared is None else routed + shared * torch.sigmoid(shared_gate)
+    return y if residual is None else residual + y
+
+
+def looped_experts(x, gate_up, down, weights, ids, residual=None, shared=None, shared_gate=None) -> torch.Tensor:
     """Reference: for each expert hit, its tokens' silu(gate) * up -> down, scaled by the routing weight.
-    x [N, H], gate_up [E, 2I, H], down [E, H, I], weights/ids [N, k] -> [N, H]. Host syncs: eager only."""
+    x [N, H], gate_up [E, 2I, H], down [E, H, I], weights/ids [N, k] -> [N, H], then `combine`d with the rest.
+    Host syncs: eager only."""
     N, k = ids.shape
     pairs = torch.zeros(N * k, x.shape[1], dtype=x.dtype, device=x.device)
     flat = ids.reshape(-1)
@@ -64,7 +72,7 @@ def looped_experts(x, gate_up, down, weights, ids) -> torch.Tensor:
         rows = (flat == e).nonzero()[:, 0]
         y = F.linear(swiglu(F.linear(x[rows // k], gate_up[e])), down[e])
         pairs[rows] = y * weights.reshape(-1)[rows, None]
-    return sum_over_k(pairs.view(N, k, -1))
+    return combine(sum_over_k(pairs.view(N, k, -1)), residual, shared, shared_gate)
 
 
 def expert_order(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,12 +95,12 @@ def grouped_mm_fits(x, gate_up, down) -> bool:
     return _GROUPED_MM is not None and sizes and aligned and not (x.is_cuda and x.element_size() != 2)
 
 
-def grouped_experts(x, gate_up, down, weights, ids) -> torch.Tensor:
+def grouped_experts(x, gate_up, down, weights, ids, residual=None, shared=None, shared_gate=None) -> torch.Tensor:
     """The routed experts as two grouped matmuls (torch's grouped_mm: each expert's rows against its weight, one
     call per projection) over the (token, k) pairs sorted by expert; same arguments as `looped_experts`, whose
     loop runs the shapes grouped_mm cannot take."""
     if not grouped_mm_fits(x, gate_up, down):
-        return looped_experts(x, gate_up, down, weights, ids)
+        return looped_experts(x, gate_up, down, weights, ids, residual, shared, shared_gate)
     N, k = ids.shape
     order, counts = expert_order(ids, gate_up.shape[0])
     offs = counts.cumsum(0).to(torch.int32)
@@ -100,7 +108,7 @@ def grouped_experts(x, gate_up, down, weights, ids) -> torch.Tensor:
     h = swiglu(_GROUPED_MM(xs, gate_up.transpose(1, 2), offs=offs))
     y = _GROUPED_MM(h, down.transpose(1, 2), offs=offs) * weights.reshape(-1)[order, None]
     pairs = torch.empty_like(y).index_copy_(0, order, y)
-    return sum_over_k(pairs.view(N, k, -1))
+    return combine(sum_over_k(pairs.view(N, k, -1)), residual, shared, shared_gate)
 
 
 class SparseMoE:
@@ -116,22 +124,25 @@ class SparseMoE:
             s = p + "shared_expert."
             self.shared_gate_up = torch.cat([w.pop(s + "gate_proj.weight"), w.pop(s + "up_proj.weight")])
             self.shared_down = w.pop(s + "down_proj.weight")
-        self.linear, self.sigmoid_gate = kernels.linear, kernels.sigmoid_gate
+        self.linear = kernels.linear
         self.route, self.experts = kernels.moe_route, kernels.moe_experts
         self.all_reduce = kernels.all_reduce  # tensor parallelism: each rank computes its slice of every expert
 
     def __call__(self, h: torch.Tensor, x: torch.Tensor, then) -> tuple[torch.Tensor, torch.Tensor]:
-        """h + moe(x) and `then` of it."""
-        flat = x.reshape(-1, x.shape[-1])
+        """h + moe(x) and `then` of it: the residual add and the shared expert's gate ride on the routed experts'
+        last launch (on one device; split over ranks the partial sums are all-reduced before the residual)."""
+        flat, stream = x.reshape(-1, x.shape[-1]), h.reshape(-1, h.shape[-1])
         logits = self.linear(flat, self.router)
         weights, ids = self.route(logits[:, : self.num_experts], self.top_k, self.renormalize)
         if _recorders:
             _recorders[-1].append(ids)
-        y = self.experts(flat, self.gate_up, self.down, weights, ids)
+        shared = gate = None
         if self.shared:
-            s = self.linear(self.linear(flat, self.shared_gate_up, swiglu=True), self.shared_down)
-            y = y + self.sigmoid_gate(s, logits[:, self.num_experts :])
+            shared = self.linear(self.linear(flat, self.shared_gate_up, swiglu=True), self.shared_down)
+            gate = logits[:, self.num_experts :]
+        residual = stream if self.all_reduce is None else None
+        y = self.experts(flat, self.gate_up, self.down, weights, ids, residual, shared, gate)
         if self.all_reduce is not None:
-            y = self.all_reduce(y)
-        h = h + y.view_as(h)
+            y = stream + self.all_reduce(y)
+        h = y.view_as(h)
         return h, then(h)

@@ -7,8 +7,9 @@ step with it is captured in a CUDA graph. Up to ALIGN_MAX_PAIRS pairs (decode) o
 (`_align`: a histogram, a sort, two scans) where the torch ops take some twenty launches. Then
 - `_gate_up`: per block, its rows' [gate | up] = x @ W_gate_up[e]^T with silu(gate) * up in the epilogue;
 - `_down`: per block, (silu(gate) * up) @ W_down[e]^T scaled by each pair's routing weight;
-- `_sum_over_k`: the k outputs of a token added in k order in float32, as moe.sum_over_k (no torch.compile graph in
-  a decode step: dynamo would trace it again in every new process).
+- `_combine`: the k outputs of a token added in k order in float32, as moe.sum_over_k, then the gated shared expert
+  and the residual, rounded as moe.combine rounds (no torch.compile graph in a decode step: dynamo would trace it
+  again in every new process).
 Each expert's weights are read once per column tile, however many of its tokens the step holds. A row's dot
 products run over K in the same BLOCK_K steps wherever the row sits in its block, so a token's output does not
 depend on the other tokens of the batch (and with `dot`'s in-order interpreter path, not on numpy's BLAS either).
@@ -23,6 +24,8 @@ import triton
 import triton.language as tl
 
 from .invariant.dot import dot, precision
+from .invariant.elementwise import sigmoid
+from .invariant.rounding import cast
 from .moe import expert_order
 
 
@@ -224,19 +227,33 @@ def _down(
 
 
 @triton.jit
-def _sum_over_k(pairs_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
-    """out[token, n] = pairs[token, 0, n] + pairs[token, 1, n] + ... in float32, in k order."""
+def _combine(pairs_ptr, out_ptr, shared_ptr, gate_ptr, residual_ptr, H, stride_s, stride_g, stride_r,
+             TOP_K: tl.constexpr, SHARED: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """out[token] = [residual +] (pairs[token, 0] + ... + pairs[token, k-1] [+ shared * sigmoid(gate)]): the k outputs
+    added in k order in float32, then each step rounded to the dtype where moe.combine's torch ops round."""
     token = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = n < H
+    dtype = out_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        acc += tl.load(pairs_ptr + (token * TOP_K + j) * H + n, mask=n < H, other=0.0).to(tl.float32)
-    tl.store(out_ptr + token * H + n, acc.to(out_ptr.dtype.element_ty), mask=n < H)
+        acc += tl.load(pairs_ptr + (token * TOP_K + j) * H + n, mask=live, other=0.0).to(tl.float32)
+    y = cast(acc, dtype).to(tl.float32)
+    if SHARED:
+        s = tl.load(shared_ptr + token * stride_s + n, mask=live, other=0.0).to(tl.float32)
+        g = cast(sigmoid(tl.load(gate_ptr + token * stride_g).to(tl.float32)), dtype).to(tl.float32)
+        y = cast(y + cast(s * g, dtype).to(tl.float32), dtype).to(tl.float32)
+    if RESIDUAL:
+        y = tl.load(residual_ptr + token * stride_r + n, mask=live, other=0.0).to(tl.float32) + y
+    tl.store(out_ptr + token * H + n, cast(y, dtype), mask=live)
 
 
-def fused_experts(x, gate_up, down, weights, ids, t: Tiles | None = None) -> torch.Tensor:
-    """Same contract as moe.looped_experts: x [N, H], gate_up [E, 2I, H], down [E, H, I], weights/ids [N, k].
-    t: the launches' tiles (default `tiles(...)`; the bench's sweep passes others)."""
+def fused_experts(
+    x, gate_up, down, weights, ids, residual=None, shared=None, shared_gate=None, t: Tiles | None = None
+) -> torch.Tensor:
+    """Same contract as moe.looped_experts (x [N, H], gate_up [E, 2I, H], down [E, H, I], weights/ids [N, k]; the
+    residual and the gated shared expert added in the k-sum's launch). t: the launches' tiles (default
+    `tiles(...)`; the bench's sweep passes others)."""
     N, top_k = ids.shape
     E, two_i, H = gate_up.shape
     I = two_i // 2  # noqa: E741
@@ -268,7 +285,11 @@ def fused_experts(x, gate_up, down, weights, ids, t: Tiles | None = None) -> tor
     )  # fmt: skip
     total = torch.empty(N, H, dtype=x.dtype, device=x.device)
     if N:
-        _sum_over_k[(N, triton.cdiv(H, 1024))](out, total, H, TOP_K=top_k, BLOCK=1024)
+        s, g, r = (out if a is None else a for a in (shared, shared_gate, residual))  # absent: a pointer never read
+        _combine[(N, triton.cdiv(H, 1024))](
+            out, total, s, g, r, H, s.stride(0), g.stride(0), r.stride(0),
+            TOP_K=top_k, SHARED=shared is not None, RESIDUAL=residual is not None, BLOCK=1024,
+        )  # fmt: skip
     return total
 
 
