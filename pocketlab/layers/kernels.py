@@ -84,8 +84,8 @@ def kernels_for(options) -> Kernels:
 
 
 def _moe_kernels(options) -> dict:
-    """The routing kernel runs on CUDA only: it breaks ties as torch.topk does there (the lowest expert first), and
-    torch.topk on the CPU, which HF runs there, orders them its own way."""
+    """The routing kernel runs on CUDA only. It takes the lowest of equal experts first, as torch.topk does on CUDA
+    where a whole row ties (a zero router); torch.topk on the CPU, HF's float32 reference, orders ties its own way."""
     if not moe_in_triton(options):
         return dict(moe_route=moe.route, moe_experts=moe.grouped_experts)
     from .moe_kernel import fused_experts, route_in_one_launch

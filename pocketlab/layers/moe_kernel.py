@@ -53,7 +53,7 @@ def tiles(pairs: int, dtype: torch.dtype, device: torch.device) -> Tiles:
         return Tiles(16, 32, Launch(32), Launch(32))
     block_k = 32 if dtype == torch.float32 else 64
     if pairs <= 1024:
-        return Tiles(16, block_k, Launch(32, 4, 4), Launch(32, 4, 4))
+        return Tiles(16, block_k, Launch(32, 4, 5), Launch(32, 2, 5))  # moe_bench --sweep, both MoE shapes
     return Tiles(64, block_k, Launch(64), Launch(64))
 
 
@@ -297,7 +297,7 @@ def fused_experts(
 def _route(logits_ptr, stride, weights_ptr, ids_ptr, NUM_EXPERTS, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
            BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """One token's routing: softmax over its experts in float32, the k largest (equal ones: the lowest expert
-    first, as torch.topk), optionally rescaled to sum 1, in the logits' dtype."""
+    first), optionally rescaled to sum 1, in the logits' dtype."""
     row = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     x = tl.load(logits_ptr + row * stride + e, mask=e < NUM_EXPERTS, other=float("-inf")).to(tl.float32)
