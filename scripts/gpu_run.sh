@@ -76,6 +76,21 @@
 # the MoE model bench at b1 after the one-program align (MODELS=qwen3-30b-a3b, below; then qwen3.5-35b-a3b); the
 # eighth session's owed calls below (9B serving with the generate() peer, MoE notebooks, the whole bench, the
 # invariant step, STEPS=tp on two GPUs).
+# Eleventh session (2026-12-02, one H200; two calls refused or taken back cost ~200 s of device time): tests/test_moe.py
+# on CUDA 76-89 s (-n 4); moe_bench --sweep 52-58 s per shape; a profile at qwen3-30b-a3b-4-layers 51 s, at
+# qwen3.5-35b-a3b-4-layers > 120 s (its prefill table missing); the 35B-A3B model bench with the static peer 444 s (HF's
+# static b1 110 s, b32 165 s of it); notebook 01 at qwen3-30b-a3b-4-layers in float32 52 s, 02 > 246 s. TESTS is split
+# on spaces: a -k expression with spaces collects nothing (rc 5). Calls made:
+#   STEPS=moe MOE_TESTS="-n 4 tests/test_moe.py" MOE_ARGS="--sweep --tokens 1,4,8,16,32,64,4096"
+#     MOE_PROFILE="qwen3-30b-a3b-4-layers qwen3.5-35b-a3b-4-layers" BUDGET_S=500
+#   STEPS=bench MODELS=qwen3.5-35b-a3b PEER_MODES=static BENCH_ARGS="--no-warm --batch-sizes 1,8,32,64 --prompt-lens 4096
+#     --peer-batch-sizes 1,32 --skip latency,serving" BENCH_CAP_S=470 BUDGET_S=545
+#   STEPS="tests reports" TESTS="-n 4 tests/test_moe.py" REPORT_MODELS=qwen3-30b-a3b-4-layers REPORT_NOTEBOOKS=01,02,03
+#     REPORT_DTYPE=float32 REPORTS_CAP_S=270 BUDGET_S=395
+# Still owed, in order: the 30B-A3B model bench with this session's kernels (MODELS=qwen3-30b-a3b, as above, cap 540);
+# notebooks 02 and 03 at qwen3-30b-a3b-4-layers (REPORT_NOTEBOOKS=02 then 03, one call each, REPORTS_CAP_S=500); a
+# profile of the 35B-A3B prefill; then the tenth session's list (warm 0.8B start, 9B serving with the generate() peer,
+# the whole bench, the invariant step, STEPS=tp on two GPUs).
 # MoE at real shapes (issue 17), one H200, one call each (the engine runs on the HF peer's own tensors, so the weights
 # are on the GPU once: peak ~86 GiB at 30B-A3B, ~81 GiB at 35B-A3B, most of it the weights and, at 30B, 24 GiB of K/V
 # for 64 slots x 4,097 positions; the JSON's "memory" has the measured peak). Engine warm-up, latency and serving
