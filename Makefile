@@ -48,7 +48,7 @@ fuzz: .venv/.installed
 
 reports: .venv/.installed
 	$(PY) -m pocketlab.verify.reports --device $(DEVICE) --dtype $(DTYPE) \
-		--models $(ONE_OR_ALL) $(if $(NOTEBOOKS),--only $(NOTEBOOKS))
+		--models $(ONE_OR_ALL) $(if $(NOTEBOOKS),--only $(NOTEBOOKS)) $(foreach p,$(PARAMS),-p $(p))
 
 baseline: .venv/.installed
 	for m in $(ONE_OR_ALL); do \

@@ -88,7 +88,8 @@
 #   STEPS="tests reports" TESTS="-n 4 tests/test_moe.py" REPORT_MODELS=qwen3-30b-a3b-4-layers REPORT_NOTEBOOKS=01,02,03
 #     REPORT_DTYPE=float32 REPORTS_CAP_S=270 BUDGET_S=395
 # Still owed, in order: the 30B-A3B model bench with this session's kernels (MODELS=qwen3-30b-a3b, as above, cap 540);
-# notebooks 02 and 03 at qwen3-30b-a3b-4-layers (REPORT_NOTEBOOKS=02 then 03, one call each, REPORTS_CAP_S=500); a
+# notebooks 02 and 03 at qwen3-30b-a3b-4-layers (REPORT_NOTEBOOKS=02 then 03, REPORTS_CAP_S=500; 02 at the
+# default 32 slots x 256 steps may need REPORT_PARAMS="invariance_slots=8 invariance_steps=64", said so); a
 # profile of the 35B-A3B prefill; then the tenth session's list (warm 0.8B start, 9B serving with the generate() peer,
 # the whole bench, the invariant step, STEPS=tp on two GPUs).
 # MoE at real shapes (issue 17), one H200, one call each (the engine runs on the HF peer's own tensors, so the weights
@@ -117,6 +118,8 @@
 #   MODELS           [qwen3-0.6b qwen3-8b qwen3.5-0.8b qwen3.5-9b]  benched, one after the other
 #   REPORT_MODELS    [qwen3-0.6b]       `make reports DEVICE=cuda MODEL=m` for each
 #   REPORT_DTYPE     [bfloat16]         the reports' dtype (reports/<model>/ keeps the last run's, whichever dtype)
+#   REPORT_PARAMS    []                 notebook parameters, KEY=VALUE separated by spaces (make reports PARAMS=...),
+#                                       e.g. "invariance_slots=8 invariance_steps=64" for 02 at an MoE shape
 #   TTFT_MODELS      [qwen3-8b qwen3.5-9b]  MTP_MODELS [qwen3.5-9b]   the extras step's models
 #   INVARIANT_MODELS [qwen3-8b qwen3.5-9b]  INVARIANT_STEPS [64]   the invariant step's shapes and decode steps
 #   INVARIANT_TESTS  [the mode's and its kernels' test files]  INVARIANT_TIMINGS [1]   (empty / 0: skip)
@@ -151,6 +154,7 @@ STEPS=${STEPS:-profile tests bench baseline extras invariant fused stalls moe re
 MODELS=${MODELS:-qwen3-0.6b qwen3-8b qwen3.5-0.8b qwen3.5-9b}
 REPORT_MODELS=${REPORT_MODELS:-qwen3-0.6b}
 REPORT_DTYPE=${REPORT_DTYPE:-bfloat16}
+REPORT_PARAMS=${REPORT_PARAMS:-}
 TTFT_MODELS=${TTFT_MODELS-qwen3-8b qwen3.5-9b}  # set empty for none
 MTP_MODELS=${MTP_MODELS-qwen3.5-9b}
 INVARIANT_MODELS=${INVARIANT_MODELS-qwen3-8b qwen3.5-9b}
@@ -387,9 +391,12 @@ if wants reports; then
     for nb in ${REPORT_NOTEBOOKS//,/ }; do
       # -o: the machine brings its own packages, so never (re)build the CPU venv the target depends on
       if command -v make >/dev/null; then
-        cmd=(make -o .venv/.installed reports PY=python3 DEVICE=cuda DTYPE="$REPORT_DTYPE" MODEL="$m" NOTEBOOKS="$nb")
+        cmd=(make -o .venv/.installed reports PY=python3 DEVICE=cuda DTYPE="$REPORT_DTYPE" MODEL="$m" NOTEBOOKS="$nb"
+          PARAMS="$REPORT_PARAMS")
       else
-        cmd=(python3 -m pocketlab.verify.reports --device cuda --dtype "$REPORT_DTYPE" --model "$m" --only "$nb")
+        # shellcheck disable=SC2046
+        cmd=(python3 -m pocketlab.verify.reports --device cuda --dtype "$REPORT_DTYPE" --model "$m" --only "$nb"
+          $(for p in $REPORT_PARAMS; do echo "-p $p"; done))
       fi
       step "make reports DEVICE=cuda DTYPE=$REPORT_DTYPE MODEL=$m NOTEBOOKS=$nb" "$REPORTS_CAP_S" 0 \
         env POCKETLAB_BENCH_DIR="$PWD/reports/bench" "${cmd[@]}" &
