@@ -7,6 +7,7 @@ import pandas as pd
 import pytest
 from conftest import DEVICE
 
+from pocketlab.layers.moe import SparseMoE
 from pocketlab.models.qwen3 import Attention
 from pocketlab.verify import load_pair
 from pocketlab.verify.mutants import CHECKS, EXPLAINED, MUTANTS, applies, catch_matrix
@@ -33,7 +34,7 @@ def hybrid():
 
 
 def test_every_check_fails_every_mutant_it_targets_and_passes_the_correct_engine(hybrid):
-    mine = tuple(m.name for m in MUTANTS.values() if set(m.targets) & set(FAST))
+    mine = tuple(m.name for m in MUTANTS.values() if set(m.targets) & set(FAST) and m.needs != "moe")
     r = catch_matrix(hybrid, checks=FAST, slots=2, mutants=mine, full=False)
     targeted = _assert_all_caught(r)
     # every mutant is targeted by at least one check that ran here, so none is silently out of reach
@@ -64,16 +65,28 @@ def test_calibrated_bf16_isolation_and_batch_verdicts_catch_their_mutants():
     assert len(_assert_all_caught(r)) == 4
 
 
+def test_the_checks_catch_a_capacity_limited_router_on_an_moe_model():
+    """Tiny Qwen3-MoE: HF parity sees the pairs a prompt's forward drops, the batch check sees a token's output
+    follow its batch; on a dense model the mutant is n/a, not a pass."""
+    r = catch_matrix(
+        "tiny-qwen3_moe", checks=("parity", "batch_api"), slots=2, mutants=("expert_capacity",), full=False
+    )
+    assert set(_assert_all_caught(r).check) == {"parity", "batch_api"}
+    assert r.tables["effects"].set_index("mutant").loc["expert_capacity", "rel_effect"] > 0
+    dense = catch_matrix("tiny-qwen3", checks=("batch_api",), slots=2, mutants=("expert_capacity",), full=False)
+    assert dense.tables["cells"].set_index("mutant").loc["expert_capacity", "detail"] == "n/a"
+
+
 def test_every_mutant_is_targeted_by_a_check():
     assert all(m.targets and set(m.targets) <= set(CHECKS) for m in MUTANTS.values())
 
 
 def test_mutants_leave_the_engine_as_it_was():
-    before = Attention.__dict__["__call__"]
+    before, moe_before = Attention.__dict__["__call__"], SparseMoE.__dict__["__call__"]
     for m in MUTANTS.values():
         with m.install():
             pass
-    assert Attention.__dict__["__call__"] is before
+    assert Attention.__dict__["__call__"] is before and SparseMoE.__dict__["__call__"] is moe_before
     with pytest.raises(RuntimeError), MUTANTS["kv_other_slot"].install():
         raise RuntimeError("a failing check")
     assert Attention.__dict__["__call__"] is before

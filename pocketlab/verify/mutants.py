@@ -31,6 +31,7 @@ from ..cache import SlotCache
 from ..config import ModelConfig
 from ..layers.gated_delta import conv_inputs, gated_delta_rule, window_at
 from ..layers.linear import composed
+from ..layers.moe import SparseMoE
 from ..models import qwen3 as qwen3_module
 from ..models.qwen3 import Attention
 from ..requests import BatchedRequest
@@ -218,6 +219,31 @@ def _split_k_by_batch():
     return patched(qwen3_module, "kernels_for", kernels_for)
 
 
+def _expert_capacity():
+    """The MoE router keeps at most ceil(pairs / experts) (token, k) pairs per expert in each forward, in token
+    order, and drops the rest (their routing weight 0): the capacity limit of MoE training. A token alone never
+    loses a pair (its k experts differ), so its output comes to follow what else the forward holds."""
+    original = SparseMoE.__call__
+
+    def call(self, h, x, then):
+        route = self.route
+
+        def capped(logits, top_k, renormalize):
+            weights, ids = route(logits, top_k, renormalize)
+            flat = ids.reshape(-1)
+            rank = (F.one_hot(flat, self.num_experts).cumsum(0) - 1).gather(1, flat[:, None])[:, 0]
+            keep = rank < -(-flat.numel() // self.num_experts)
+            return weights * keep.view_as(weights).to(weights.dtype), ids
+
+        self.route = capped
+        try:
+            return original(self, h, x, then)
+        finally:
+            self.route = route
+
+    return patched(SparseMoE, "__call__", call)
+
+
 @dataclass(frozen=True)
 class Mutant:
     """One deliberate bug: `install()` is a context manager that breaks the engine while active."""
@@ -226,7 +252,7 @@ class Mutant:
     bug: str
     install: Callable[[], contextlib.AbstractContextManager]
     targets: tuple[str, ...]  # the checks meant to catch it
-    needs: str = ""  # "hybrid": Gated DeltaNet state; "speculative" / "batch_invariant": only those engines
+    needs: str = ""  # "hybrid": Gated DeltaNet state; "moe": experts; "speculative" / "batch_invariant": those engines
 
 
 MUTANTS = {
@@ -276,6 +302,13 @@ MUTANTS = {
             _split_k_by_batch,
             ("invariance",),
             needs="batch_invariant",
+        ),
+        Mutant(
+            "expert_capacity",
+            "MoE router drops pairs past ceil(pairs / experts) per expert in a forward",
+            _expert_capacity,
+            ("parity", "batch_api", "invariance"),
+            needs="moe",
         ),
         Mutant(
             "sampling_by_row",
@@ -333,9 +366,15 @@ def _hybrid(pair: Pair) -> bool:
     return bool(ModelConfig.from_dict(pair.hf.config.to_dict()).linear_layers)
 
 
+def _moe(pair: Pair) -> bool:
+    return bool(ModelConfig.from_dict(pair.hf.config.to_dict()).num_experts)
+
+
 def applies(mutant: Mutant, check: str, pair: Pair) -> bool:
     """Does the mutant's code run at all in this check's engines? (The speculative check runs on a hybrid
     MTP model whatever the pair.)"""
+    if mutant.needs == "moe":
+        return check != "speculative" and _moe(pair)
     if mutant.needs == "speculative":
         return check == "speculative"
     if mutant.needs == "batch_invariant":
@@ -427,6 +466,9 @@ def effects(pair: Pair, mutants=MUTANTS, seed: int = 0) -> pd.DataFrame:
             run = functools.partial(_speculative_scenario, new, vocab, seed)
         elif m.needs == "hybrid" and not _hybrid(pair):
             rows.append(dict(mutant=m.name, bug=m.bug, first_changed_step="n/a (no recurrent state)"))
+            continue
+        elif m.needs == "moe" and not _moe(pair):
+            rows.append(dict(mutant=m.name, bug=m.bug, first_changed_step="n/a (no experts)"))
             continue
         else:
             model = pair.name
