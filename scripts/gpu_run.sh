@@ -90,7 +90,9 @@
 # Still owed, in order: the 30B-A3B model bench with this session's kernels (MODELS=qwen3-30b-a3b, as above, cap 540);
 # notebooks 02 and 03 at qwen3-30b-a3b-4-layers (REPORT_NOTEBOOKS=02 then 03, REPORTS_CAP_S=500; 02 at the
 # default 32 slots x 256 steps may need REPORT_PARAMS="invariance_slots=8 invariance_steps=64", said so); a
-# profile of the 35B-A3B prefill; then the tenth session's list (warm 0.8B start, 9B serving with the generate() peer,
+# profile of the 35B-A3B prefill (STEPS=moe MOE_TESTS="" MOE_MODELS="" MOE_PROFILE=qwen3.5-35b-a3b-4-layers: its
+# prefill table took over 60 s under the profiler; the 30B-A3B 4-layer prefill is host-bound too, 24.3 ms wall for
+# 10.4 ms of GPU work in 585 kernels); then the tenth session's list (warm 0.8B start, 9B serving with the generate() peer,
 # the whole bench, the invariant step, STEPS=tp on two GPUs).
 # MoE at real shapes (issue 17), one H200, one call each (the engine runs on the HF peer's own tensors, so the weights
 # are on the GPU once: peak ~86 GiB at 30B-A3B, ~81 GiB at 35B-A3B, most of it the weights and, at 30B, 24 GiB of K/V
@@ -363,7 +365,7 @@ if wants moe; then
       --out reports/gpu/moe-experts-$m.json $MOE_ARGS | tee reports/gpu/moe-experts-$m-h200.txt"
   done
   for m in $MOE_PROFILE; do
-    step "profile $m" 120 "$reserve" bash -o pipefail -c "python3 -m pocketlab.tools.profile --model $m \
+    step "profile $m" 240 "$reserve" bash -o pipefail -c "python3 -m pocketlab.tools.profile --model $m \
       --batch-sizes 1,32 --prefill-lens 4096 --steps 10 --top 25 | tee reports/gpu/profile-$m-h200.txt"
   done
 fi
