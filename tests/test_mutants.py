@@ -13,6 +13,7 @@ from pocketlab.verify import load_pair
 from pocketlab.verify.mutants import CHECKS, EXPLAINED, MUTANTS, applies, catch_matrix
 
 FAST = tuple(c for c in CHECKS if c != "invariance")  # invariance runs in notebook 07 (Triton's interpreter)
+DENSE = [m for m in MUTANTS.values() if m.needs != "moe"]  # the mutants whose code runs in a model without experts
 
 
 def _assert_all_caught(r):
@@ -34,7 +35,7 @@ def hybrid():
 
 
 def test_every_check_fails_every_mutant_it_targets_and_passes_the_correct_engine(hybrid):
-    mine = tuple(m.name for m in MUTANTS.values() if set(m.targets) & set(FAST) and m.needs != "moe")
+    mine = tuple(m.name for m in DENSE if set(m.targets) & set(FAST))
     r = catch_matrix(hybrid, checks=FAST, slots=2, mutants=mine, full=False)
     targeted = _assert_all_caught(r)
     # every mutant is targeted by at least one check that ran here, so none is silently out of reach
@@ -51,7 +52,7 @@ def test_every_check_fails_every_mutant_it_targets_and_passes_the_correct_engine
 def test_the_bitwise_batch_invariance_check_catches_its_mutants():
     """Tiny Qwen3 in the batch-invariant mode (Triton's interpreter on the CPU): a slot bug, the shared position
     and a matmul whose split-K follows the batch, a last-bit change (relative effect ~1e-6) only bits can see."""
-    mine = tuple(m.name for m in MUTANTS.values() if "invariance" in m.targets and m.needs != "moe")
+    mine = tuple(m.name for m in DENSE if "invariance" in m.targets)
     r = catch_matrix(load_pair("tiny-qwen3", device=DEVICE), checks=("invariance",), slots=2, mutants=mine, full=False)
     assert len(_assert_all_caught(r)) == len(mine) == 3
     assert r.tables["effects"].set_index("mutant").loc["split_k_by_batch", "rel_effect"] < 1e-4
@@ -60,7 +61,7 @@ def test_the_bitwise_batch_invariance_check_catches_its_mutants():
 def test_calibrated_bf16_isolation_and_batch_verdicts_catch_their_mutants():
     """In bf16 the bound is 2 x the engine's own |bf16 - fp32| per step: tight enough to catch each mutant."""
     bf16 = load_pair("tiny-qwen3", device=DEVICE, dtype="bfloat16")
-    mine = tuple(m.name for m in MUTANTS.values() if {"isolation", "batch_api"} & set(m.targets) and m.needs != "moe")
+    mine = tuple(m.name for m in DENSE if {"isolation", "batch_api"} & set(m.targets))
     r = catch_matrix(bf16, checks=("isolation", "batch_api"), slots=2, mutants=mine, full=False)
     assert len(_assert_all_caught(r)) == 4
 

@@ -74,15 +74,15 @@ def bench_layer(
     flops = 2 * n * k * 3 * I * H
     row = {"tokens": n, "experts_hit": hit, "bytes": moved, "flops": flops}
     reference = moe.looped_experts(*args)
-    if clock.cuda and n <= GRAPH_MAX_TOKENS:
+    decode = clock.cuda and n <= GRAPH_MAX_TOKENS  # replayed from a CUDA graph, as the engine's decode steps are
+    if decode:
         from ..layers.moe_kernel import route_in_one_launch
 
         for name, fn in (("route_torch", moe.route), ("route_triton", route_in_one_launch)):
             row[name] = {"seconds": clock.measure(in_graph(fn, (logits, k, cfg.norm_topk_prob)), repeats, warmup=3)}
     for name, fn in paths(device).items():
         try:
-            graphed = clock.cuda and n <= GRAPH_MAX_TOKENS and name != "loop"
-            run = in_graph(fn, args) if graphed else functools.partial(fn, *args)
+            run = in_graph(fn, args) if decode and name != "loop" else functools.partial(fn, *args)
             seconds = clock.measure(run, repeats, warmup=3)
             err = float((fn(*args).float() - reference.float()).abs().max())
         except Exception as exc:  # noqa: BLE001 - a path that cannot run this shape is reported, not fatal
@@ -94,7 +94,7 @@ def bench_layer(
             "matmul_frac": flops / seconds / ceil["matmul"]["flop_per_s"],
             "max_abs_diff_vs_loop": err,
         }
-    if sweep and clock.cuda and n <= GRAPH_MAX_TOKENS:
+    if sweep and decode:
         row["sweep"] = sweep_tiles(args, clock, repeats)
     return row
 

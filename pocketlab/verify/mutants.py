@@ -362,12 +362,16 @@ CHECKS: dict[str, Callable[[Pair, int, int], Report]] = {
 EXPENSIVE = {"invariance"}  # runs only against the mutants it targets unless full="all"
 
 
+def _config(pair: Pair) -> ModelConfig:
+    return ModelConfig.from_dict(pair.hf.config.to_dict())
+
+
 def _hybrid(pair: Pair) -> bool:
-    return bool(ModelConfig.from_dict(pair.hf.config.to_dict()).linear_layers)
+    return bool(_config(pair).linear_layers)
 
 
 def _moe(pair: Pair) -> bool:
-    return bool(ModelConfig.from_dict(pair.hf.config.to_dict()).num_experts)
+    return bool(_config(pair).num_experts)
 
 
 def applies(mutant: Mutant, check: str, pair: Pair) -> bool:
