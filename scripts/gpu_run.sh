@@ -343,7 +343,7 @@ fi
 #        bench's start / latency / serving sections alone (its other sections come with the bench step) --------
 if wants stalls; then
   for m in $STALL_MODELS; do
-    step "startup $m (cold vs warm process)" 300 "$reserve" python3 -m pocketlab.tools.startup --model "$m" \
+    step "startup $m (cold vs warm process)" 300 "$reserve" python3 -m pocketlab.tools.startup --model "$m" --profile 25 \
       --root /tmp/checkpoints --out "reports/bench/startup-cuda-$m.json"
   done
   for m in $STALL_BENCH_MODELS; do
