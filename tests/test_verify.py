@@ -186,6 +186,29 @@ def test_batch_api_tables_and_pass(pair):
     assert r.passed, r.summary
 
 
+def test_a_flipped_draw_passes_only_where_the_logits_explain_it():
+    """A uniform distribution over 1,000 tokens; the solo run drew token t. A batched run whose logits take
+    token t's mass away may draw t + 1 (its CDF moved across the uniform), never t + 5; with equal logits no
+    flip is explained at all."""
+    from pocketlab.sampling import SamplingParams
+    from pocketlab.verify.batch_api import _flip_explained
+
+    sp, position, width = SamplingParams(temperature=2.0, seed=7), 5, 1e-3
+    target = sp.uniform(position)
+    assert 0.2 < (target / width) % 1 < 0.8  # the uniform lies well inside its token, not at a boundary
+    t = int(target / width)
+    ref = Run([t], [torch.zeros(1000)])
+    moved = torch.zeros(1000)
+    moved[t] = -20.0
+
+    def explained(token, logits):
+        return _flip_explained(ref, Run([token], [logits]), 0, sp, position, "cpu")
+
+    assert explained(t + 1, moved)
+    assert not explained(t + 5, moved)
+    assert not explained(t + 1, torch.zeros(1000))
+
+
 def test_batch_api_catches_a_looping_batch(pair):
     s = verify.batch_api(with_engine(pair, LoopEngine), **SMALL).summary.set_index("check")
     assert not s.loc["one forward per batch call", "pass"]

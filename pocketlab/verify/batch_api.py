@@ -3,7 +3,7 @@ keep BatchedRequest bookkeeping right, and reject every misuse before touching a
 
 Sampled requests too: each batched request must draw its tokens from its own (seed, position), whatever row
 it runs in. In bf16/fp16 the logit bound is calibrated per step from the engine's own rounding noise
-(common.NoiseMeter), and a token may differ only where that noise explains it.
+(common.NoiseMeter); in every dtype a token may differ only where the logits' difference explains it.
 """
 
 from __future__ import annotations
@@ -133,19 +133,36 @@ def batch_api(
     )
 
 
-def _drawn_by_own_uniform(logits: torch.Tensor, token: int, sp: SamplingParams, position: int) -> bool:
+def _drawn_by_own_uniform(logits: torch.Tensor, token: int, sp: SamplingParams, position: int, margin=1e-4) -> bool:
     """Does `token` lie where the request's own uniform for `position` falls in the sampling CDF of these
-    logits? (A margin of 1e-4 of the mass allows for the device's own cumsum rounding.)"""
+    logits, give or take `margin` of the mass? (The default 1e-4 allows for the device's own cumsum rounding.)"""
     probs = filtered_probs(logits.float()[None], [sp])[0].double()
     cdf = probs.cumsum(0)
     target = max(sp.uniform(position), 1e-9) * float(cdf[-1])
-    return float(cdf[token] - probs[token]) - 1e-4 <= target <= float(cdf[token]) + 1e-4
+    return float(cdf[token] - probs[token]) - margin <= target <= float(cdf[token]) + margin
+
+
+def _cdf_shift(a: torch.Tensor, b: torch.Tensor, sp: SamplingParams, device: str) -> float:
+    """How far apart the sampling CDFs of logits a and b can lie at any token: the L1 distance of their
+    filtered distributions, plus each one's float32 cumsum rounding on `device` (where the engine drew)."""
+    probs = [filtered_probs(x.float().to(device)[None], [sp])[0] for x in (a, b)]
+    rounding = [float((p.cumsum(0).double() - p.double().cumsum(0)).abs().max()) for p in probs]
+    return float((probs[0].double() - probs[1].double()).abs().sum()) + sum(rounding)
+
+
+def _flip_explained(ref: Run, run: Run, first: int, sp: SamplingParams, position: int, device: str) -> bool:
+    """A draw may differ from the solo run's only where the two runs' logits at that step move the CDF
+    across the request's own uniform: under the solo logits the batched token must lie within that shift
+    of the uniform. (A draw from another uniform lands that close only by chance.)"""
+    shift = _cdf_shift(ref.logits[first], run.logits[first], sp, device)
+    return _drawn_by_own_uniform(ref.logits[first], run.tokens[first], sp, position, margin=shift)
 
 
 def _sampled(eng, prompts, steps, tol, noise_of) -> pd.DataFrame:
     """Sampled requests (hot, so draws differ): each solo on slot 0, then all in one batch. Every batched token
     must be the one its own (seed, position) uniform selects from its logits, and equal the solo run's while
-    the logits agree within tolerance (in low precision a near-boundary draw may follow a rounding flip)."""
+    the logits agree within tolerance, except where their difference explains a flipped draw (a near-boundary
+    uniform: at a 152k vocabulary even float32 noise flips one draw in a few hundred)."""
     params = [SamplingParams(temperature=2.0, seed=1000 + i) for i in range(len(prompts))]
     solo = []
     for p, sp in zip(prompts, params, strict=True):
@@ -169,7 +186,8 @@ def _sampled(eng, prompts, steps, tol, noise_of) -> pd.DataFrame:
             for k, (t, x) in enumerate(zip(run.tokens, lg, strict=True))
         )
         c = compare_runs(ref, run, tol, own)
-        ok = own_draws and c["within_tol"] and (c["tokens_equal"] or not tol.exact_tokens)
+        first = c["first_divergence"]
+        explained = first < 0 or _flip_explained(ref, run, first, r.sampling, len(p) + first, eng.options.device)
         rows.append(
             dict(
                 request_id=r.request_id,
@@ -177,11 +195,12 @@ def _sampled(eng, prompts, steps, tol, noise_of) -> pd.DataFrame:
                 seed=r.sampling.seed,
                 prompt_len=len(p),
                 tokens_equal=c["tokens_equal"],
-                first_divergence=c["first_divergence"],
+                first_divergence=first,
+                flip_explained=explained,
                 own_uniform_draws=own_draws,
                 logits_within_tol=c["within_tol"],
                 max_abs_diff=c["max_abs_diff"],
-                **{"pass": bool(ok)},
+                **{"pass": bool(own_draws and c["within_tol"] and explained)},
             )
         )
     return pd.DataFrame(rows)
