@@ -6,6 +6,8 @@ Wall time far above GPU-busy time means host overhead (Python, launches, syncs) 
 the gaps between many tiny kernels.
 
     python -m pocketlab.tools.profile --model qwen3-0.6b [--batch-sizes 1,32] [--prefill-lens 512,4096] [--steps 20]
+
+`--host N` adds, per prefill length, the N functions with the most own host time in one prefill (cProfile).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from ..requests import BatchedRequest
 from .bench import BenchConfig
 from .bench_engine import build, random_tokens
 from .cli import ints, option
+from .host_time import profile_call
 
 
 def _self_us(event, cuda: bool) -> float:
@@ -110,6 +113,7 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--engine-option", type=option, action="append", default=[], metavar="NAME=VALUE")
+    p.add_argument("--host", type=int, default=0, help="N: each prefill's top N functions by own host time")
     a = p.parse_args(argv)
     cfg = BenchConfig(model=a.model, device=a.device, batch_sizes=a.batch_sizes, prompt_lens=a.prefill_lens, peer=False,
                       engine_options=dict(a.engine_option))  # fmt: skip
@@ -133,6 +137,11 @@ def main(argv=None) -> None:
         )
         print(kernels.head(a.top).to_string(index=False, float_format=lambda x: f"{x:.2f}"))
     print("\n" + pd.DataFrame(summaries).to_string(index=False, float_format=lambda x: f"{x:.1f}"))
+    for n in a.prefill_lens if a.host else ():
+        engine.reset(0)
+        seconds, rows = profile_call(prefill_call(engine, n), a.host, key="own_s")
+        print(f"\n[{a.model} prefill {n}: host time under cProfile, {seconds * 1e3:.1f} ms]")
+        print(pd.DataFrame(rows).to_string(index=False, float_format=lambda x: f"{x:.4f}"))
 
 
 if __name__ == "__main__":

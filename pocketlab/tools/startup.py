@@ -12,10 +12,8 @@ its first token under cProfile and keeps the N functions with the most cumulativ
 from __future__ import annotations
 
 import argparse
-import cProfile
 import json
 import os
-import pstats
 import subprocess
 import sys
 import tempfile
@@ -23,6 +21,8 @@ import time
 from pathlib import Path
 
 import pandas as pd
+
+from .host_time import profile_call
 
 
 def child(path: str, device: str, dtype: str, max_slots: int, max_seq_len: int, profile: int = 0) -> dict:
@@ -48,9 +48,8 @@ def child(path: str, device: str, dtype: str, max_slots: int, max_seq_len: int, 
         engine.reset()
 
     if profile:
-        profiler = cProfile.Profile()
-        _, seconds = timed(lambda: profiler.runcall(first_token))
-        return {"first_token_s": seconds, "first_token_profile": top_functions(profiler, profile)}
+        seconds, rows = profile_call(first_token, profile)
+        return {"first_token_s": seconds, "first_token_profile": rows}
     _, cold = timed(first_token)
     report, warmup = timed(lambda: engine.warmup(progress=False))
     _, warm = timed(first_token)
@@ -62,16 +61,6 @@ def child(path: str, device: str, dtype: str, max_slots: int, max_seq_len: int, 
         "warmup_events": report.events,
         "first_token_after_warmup_s": warm,
     }
-
-
-def top_functions(profiler: cProfile.Profile, n: int) -> list[dict]:
-    """The n functions with the most cumulative time, as rows a table can show."""
-    stats = pstats.Stats(profiler)
-    rows = []
-    for (file, line, name), (_, calls, own, cumulative, _) in stats.stats.items():  # type: ignore[attr-defined]
-        where = f"{Path(file).name}:{line}({name})" if line else name
-        rows.append({"function": where, "calls": calls, "own_s": own, "cumulative_s": cumulative})
-    return sorted(rows, key=lambda r: -r["cumulative_s"])[:n]
 
 
 def main(argv=None) -> dict:
