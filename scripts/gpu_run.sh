@@ -87,13 +87,24 @@
 #     --peer-batch-sizes 1,32 --skip latency,serving" BENCH_CAP_S=470 BUDGET_S=545
 #   STEPS="tests reports" TESTS="-n 4 tests/test_moe.py" REPORT_MODELS=qwen3-30b-a3b-4-layers REPORT_NOTEBOOKS=01,02,03
 #     REPORT_DTYPE=float32 REPORTS_CAP_S=270 BUDGET_S=395
-# Still owed, in order: the 30B-A3B model bench with this session's kernels (MODELS=qwen3-30b-a3b, as above, cap 540);
-# notebooks 02 and 03 at qwen3-30b-a3b-4-layers (REPORT_NOTEBOOKS=02 then 03, REPORTS_CAP_S=500; 02 at the
-# default 32 slots x 256 steps may need REPORT_PARAMS="invariance_slots=8 invariance_steps=64", said so); a
-# profile of the 35B-A3B prefill (STEPS=moe MOE_TESTS="" MOE_MODELS="" MOE_PROFILE=qwen3.5-35b-a3b-4-layers: its
-# prefill table took over 60 s under the profiler; the 30B-A3B 4-layer prefill is host-bound too, 24.3 ms wall for
-# 10.4 ms of GPU work in 585 kernels); then the tenth session's list (warm 0.8B start, 9B serving with the generate() peer,
-# the whole bench, the invariant step, STEPS=tp on two GPUs).
+# Twelfth session (2026-12-02, one H200): startup at 0.8B with the profiled third process 227 s; notebooks 02 + 03 at
+# qwen3-30b-a3b-4-layers in float32 side by side 131 + 165 s (REPORT_PARAMS 8 slots x 128 steps; 03 alone at its
+# defaults 174 s); the 9B stalls bench with HF generate() over arrival batches as the serving peer 345 s (HF's side
+# 81 s); the 35B-A3B 4-layer profile 63 s; `profile --host 40` per MoE preset 40-50 s (a bare `run` without the
+# carried .whl has no fla: install it as below, or the hybrid runs our torch chunk rule). Calls made:
+#   STEPS="stalls reports" STALL_MODELS=qwen3.5-0.8b STALL_BENCH_MODELS="" REPORT_MODELS=qwen3-30b-a3b-4-layers
+#     REPORT_NOTEBOOKS=03 REPORT_DTYPE=float32 REPORTS_CAP_S=250 BUDGET_S=570
+#   STEPS=reports REPORT_MODELS=qwen3-30b-a3b-4-layers REPORT_NOTEBOOKS=03,02 REPORT_DTYPE=float32
+#     REPORT_PARAMS="invariance_slots=8 invariance_steps=128" REPORTS_PARALLEL=1 REPORTS_CAP_S=420 BUDGET_S=450
+#   STEPS=stalls STALL_MODELS="" STALL_BENCH_MODELS=qwen3.5-9b STALL_ARGS="--latency-steps 0 --serving-requests 64
+#     --serving-new 128,256" BENCH_CAP_S=520 BUDGET_S=545
+#   STEPS=moe MOE_TESTS="" MOE_MODELS="" MOE_PROFILE=qwen3.5-35b-a3b-4-layers BUDGET_S=400
+#   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl; PYTHONPATH=/tmp/site
+#     python3 -m pocketlab.tools.profile --model qwen3.5-35b-a3b-4-layers --batch-sizes 1 --prefill-lens 4096 --host 40
+# Still owed, in order: the 30B-A3B model bench with the eleventh session's kernels (MODELS=qwen3-30b-a3b, below, cap
+# 540); the hybrid prefill's host cost with fewer delta-rule segments (e.g. --engine-option checkpoint_stride=2048 on
+# the 35B-A3B 4-layer profile and bench); then the tenth session's list (the whole bench at the four dense/hybrid
+# shapes, the invariant step, STEPS=tp on two GPUs).
 # MoE at real shapes (issue 17), one H200, one call each (the engine runs on the HF peer's own tensors, so the weights
 # are on the GPU once: peak ~86 GiB at 30B-A3B, ~81 GiB at 35B-A3B, most of it the weights and, at 30B, 24 GiB of K/V
 # for 64 slots x 4,097 positions; the JSON's "memory" has the measured peak). Engine warm-up, latency and serving
