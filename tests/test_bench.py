@@ -188,6 +188,21 @@ def test_profile_tables_a_decode_step_and_a_prefill(make_engine):
         assert any(re.search(r"aten::(add)?mm$|gemm", name, re.I) for name in kernels.kernel)
 
 
+def test_host_time_names_where_a_prefill_spends_its_host_time(make_engine):
+    """tools.host_time: one prefill under cProfile; the engine's forward must be among the rows, sorted by the
+    chosen time."""
+    from pocketlab.tools import profile
+    from pocketlab.tools.host_time import profile_call
+
+    engine = make_engine("tiny-qwen3")
+    seconds, rows = profile_call(profile.prefill_call(engine, 20), 50)
+    assert seconds > 0 and len(rows) == 50
+    assert [r["cumulative_s"] for r in rows] == sorted((r["cumulative_s"] for r in rows), reverse=True)
+    assert any("(prefill)" in r["function"] for r in rows)
+    _, own = profile_call(profile.prefill_call(engine, 20), 5, key="own_s")
+    assert [r["own_s"] for r in own] == sorted((r["own_s"] for r in own), reverse=True)
+
+
 def test_serving_peer_for_a_model_hf_continuous_batching_refuses():
     """The hybrid Qwen3.5: HF's continuous batching refuses it (reported), and the peer becomes HF generate() over
     arrival batches, every request's tokens counted; a trace arriving at once is one batch, finishing together."""
