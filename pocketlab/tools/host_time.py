@@ -23,8 +23,9 @@ def profile_call(fn, n: int, key: str = "cumulative_s") -> tuple[float, list[dic
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
+    stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
     rows = []
-    for (file, line, name), (_, calls, own, cumulative, _) in pstats.Stats(profiler).stats.items():  # type: ignore[attr-defined]
+    for (file, line, name), (_, calls, own, cumulative, _) in stats.items():
         where = f"{Path(file).name}:{line}({name})" if line else name
         rows.append({"function": where, "calls": calls, "own_s": own, "cumulative_s": cumulative})
     return seconds, sorted(rows, key=lambda r: -r[key])[:n]
