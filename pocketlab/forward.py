@@ -47,6 +47,7 @@ class ForwardContext:
     lengths: torch.Tensor  # [B] long, real new tokens per run (1..T)
     kv_len: int  # keys to attend over: max(start + lengths), or a captured graph's key bucket
     scratch_slot: int  # where padding tokens write
+    padded: bool = True  # some run is shorter than T; False (known on the host): layers skip their padding masks
 
     # hooks, set by the caller
     checkpoints: Sequence[tuple[int, int]] = ()  # (row, offset): hand back each linear layer's state there
@@ -86,6 +87,7 @@ class ForwardContext:
             lengths=torch.tensor([len(run.tokens) for run in runs], device=device),
             kv_len=max(run.start + len(run.tokens) for run in runs),
             scratch_slot=scratch_slot,
+            padded=any(len(run.tokens) < T for run in runs),
             checkpoints=checkpoints,
         )
 

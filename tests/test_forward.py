@@ -7,6 +7,7 @@ import torch
 from pocketlab.forward import AttentionPath, ForwardContext, Run
 from pocketlab.graphs import StaticInputs
 from pocketlab.layers.rotary import Rotary
+from pocketlab.requests import BatchedRequest
 
 ROTARY = Rotary(8, 10000.0, 32, "cpu", torch.float32)
 SCRATCH = 7
@@ -35,6 +36,40 @@ def test_prepare_picks_the_attention_path():
     assert step.kv_targets is None and step.mask is None  # the kernel writes K/V itself
     step.prepare(ROTARY, decode_kernel=False)
     assert step.attention is AttentionPath.MASKED and step.kv_lengths is None and step.mask.shape == (2, 1, 1, 10)
+
+
+def test_build_says_whether_any_run_is_padded():
+    assert ForwardContext.build([Run(2, 5, [1, 2, 3]), Run(0, 0, [4])], SCRATCH, "cpu").padded
+    assert not ForwardContext.build([Run(2, 5, [1, 2]), Run(0, 0, [4, 6])], SCRATCH, "cpu").padded
+    assert not ForwardContext.build([Run(1, 0, [3])], SCRATCH, "cpu").padded
+
+
+def test_an_unpadded_hybrid_prefill_skips_its_masks_and_changes_no_bit(make_engine, monkeypatch):
+    """Equal-length runs skip the Gated DeltaNet padding masks (padded=False); forcing the masks on must give
+    the same logits and states bit for bit, through prefix-cache checkpoint segments and prefill chunks too."""
+    prompts = [[5, 9, 2, 7, 1, 3, 8, 4, 6, 2, 11, 13], [4, 4, 1, 8, 2, 9, 6, 3, 7, 5, 10, 12]]
+    build, seen = ForwardContext.build.__func__, []
+
+    def run(force_masks: bool):
+        def spied(cls, *args, **kwargs):
+            ctx = build(cls, *args, **kwargs)
+            seen.append(ctx.padded)
+            ctx.padded = ctx.padded or force_masks
+            return ctx
+
+        monkeypatch.setattr(ForwardContext, "build", classmethod(spied))
+        eng = make_engine("tiny-qwen3_5", checkpoint_stride=4, prefill_chunk=8)
+        eng.allocate_batch_slots(2)
+        logits = [r.logits for r in eng.batch_prefill([BatchedRequest(i, p) for i, p in enumerate(prompts)]).results]
+        return logits, [eng.snapshot(s).tensors for s in (0, 1)]
+
+    skipped = run(force_masks=False)
+    assert seen and not any(seen)  # every forward of equal-length runs skipped the masks
+    masked = run(force_masks=True)
+    for a, b in zip(skipped[0], masked[0], strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(skipped[1], masked[1], strict=True):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_build_rejects_empty_runs():

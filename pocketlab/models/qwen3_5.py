@@ -53,7 +53,7 @@ class GatedDeltaNet:
         Returns [B, T, Hv, dv]."""
         B, T, _ = qkv_in.shape
         conv0, rec0 = conv[ctx.slot_ids], rec[ctx.slot_ids]  # gathered copies: the states before this forward
-        lengths = ctx.lengths if T > 1 else None  # one token per row is always real: skip the padding masks
+        lengths = ctx.lengths if T > 1 and ctx.padded else None  # every token real: no padding masks
         qkv, conv[ctx.slot_ids] = causal_conv1d(qkv_in, conv0, self.conv_weight, lengths)
         q, k, v = qkv.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
         group = self.hv // self.hk  # value head j reads key head j // group
