@@ -29,6 +29,7 @@ _MOE_FORCED = {
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_SPECULATIVE_TOKENS = 7
+GEMV_MAX_ROWS = 4  # the rows of one layers.gemv launch: every projection of up to this many rows can take it
 YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "mscale")
 YARN_KEYS += ("mscale_all_dim", "truncate")
 
@@ -244,6 +245,7 @@ class EngineOptions:
     decode_attention: str = "auto"  # "triton" (live keys read in place), "sdpa", or "auto": triton on CUDA
     linear_decode: str = "auto"  # Gated DeltaNet decode: "triton" (states updated in place), "torch", "auto"
     fused_linear: str = "auto"  # few-row projections with their residual add / SwiGLU in one Triton kernel
+    gemv_rows: int = 4  # fused_linear: projections of at most this many rows stream their weight (layers.gemv); 0: off
     moe_kernel: str = "auto"  # routed experts: "triton" (layers.moe_kernel), "torch" (grouped_mm), "auto": GPU triton
     graph_batch_sizes: tuple[int, ...] = field(default=(1, 2, 4, 8, 16, 32, 64))
     batch_invariant: bool = False  # logits bitwise independent of the batch (Triton kernels; CPU: interpreter)
@@ -277,6 +279,8 @@ class EngineOptions:
         for name in ("linear_decode", "fused_linear", "moe_kernel"):
             if getattr(self, name) not in ("auto", "triton", "torch"):
                 raise ValueError(f"{name} {getattr(self, name)!r} is not one of auto, triton, torch")
+        if not 0 <= self.gemv_rows <= GEMV_MAX_ROWS:
+            raise ValueError(f"gemv_rows={self.gemv_rows}: need 0 <= rows <= {GEMV_MAX_ROWS} (layers.gemv's launch)")
         if self.max_slots != "auto" and not (isinstance(self.max_slots, int) and self.max_slots >= 1):
             raise ValueError(f"max_slots={self.max_slots!r}: an int >= 1, or 'auto'")
         if self.max_seq_len < 2 or self.prefill_chunk < 1:

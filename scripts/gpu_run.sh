@@ -137,7 +137,9 @@
 #   INVARIANT_MODELS [qwen3-8b qwen3.5-9b]  INVARIANT_STEPS [64]   the invariant step's shapes and decode steps
 #   INVARIANT_TESTS  [the mode's and its kernels' test files]  INVARIANT_TIMINGS [1]   (empty / 0: skip)
 #   FUSED_TESTS [the fused linear's tests + parity]  FUSED_SWEEP [1]  FUSED_MODELS [qwen3-0.6b qwen3-8b]
-#   FUSED_BATCHES [1,32]  FUSED_MODES [torch triton]   the fused step: CUDA tests, launch sweep, kernel tables with fused_linear=torch, triton
+#   FUSED_BATCHES [1,32]  FUSED_MODES [fused_linear=torch fused_linear=triton,gemv_rows=0 fused_linear=triton]
+#                    the fused step: CUDA tests, the fused matmul's launch sweep (FUSED_SWEEP), the GEMV's (GEMV_SWEEP
+#                    [1]), kernel tables per mode (engine options, comma-separated) -> profile-<model>-<mode>-h200.txt
 #   INVARIANT_SWEEP  [0]  1: the invariant matmul's launch sweep   INVARIANT_PROFILE []  a model: kernel tables, both modes
 #   STALL_MODELS [qwen3-0.6b qwen3.5-0.8b]  STALL_BENCH_MODELS [qwen3-8b qwen3.5-9b]   the stalls step: cold vs warm
 #                    process starts, and the bench's start/latency/serving sections (the bench step has them too);
@@ -186,7 +188,8 @@ FUSED_TESTS=${FUSED_TESTS-tests/test_fused_linear.py tests/test_invariant_kernel
 FUSED_SWEEP=${FUSED_SWEEP:-1}
 FUSED_MODELS=${FUSED_MODELS-qwen3-0.6b qwen3-8b}
 FUSED_BATCHES=${FUSED_BATCHES:-1,32}
-FUSED_MODES=${FUSED_MODES:-torch triton}
+FUSED_MODES=${FUSED_MODES:-fused_linear=torch fused_linear=triton,gemv_rows=0 fused_linear=triton}
+GEMV_SWEEP=${GEMV_SWEEP:-1}
 STALL_MODELS=${STALL_MODELS-qwen3-0.6b qwen3.5-0.8b}
 STALL_BENCH_MODELS=${STALL_BENCH_MODELS-qwen3-8b qwen3.5-9b}
 STALL_ARGS=${STALL_ARGS:-}
@@ -341,11 +344,13 @@ if wants fused; then
     env POCKETLAB_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider --tb=short $FUSED_TESTS
   [ "$FUSED_SWEEP" = 1 ] && step "fused linear launches (sweep)" 150 "$reserve" bash -o pipefail -c \
     "python3 -m pocketlab.layers.invariant.sweep --fused | tee reports/gpu/fused-linear-sweep-h200.txt"
+  [ "$GEMV_SWEEP" = 1 ] && step "gemv launches (sweep)" 300 "$reserve" bash -o pipefail -c \
+    "TQDM_DISABLE=1 python3 -m pocketlab.layers.gemv_sweep | tee reports/gpu/gemv-sweep-h200.txt"
   for m in $FUSED_MODELS; do
-    for fl in $FUSED_MODES; do
-      step "profile $m fused_linear=$fl" 100 "$reserve" bash -o pipefail -c "python3 -m pocketlab.tools.profile --model $m \
-        --batch-sizes $FUSED_BATCHES --prefill-lens 4096 --steps 10 --top 25 --engine-option fused_linear=$fl \
-        | tee reports/gpu/profile-$m-fused-$fl-h200.txt"
+    for mode in $FUSED_MODES; do   # a mode: NAME=VALUE engine options, comma-separated
+      step "profile $m $mode" 100 "$reserve" bash -o pipefail -c "python3 -m pocketlab.tools.profile --model $m \
+        --batch-sizes $FUSED_BATCHES --prefill-lens 4096 --steps 10 --top 25 --engine-option ${mode//,/ --engine-option } \
+        | tee reports/gpu/profile-$m-${mode//[=,]/-}-h200.txt"
     done
   done
 fi

@@ -1,6 +1,6 @@
-"""The fused linear (layers.invariant.matmul): matmul and residual add or SwiGLU in one kernel give what the unfused
-torch steps give, and each row the same bits in any batch (natively on CUDA, through Triton's interpreter on the
-CPU)."""
+"""The fused linears (layers.invariant.matmul; layers.gemv at decode's few rows): matmul and residual add or SwiGLU
+in one kernel give what the unfused torch steps give, and each row the same bits in any batch (natively on CUDA,
+through Triton's interpreter on the CPU)."""
 
 import os
 
@@ -14,6 +14,7 @@ if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
 
 from invariance import assert_rows_invariant  # noqa: E402
 
+from pocketlab.layers import gemv  # noqa: E402
 from pocketlab.layers import invariant as inv  # noqa: E402
 from pocketlab.layers import linear as torch_linear  # noqa: E402
 from pocketlab.layers.invariant import matmul  # noqa: E402
@@ -50,21 +51,65 @@ def fp32_matmul(x, w, bias=None):
 @pytest.mark.parametrize("epilogue", EPILOGUES)
 def test_fused_linear_matches_the_unfused_torch_steps(dtype, epilogue):
     """Against the unfused torch steps (layers.linear.composed: matmul, SwiGLU or residual add), at rows that
-    take a program per K slice and at rows that take every slice in one program. float32: a few ulps. bf16: every
-    rounding in the same place, so the two differ only where the float32 sums' order tips a rounding (well under
-    1% of the outputs, by an ulp or two); a rounding moved or missed would change about a third of them."""
+    take a program per K slice and at rows that take every slice in one program."""
     for N, K in SHAPES[dtype]:
         for M in (1, 5, matmul.MANY_ROWS + 3):
             x, w, bias, extras = inputs(M, N, K, dtype, epilogue, seed=M)
             want = torch_linear.composed(fp32_matmul, x, w, bias, **extras)
-            got = inv.linear(x, w, bias, **extras)
-            assert got.shape == want.shape and got.dtype == dtype
-            err = (got.float() - want.float()).abs()
-            if dtype == torch.float32:
-                assert err.max() <= 3e-6 * max(1.0, want.abs().max().item()), (N, K, M, err.max())
-            else:  # two bf16 ulps at most (a tipped gate rounding carries through silu and the product)
-                assert (err / want.float().abs().clamp(min=1e-3)).max() <= 2**-6, (N, K, M, err.max())
-                assert (got != want).float().mean() < 0.01, (N, K, M, (got != want).float().mean())
+            assert_matches_the_unfused_steps(inv.linear(x, w, bias, **extras), want, dtype, (N, K, M))
+
+
+def assert_matches_the_unfused_steps(got, want, dtype, where):
+    """float32: a few ulps. bf16: every rounding in the same place, so the two differ only where the float32 sums'
+    order tips a rounding (well under 1% of the outputs, by an ulp or two); a rounding moved or missed would change
+    about a third of them."""
+    assert got.shape == want.shape and got.dtype == dtype, where
+    err = (got.float() - want.float()).abs()
+    if dtype == torch.float32:
+        assert err.max() <= 3e-6 * max(1.0, want.abs().max().item()), (where, err.max())
+    else:  # two bf16 ulps at most (a tipped gate rounding carries through silu and the product)
+        assert (err / want.float().abs().clamp(min=1e-3)).max() <= 2**-6, (where, err.max())
+        assert (got != want).float().mean() < 0.01, (where, (got != want).float().mean())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("epilogue", EPILOGUES)
+def test_gemv_matches_the_unfused_torch_steps(dtype, epilogue):
+    """layers.gemv (decode's few rows, each weight row streamed once) against the unfused torch steps, at every row
+    count it takes, with K and N off its tiles."""
+    for N, K in SHAPES[dtype]:
+        for M in range(1, gemv.MAX_ROWS + 1):
+            x, w, bias, extras = inputs(M, N, K, dtype, epilogue, seed=M)
+            want = torch_linear.composed(fp32_matmul, x, w, bias, **extras)
+            assert_matches_the_unfused_steps(gemv.gemv(x, w, bias, **extras), want, dtype, (N, K, M))
+
+
+@pytest.mark.parametrize("epilogue", ["swiglu", "residual", "bias"])
+def test_gemv_rows_are_batch_invariant(epilogue):
+    """Rows 1..MAX_ROWS share one launch, so each row's bits are its own in any such batch (bigger batches are
+    another kernel: assert_rows_invariant's batches of up to MAX_ROWS rows only)."""
+    N, K = SHAPES[torch.bfloat16][0]
+    x, w, bias, extras = inputs(gemv.MAX_ROWS, N, K, torch.bfloat16, epilogue)
+    residual = extras.pop("residual")
+    solo = [gemv.gemv(x[i : i + 1], w, bias, **extras, residual=None if residual is None else residual[i : i + 1])
+            for i in range(len(x))]  # fmt: skip
+    for index in ([0], [3, 1], [2, 0, 3], [3, 2, 1, 0], [1, 1, 1, 1]):
+        r = None if residual is None else residual[index]
+        got = gemv.gemv(x[index], w, bias, residual=r, **extras)
+        for row, i in enumerate(index):
+            assert torch.equal(got[row], solo[i][0]), (epilogue, index, row)
+
+
+def test_gemv_checks_its_inputs():
+    x, w, _, extras = inputs(3, 40, 64, torch.float32, "residual")
+    with pytest.raises(ValueError, match="residual"):
+        gemv.gemv(x, w, residual=extras["residual"][:, :-1])
+    with pytest.raises(ValueError, match="swiglu"):
+        gemv.gemv(x, w[:-1], swiglu=True)
+    with pytest.raises(ValueError, match="at most"):
+        gemv.gemv(torch.cat([x, x]), w)
+    with pytest.raises(ValueError, match="row-major"):
+        gemv.gemv(x, w.t().contiguous().t())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -100,15 +145,23 @@ def test_fused_linear_checks_its_inputs():
         inv.linear(x, w, residual=extras["residual"], swiglu=True)
 
 
-def test_the_default_kernels_fuse_only_few_rows_with_something_to_fuse(monkeypatch):
-    """fused_at_few_rows sends decode-sized calls with a residual add or SwiGLU to the kernel, the rest to torch."""
+def test_the_default_kernels_take_the_gemv_at_few_rows_and_fuse_only_decode_rows_with_something_to_fuse():
+    """fused_at_few_rows sends every call of up to gemv_rows rows (row-major weights) to the GEMV, decode-sized
+    calls with a residual add or SwiGLU to the fused matmul, the rest to torch."""
     calls = []
-    run = torch_linear.fused_at_few_rows(lambda *a, **k: calls.append(a[0].shape[0]) or F.linear(a[0], a[1]))
-    w = randn(8, 16)
-    run(randn(4, 16), w)
-    run(randn(torch_linear.FUSED_MAX_ROWS + 1, 16), w, residual=randn(torch_linear.FUSED_MAX_ROWS + 1, 8))
-    run(randn(torch_linear.FUSED_MAX_ROWS, 16), w, residual=randn(torch_linear.FUSED_MAX_ROWS, 8))
-    assert calls == [torch_linear.FUSED_MAX_ROWS]
+
+    def kernel(name):
+        return lambda x, w, *a, **k: calls.append((name, x.shape[0])) or F.linear(x, w)
+
+    run = torch_linear.fused_at_few_rows(kernel("fused"), kernel("gemv"), gemv_rows=2)
+    w, most = randn(8, 16), torch_linear.FUSED_MAX_ROWS
+    run(randn(2, 16), w)
+    run(randn(2, 16), w.t().contiguous().t())  # column-major: not the GEMV's layout
+    run(randn(3, 16), w)
+    run(randn(most + 1, 16), w, residual=randn(most + 1, 8))
+    run(randn(most, 16), w, residual=randn(most, 8))
+    run(randn(1, 16), w, residual=randn(1, 8))
+    assert calls == [("gemv", 2), ("fused", most), ("gemv", 1)]
 
 
 def test_gpu_fused_launches_keep_the_bits():

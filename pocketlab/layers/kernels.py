@@ -101,7 +101,10 @@ def _kernels_for(options) -> Kernels:
 
     rows = (invariant.rms_norm, invariant.gated_rms_norm, invariant.sigmoid_gate, invariant.decay_and_beta)
     if not options.batch_invariant:  # rows never mix in these, so the row kernels cost no speed: only the matmul
-        return Kernels(fused_at_few_rows(invariant.linear), *rows)  # stays cuBLAS beyond decode's rows
+        from .gemv import gemv
+
+        linear = fused_at_few_rows(invariant.linear, gemv, options.gemv_rows)  # stays cuBLAS beyond decode's rows
+        return Kernels(linear, *rows)
     from .invariant.attention import attention
     from .invariant.rotate import norm_rotate_store
 

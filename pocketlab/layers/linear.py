@@ -37,12 +37,16 @@ def composed(
 linear = functools.partial(composed, F.linear)
 
 
-def fused_at_few_rows(fused):
-    """The default engine's linear: `fused` (the Triton kernel) where the rows are few and it has an epilogue to
-    fuse (residual add, SwiGLU), `linear` (cuBLAS and torch) everywhere else."""
+def fused_at_few_rows(fused, gemv=None, gemv_rows: int = 0):
+    """The default engine's linear: `gemv` (weight rows streamed once) for every projection of up to `gemv_rows`
+    rows, `fused` (the Triton matmul) where the rows are few and it has an epilogue to fuse (residual add, SwiGLU),
+    `linear` (cuBLAS and torch) everywhere else."""
 
     def run(x, weight, bias=None, *, residual=None, swiglu=False):
-        if (residual is not None or swiglu) and x.numel() <= FUSED_MAX_ROWS * x.shape[-1]:
+        rows = x.numel() // x.shape[-1]
+        if rows <= gemv_rows and weight.stride(-1) == 1:
+            return gemv(x, weight, bias, residual=residual, swiglu=swiglu)
+        if (residual is not None or swiglu) and rows <= FUSED_MAX_ROWS:
             return fused(x, weight, bias, residual=residual, swiglu=swiglu)
         return linear(x, weight, bias, residual=residual, swiglu=swiglu)
 

@@ -157,17 +157,27 @@ def _matmul(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, arrived_ptr, res_ptr, rows, N,
             tl.atomic_xchg(arrivals, 0)  # ready for the next launch
     if done:
         dtype = y_ptr.dtype.element_ty
-        if HAS_BIAS:
-            total += tl.load(b_ptr + n, mask=live_n, other=0.0).to(tl.float32)[None, :]
-        y = cast(total, dtype)
-        if EPILOGUE == 1:  # the residual add after the projection, in the dtype
-            r = tl.load(res_ptr + m.to(tl.int64)[:, None] * stride_rm + n[None, :], mask=live, other=0.0)
-            y = cast(y.to(tl.float32) + r.to(tl.float32), dtype)
-        elif EPILOGUE == 2:  # silu(gate) rounded, times up (rounded), rounded: as layers.activations.swiglu
-            gate = y.to(tl.float32)
-            silu = cast(gate * sigmoid(gate), dtype).to(tl.float32)
-            y = cast(silu * cast(total_up, dtype).to(tl.float32), dtype)
+        y = finish(total, total_up, b_ptr, res_ptr, m, n, live_m, live_n, stride_rm, dtype, HAS_BIAS, EPILOGUE)
         tl.store(y_ptr + m.to(tl.int64)[:, None] * stride_ym + n[None, :], y, mask=live)
+
+
+@triton.jit
+def finish(total, total_up, b_ptr, res_ptr, m, n, live_m, live_n, stride_rm, dtype: tl.constexpr,
+           HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr):  # fmt: skip
+    """The fp32 sums of rows m x columns n -> y in `dtype`: the bias added before the one rounding, then the
+    EPILOGUE (1: residual + y in the dtype; 2: SwiGLU of the gate and up sums, rounded as activations.swiglu)."""
+    if HAS_BIAS:
+        total += tl.load(b_ptr + n, mask=live_n, other=0.0).to(tl.float32)[None, :]
+    y = cast(total, dtype)
+    if EPILOGUE == 1:
+        live = live_m[:, None] & live_n[None, :]
+        r = tl.load(res_ptr + m.to(tl.int64)[:, None] * stride_rm + n[None, :], mask=live, other=0.0)
+        y = cast(y.to(tl.float32) + r.to(tl.float32), dtype)
+    elif EPILOGUE == 2:
+        gate = y.to(tl.float32)
+        silu = cast(gate * sigmoid(gate), dtype).to(tl.float32)
+        y = cast(silu * cast(total_up, dtype).to(tl.float32), dtype)
+    return y
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,

@@ -1,0 +1,118 @@
+"""y = x @ W^T for a few rows (decode), streaming each weight row once, with the residual add or SwiGLU in the launch.
+
+At one to a few rows a projection is a weight read: a matmul kernel pads the rows to a tensor-core tile and, to fill
+the GPU, splits K and adds the slices' partials after an arrival count, a chain of global round trips that costs
+more than the read itself at the small shapes. Here each program owns BLOCK_N whole weight rows: it walks K in
+BLOCK_K-wide tiles, multiplies each by every input row into float32 lanes, and sums the lanes once at the end.
+No split, no second pass, no atomics; the epilogue is the matmul kernel's (`matmul.finish`).
+
+Every row is reduced the same way whatever the other rows hold: with the same launch (ROWS, the tile), each of up
+to ROWS rows gets the same bits in any batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..config import GEMV_MAX_ROWS as MAX_ROWS
+from .invariant.matmul import PLAIN, RESIDUAL, SWIGLU, finish
+
+PROGRAMS_WANTED = 264  # two programs per SM of an H200 (132 SMs): BLOCK_N shrinks until the grid has them
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How one launch covers [rows, N]: ROWS rows per program (rows <= ROWS), BLOCK_N weight rows, BLOCK_K."""
+
+    rows: int
+    block_n: int
+    block_k: int
+    num_warps: int
+
+
+def launch_for(M: int, N: int, K: int, device: torch.device) -> Launch:
+    """The interpreter keeps one small tile (tails in both directions at test shapes). On the GPU: ROWS = MAX_ROWS,
+    so rows 1..MAX_ROWS share one kernel and their bits; BLOCK_K 512 (1,024 bytes of each weight row per tile);
+    BLOCK_N the largest power of two up to 16 that still gives PROGRAMS_WANTED programs."""
+    if M > MAX_ROWS:
+        raise ValueError(f"gemv: {M} rows; it takes at most {MAX_ROWS}")
+    if device.type != "cuda":
+        return Launch(MAX_ROWS, 8, 64, 4)
+    block_n = 16
+    while block_n > 2 and triton.cdiv(N, block_n) < PROGRAMS_WANTED:
+        block_n //= 2
+    return Launch(MAX_ROWS, block_n, min(512, triton.next_power_of_2(K)), 4)
+
+
+@triton.jit(do_not_specialize=["rows"])
+def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, rows, N, K, stride_xm, stride_wn, stride_ym, stride_rm,
+          HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+          BLOCK_K: tl.constexpr):  # fmt: skip
+    """y[m, n] for the ROWS rows and this program's BLOCK_N columns: float32 lanes [ROWS, BLOCK_N, BLOCK_K] along
+    K, summed once. EPILOGUE 1: y = residual + x @ W^T; 2: W is [gate | up] (2N rows), y = silu(x @ gate^T) * (x @
+    up^T)."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, ROWS)
+    live_m, live_n = m < rows, n < N
+    x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+    up_rows = w_rows + N * stride_wn
+    TWO: tl.constexpr = EPILOGUE == 2
+    lanes = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    lanes_up = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        live_k = k < K
+        x = tl.load(x_rows + k[None, :], mask=live_m[:, None] & live_k[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_rows + k[None, :], mask=live_n[:, None] & live_k[None, :], other=0.0).to(tl.float32)
+        lanes += x[:, None, :] * w[None, :, :]
+        if TWO:
+            up = tl.load(up_rows + k[None, :], mask=live_n[:, None] & live_k[None, :], other=0.0).to(tl.float32)
+            lanes_up += x[:, None, :] * up[None, :, :]
+    total, total_up = tl.sum(lanes, axis=2), tl.sum(lanes_up, axis=2)
+    dtype = y_ptr.dtype.element_ty
+    y = finish(total, total_up, b_ptr, res_ptr, m, n, live_m, live_n, stride_rm, dtype, HAS_BIAS, EPILOGUE)
+    tl.store(y_ptr + m.to(tl.int64)[:, None] * stride_ym + n[None, :], y, mask=live_m[:, None] & live_n[None, :])
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+         residual: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:  # fmt: skip
+    """F.linear(x, weight, bias) for x [..., K] of at most MAX_ROWS rows, weight [N, K] (contiguous rows), bias [N];
+    fp32 sums rounded once. `residual` [..., N]: residual + y; `swiglu`: weight is [gate | up] and y [..., N] is
+    silu(x @ gate^T) * (x @ up^T). The same arguments and rounding as layers.invariant.linear."""
+    N, K = weight.shape
+    if x.shape[-1] != K or weight.dtype != x.dtype or weight.stride(1) != 1:
+        raise ValueError(f"gemv: x {tuple(x.shape)} {x.dtype} and weight {tuple(weight.shape)} {weight.dtype} "
+                         "should be [..., K] and a row-major [N, K] of one dtype")  # fmt: skip
+    if swiglu and (N % 2 or bias is not None or residual is not None):
+        raise ValueError(f"gemv: swiglu needs a [gate | up] weight of even rows ({N}), no bias, no residual")
+    N = N // 2 if swiglu else N
+    lead = x.shape[:-1]
+    if bias is not None and tuple(bias.shape) != (N,):
+        raise ValueError(f"gemv: bias {tuple(bias.shape)} should be [{N}]")
+    if residual is not None and (residual.shape != (*lead, N) or residual.dtype != x.dtype):
+        raise ValueError(f"gemv: residual {tuple(residual.shape)} {residual.dtype} should be {(*lead, N)} {x.dtype}")
+    x2 = x.reshape(-1, K).contiguous()
+    y = torch.empty(x2.shape[0], N, dtype=x.dtype, device=x.device)
+    res = None if residual is None else residual.reshape(-1, N).contiguous()
+    epilogue = RESIDUAL if residual is not None else SWIGLU if swiglu else PLAIN
+    if x2.shape[0]:
+        launch(x2, weight, bias, y, launch_for(x2.shape[0], N, K, x.device), epilogue, res)
+    return y.reshape(*lead, N)
+
+
+def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, t: Launch,
+           epilogue: int = PLAIN, residual: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """y[M, N] = x2 @ weight^T (+ bias, + the epilogue) with launch `t` (the sweep tries others)."""
+    M, K = x2.shape
+    N = y.shape[1]
+    _gemv[(triton.cdiv(N, t.block_n),)](
+        x2, weight, y if bias is None else bias, y, y if residual is None else residual, M, N, K, x2.stride(0),
+        weight.stride(0), y.stride(0), 0 if residual is None else residual.stride(0), HAS_BIAS=bias is not None,
+        EPILOGUE=epilogue, ROWS=t.rows, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps,
+    )  # fmt: skip
+    return y

@@ -1,0 +1,101 @@
+"""Which GEMV launches read the decode projections' weights fastest: python -m pocketlab.layers.gemv_sweep
+
+On CUDA, for the projections of the Qwen3-0.6B, Qwen3-8B, Qwen3.5 and MoE decode shapes at 1 and MAX_ROWS rows:
+every candidate launch of layers.gemv (ROWS, BLOCK_N, BLOCK_K, warps) as weight-read bandwidth, beside what the
+default engine runs there today (the fused matmul where there is an epilogue, else cuBLAS) and cuBLAS's bare matmul.
+Times are medians of CUDA-graph replays cycling over weight copies (invariant.sweep.graph_ms), so every call reads
+its weight from HBM. Prints the best launches of each shape and a summary against `launch_for`'s choice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+import torch.nn.functional as F
+import triton
+from tqdm import tqdm
+
+from . import gemv
+from .invariant import linear as fused_linear
+from .invariant.matmul import PLAIN, RESIDUAL, SWIGLU
+from .invariant.sweep import graph_ms
+
+SHAPES = {  # name: (N, K, epilogue); for swiglu N is the output width and the weight holds 2N rows
+    "0.6b qkv": (4096, 1024, PLAIN), "0.6b o+res": (1024, 2048, RESIDUAL), "0.6b gate_up": (3072, 1024, SWIGLU),
+    "0.6b down+res": (1024, 3072, RESIDUAL), "0.6b lm_head": (151936, 1024, PLAIN),
+    "0.8b gdn in": (8224, 1024, PLAIN), "8b qkv": (6144, 4096, PLAIN), "8b o+res": (4096, 4096, RESIDUAL),
+    "8b gate_up": (12288, 4096, SWIGLU), "8b down+res": (4096, 12288, RESIDUAL), "8b lm_head": (151936, 4096, PLAIN),
+    "9b gdn in": (12352, 4096, PLAIN), "moe router 128": (128, 2048, PLAIN), "moe router 256": (256, 2048, PLAIN),
+    "35b shared gate_up": (512, 2048, SWIGLU), "35b shared down": (2048, 512, RESIDUAL),
+}  # fmt: skip
+BLOCK_N = (2, 4, 8, 16)
+BLOCK_K = (256, 512, 1024)
+WARPS = (4, 8)
+
+
+def candidates(M: int) -> list[gemv.Launch]:
+    rows = sorted({triton.next_power_of_2(M), gemv.MAX_ROWS})
+    return [gemv.Launch(r, n, k, w) for r, n, k, w in itertools.product(rows, BLOCK_N, BLOCK_K, WARPS)]
+
+
+def today(x, w, res, epilogue):
+    """What the default engine runs at these rows before layers.gemv: the fused kernel with an epilogue, else cuBLAS."""
+    if epilogue == PLAIN:
+        return F.linear(x, w)
+    return fused_linear(x, w, residual=res, swiglu=epilogue == SWIGLU)
+
+
+def sweep(rows: list[int], top: int) -> list[tuple]:
+    summary = []
+    print(f"{'shape':<20}{'M':>3}  {'launch (rows, bn, bk, warps)':<30}{'ms':>9}{'TB/s':>7}")
+    for name, (N, K, epilogue) in tqdm(SHAPES.items(), desc="shapes"):
+        rows_w = 2 * N if epilogue == SWIGLU else N
+        copies = max(1, min(16, (800 * 2**20) // (rows_w * K * 2)))
+        weights = [torch.randn(rows_w, K, device="cuda", dtype=torch.bfloat16) * K**-0.5 for _ in range(copies)]
+        summary += [sweep_rows(name, N, K, epilogue, M, weights, top) for M in rows]
+        del weights
+        torch.cuda.empty_cache()
+    return summary
+
+
+def sweep_rows(name: str, N: int, K: int, epilogue: int, M: int, weights: list[torch.Tensor], top: int) -> tuple:
+    """Every candidate launch at M rows (the best `top` printed); the chosen one against today's path and cuBLAS."""
+    gb = weights[0].numel() * 2 / 1e9
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    res = torch.randn(M, N, device="cuda", dtype=torch.bfloat16) if epilogue == RESIDUAL else None
+    y = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+    timed = sorted(
+        ((graph_ms(lambda w, t=t: gemv.launch(x, w, None, y, t, epilogue, res), weights), t) for t in candidates(M)),
+        key=lambda p: p[0],
+    )
+    for ms, t in timed[:top]:
+        launch = str((t.rows, t.block_n, t.block_k, t.num_warps))
+        print(f"{name:<20}{M:>3}  {launch:<30}{ms:>9.4f}{gb / ms:>7.2f}")
+    chosen = gemv.launch_for(M, N, K, x.device)
+    chosen_ms = next(ms for ms, t in timed if t == chosen)
+    now_ms = graph_ms(lambda w: today(x, w, res, epilogue), weights)
+    cublas_ms = graph_ms(lambda w: F.linear(x, w), weights)
+    solo = gemv.launch(x[:1], weights[0], None, y[:1].clone(), chosen, epilogue, None if res is None else res[:1])
+    batch = gemv.launch(x, weights[0], None, y.clone(), chosen, epilogue, res)
+    bits = "equal" if torch.equal(solo[0], batch[0]) else "DIFFER"
+    return name, M, gb, chosen, chosen_ms, timed[0], now_ms, cublas_ms, bits
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default=f"1,{gemv.MAX_ROWS}")
+    ap.add_argument("--top", type=int, default=4, help="launches printed per shape and row count")
+    a = ap.parse_args(argv)
+    summary = sweep([int(v) for v in a.rows.split(",")], a.top)
+    print(f"\n{'shape':<20}{'M':>3}{'chosen':>18}{'ms':>9}{'TB/s':>7}{'best ms':>9}{'today ms':>10}{'cuBLAS ms':>11}"
+          f"{'today/chosen':>14}  row 0 alone vs in the batch")  # fmt: skip
+    for name, M, gb, t, ms, (best_ms, _), now_ms, cublas_ms, bits in summary:
+        launch = f"{t.rows},{t.block_n},{t.block_k},{t.num_warps}"
+        print(f"{name:<20}{M:>3}{launch:>18}{ms:>9.4f}{gb / ms:>7.2f}{best_ms:>9.4f}{now_ms:>10.4f}{cublas_ms:>11.4f}"
+              f"{now_ms / ms:>14.2f}  {bits}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
