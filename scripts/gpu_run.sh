@@ -139,7 +139,8 @@
 #   FUSED_TESTS [the fused linear's tests + parity]  FUSED_SWEEP [1]  FUSED_MODELS [qwen3-0.6b qwen3-8b]
 #   FUSED_BATCHES [1,32]  FUSED_MODES [fused_linear=torch fused_linear=triton,gemv_rows=0 fused_linear=triton]
 #                    the fused step: CUDA tests, the fused matmul's launch sweep (FUSED_SWEEP), the GEMV's (GEMV_SWEEP
-#                    [1]), kernel tables per mode (engine options, comma-separated) -> profile-<model>-<mode>-h200.txt
+#                    [1]), kernel tables per mode (engine options or env vars such as POCKETLAB_PDL=0, comma-separated)
+#                    -> profile-<model>-<mode>-h200.txt
 #   INVARIANT_SWEEP  [0]  1: the invariant matmul's launch sweep   INVARIANT_PROFILE []  a model: kernel tables, both modes
 #   STALL_MODELS [qwen3-0.6b qwen3.5-0.8b]  STALL_BENCH_MODELS [qwen3-8b qwen3.5-9b]   the stalls step: cold vs warm
 #                    process starts, and the bench's start/latency/serving sections (the bench step has them too);
@@ -347,9 +348,11 @@ if wants fused; then
   [ "$GEMV_SWEEP" = 1 ] && step "gemv launches (sweep)" 300 "$reserve" bash -o pipefail -c \
     "TQDM_DISABLE=1 python3 -m pocketlab.layers.gemv_sweep | tee reports/gpu/gemv-sweep-h200.txt"
   for m in $FUSED_MODELS; do
-    for mode in $FUSED_MODES; do   # a mode: NAME=VALUE engine options, comma-separated
-      step "profile $m $mode" 100 "$reserve" bash -o pipefail -c "python3 -m pocketlab.tools.profile --model $m \
-        --batch-sizes $FUSED_BATCHES --prefill-lens 4096 --steps 10 --top 25 --engine-option ${mode//,/ --engine-option } \
+    for mode in $FUSED_MODES; do   # a mode: NAME=VALUE, comma-separated: engine options, or UPPER_CASE env vars
+      opts="" envs=""
+      for kv in ${mode//,/ }; do if [[ $kv == [A-Z]* ]]; then envs+=" $kv"; else opts+=" --engine-option $kv"; fi; done
+      step "profile $m $mode" 100 "$reserve" bash -o pipefail -c "env $envs python3 -m pocketlab.tools.profile --model $m \
+        --batch-sizes $FUSED_BATCHES --prefill-lens 4096 --steps 10 --top 25 $opts \
         | tee reports/gpu/profile-$m-${mode//[=,]/-}-h200.txt"
     done
   done

@@ -78,10 +78,20 @@ def compile_one(launch: dict) -> str | None:
     return None
 
 
+def gpu_variants(launch: dict) -> list[dict]:
+    """The launch, and where the kernel takes programmatic dependent launch (layers.pdl; the interpreter runs PDL=False)
+    the form the GPU runs too: PDL=True, launched with launch_pdl."""
+    if launch.get("constants", {}).get("PDL") is not False:
+        return [launch]
+    pdl = dict(launch, constants=dict(launch["constants"], PDL=True), options=dict(launch["options"], launch_pdl=True))
+    return [launch, pdl]
+
+
 def main(path: str) -> int:
     with open(path) as f:
         launches = [json.loads(line) for line in f]
     # a launch conftest could not describe is a failure too: the check must not skip what it cannot read
+    launches = [variant for launch in launches for variant in gpu_variants(launch)]
     failures = [launch["unrecorded"] if "unrecorded" in launch else compile_one(launch) for launch in launches]
     failures = [why for why in failures if why]
     print(f"sm_90 compile: {len(launches)} distinct Triton launches, {len(failures)} failed")

@@ -86,16 +86,21 @@ def test_gemv_matches_the_unfused_torch_steps(dtype, epilogue):
 
 @pytest.mark.parametrize("epilogue", ["swiglu", "residual", "bias"])
 def test_gemv_rows_are_batch_invariant(epilogue):
-    """Rows 1..MAX_ROWS share one launch, so each row's bits are its own in any such batch (bigger batches are
-    another kernel: assert_rows_invariant's batches of up to MAX_ROWS rows only)."""
+    """With one launch (ROWS rows a program) each row's bits are its own in any batch of up to ROWS rows: rows
+    never mix in the lanes, and every row sums its lanes in the same order."""
     N, K = SHAPES[torch.bfloat16][0]
     x, w, bias, extras = inputs(gemv.MAX_ROWS, N, K, torch.bfloat16, epilogue)
     residual = extras.pop("residual")
-    solo = [gemv.gemv(x[i : i + 1], w, bias, **extras, residual=None if residual is None else residual[i : i + 1])
-            for i in range(len(x))]  # fmt: skip
-    for index in ([0], [3, 1], [2, 0, 3], [3, 2, 1, 0], [1, 1, 1, 1]):
-        r = None if residual is None else residual[index]
-        got = gemv.gemv(x[index], w, bias, residual=r, **extras)
+    epi = matmul.SWIGLU if extras["swiglu"] else matmul.RESIDUAL if residual is not None else matmul.PLAIN
+    t = gemv.launch_for(gemv.MAX_ROWS, N, K, x.device)
+
+    def run(index):
+        y = torch.empty(len(index), N, dtype=x.dtype, device=DEV)
+        return gemv.launch(x[index], w, bias, y, t, epi, None if residual is None else residual[index])
+
+    solo = [run([i]) for i in range(len(x))]
+    for index in ([3, 1], [2, 0, 3], [3, 2, 1, 0], [1, 1, 1, 1]):
+        got = run(index)
         for row, i in enumerate(index):
             assert torch.equal(got[row], solo[i][0]), (epilogue, index, row)
 

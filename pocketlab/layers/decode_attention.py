@@ -20,6 +20,8 @@ except ImportError:  # CPU-only installs: the engine uses SDPA there
     triton = None
 
 if triton is not None:
+    from . import pdl
+    from .pdl import wait_then_release
 
     @triton.jit
     def _norm_rope(
@@ -102,7 +104,9 @@ if triton is not None:
         SPLIT_LEN: tl.constexpr,
         BLOCK_S: tl.constexpr,
         PRECISION: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        wait_then_release(PDL)
         b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         splits = tl.num_programs(2)
         slot = tl.load(slot_ptr + b).to(tl.int64)
@@ -283,6 +287,7 @@ def decode_attention(
         BLOCK_S=max(triton.next_power_of_2(splits), 2),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_stages=2,
+        **pdl.launch(q.device),
     )
     return out
 

@@ -7,7 +7,7 @@ BLOCK_K-wide tiles, multiplies each by every input row into float32 lanes, and s
 No split, no second pass, no atomics; the epilogue is the matmul kernel's (`matmul.finish`).
 
 Every row is reduced the same way whatever the other rows hold: with the same launch (ROWS, the tile), each of up
-to ROWS rows gets the same bits in any batch.
+to ROWS rows gets the same bits in any batch (the default engine takes it for single rows: decode at batch 1).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import triton
 import triton.language as tl
 
 from ..config import GEMV_MAX_ROWS as MAX_ROWS
+from . import pdl
 from .invariant.matmul import PLAIN, RESIDUAL, SWIGLU, finish
-
-PROGRAMS_WANTED = 264  # two programs per SM of an H200 (132 SMs): BLOCK_N shrinks until the grid has them
+from .pdl import wait_then_release
 
 
 @dataclass(frozen=True)
@@ -35,26 +35,27 @@ class Launch:
 
 
 def launch_for(M: int, N: int, K: int, device: torch.device) -> Launch:
-    """The interpreter keeps one small tile (tails in both directions at test shapes). On the GPU: ROWS = MAX_ROWS,
-    so rows 1..MAX_ROWS share one kernel and their bits; BLOCK_K 512 (1,024 bytes of each weight row per tile);
-    BLOCK_N the largest power of two up to 16 that still gives PROGRAMS_WANTED programs."""
+    """The interpreter keeps one small tile (tails in both directions at test shapes). On the GPU, from the H200
+    sweep (reports/gpu/gemv-sweep-h200.txt): one row reads fastest 2 or 4 weight rows per program in 1,024-wide
+    tiles, several rows (their lanes multiply the registers) in 256-wide tiles of 4 weight rows."""
     if M > MAX_ROWS:
         raise ValueError(f"gemv: {M} rows; it takes at most {MAX_ROWS}")
+    rows = triton.next_power_of_2(M)
     if device.type != "cuda":
-        return Launch(MAX_ROWS, 8, 64, 4)
-    block_n = 16
-    while block_n > 2 and triton.cdiv(N, block_n) < PROGRAMS_WANTED:
-        block_n //= 2
-    return Launch(MAX_ROWS, block_n, min(512, triton.next_power_of_2(K)), 4)
+        return Launch(rows, 8, 64, 4)
+    if rows == 1:
+        return Launch(1, 2 if N <= 4096 else 4, min(1024, triton.next_power_of_2(K)), 4)
+    return Launch(rows, 4, min(256, triton.next_power_of_2(K)), 4)
 
 
 @triton.jit(do_not_specialize=["rows"])
 def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, rows, N, K, stride_xm, stride_wn, stride_ym, stride_rm,
           HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_K: tl.constexpr):  # fmt: skip
+          BLOCK_K: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """y[m, n] for the ROWS rows and this program's BLOCK_N columns: float32 lanes [ROWS, BLOCK_N, BLOCK_K] along
     K, summed once. EPILOGUE 1: y = residual + x @ W^T; 2: W is [gate | up] (2N rows), y = silu(x @ gate^T) * (x @
-    up^T)."""
+    up^T). Each weight tile is loaded one step ahead of its use, the first before the PDL wait (weights are never
+    written), so the read streams while the previous kernel finishes."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, ROWS)
     live_m, live_n = m < rows, n < N
@@ -62,17 +63,23 @@ def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, rows, N, K, stride_xm, stride_wn,
     w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
     up_rows = w_rows + N * stride_wn
     TWO: tl.constexpr = EPILOGUE == 2
+    k = tl.arange(0, BLOCK_K)
+    w = tl.load(w_rows + k[None, :], mask=live_n[:, None] & (k < K)[None, :], other=0.0)
+    up = tl.load(up_rows + k[None, :], mask=live_n[:, None] & (k < K)[None, :], other=0.0) if TWO else w
+    wait_then_release(PDL)
     lanes = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
     lanes_up = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        live_k = k < K
-        x = tl.load(x_rows + k[None, :], mask=live_m[:, None] & live_k[None, :], other=0.0).to(tl.float32)
-        w = tl.load(w_rows + k[None, :], mask=live_n[:, None] & live_k[None, :], other=0.0).to(tl.float32)
-        lanes += x[:, None, :] * w[None, :, :]
+        ahead = live_n[:, None] & (k + BLOCK_K < K)[None, :]  # the next tile, masked off past the end
+        w_next = tl.load(w_rows + (k + BLOCK_K)[None, :], mask=ahead, other=0.0)
+        x = tl.load(x_rows + k[None, :], mask=live_m[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+        lanes += x[:, None, :] * w.to(tl.float32)[None, :, :]
+        w = w_next
         if TWO:
-            up = tl.load(up_rows + k[None, :], mask=live_n[:, None] & live_k[None, :], other=0.0).to(tl.float32)
-            lanes_up += x[:, None, :] * up[None, :, :]
+            up_next = tl.load(up_rows + (k + BLOCK_K)[None, :], mask=ahead, other=0.0)
+            lanes_up += x[:, None, :] * up.to(tl.float32)[None, :, :]
+            up = up_next
     total, total_up = tl.sum(lanes, axis=2), tl.sum(lanes_up, axis=2)
     dtype = y_ptr.dtype.element_ty
     y = finish(total, total_up, b_ptr, res_ptr, m, n, live_m, live_n, stride_rm, dtype, HAS_BIAS, EPILOGUE)
@@ -114,5 +121,6 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
         x2, weight, y if bias is None else bias, y, y if residual is None else residual, M, N, K, x2.stride(0),
         weight.stride(0), y.stride(0), 0 if residual is None else residual.stride(0), HAS_BIAS=bias is not None,
         EPILOGUE=epilogue, ROWS=t.rows, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps,
+        **pdl.launch(x2.device),
     )  # fmt: skip
     return y

@@ -85,7 +85,7 @@ def sweep_rows(name: str, N: int, K: int, epilogue: int, M: int, weights: list[t
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", default=f"1,{gemv.MAX_ROWS}")
+    ap.add_argument("--rows", default="1", help=f"row counts, comma-separated (at most {gemv.MAX_ROWS})")
     ap.add_argument("--top", type=int, default=4, help="launches printed per shape and row count")
     a = ap.parse_args(argv)
     summary = sweep([int(v) for v in a.rows.split(",")], a.top)

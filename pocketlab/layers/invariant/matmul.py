@@ -20,7 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import pdl
 from ..arrivals import arrival_counts
+from ..pdl import wait_then_release
 from .dot import dot, precision
 from .elementwise import sigmoid
 from .rounding import cast
@@ -112,9 +114,11 @@ def _slice_sum(x_rows, w_cols, up_cols, live_m, live_n, k_start, k_end, K, strid
 def _matmul(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, arrived_ptr, res_ptr, rows, N, K, k_per_split, split_k,
             stride_xm, stride_wn, stride_wk, stride_ym, stride_ps, stride_pm, stride_rm,
             MODE: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
-            PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+            PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+            PDL: tl.constexpr):  # fmt: skip
     """One [BLOCK_M, BLOCK_N] tile of y: all K slices (IN_PROGRAM) or slice program_id(2) (LAST_SUMS).
     EPILOGUE 1: y = residual + x @ W^T; EPILOGUE 2: W is [gate | up] (2N rows) and y = silu(x @ gate^T) * (x @ up^T)."""
+    wait_then_release(PDL)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -250,6 +254,6 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
         part.stride(1) if split else 0, 0 if res is None else res.stride(0),
         MODE=LAST_SUMS if split else IN_PROGRAM, HAS_BIAS=bias is not None, EPILOGUE=fused.epilogue,
         PRECISION=precision(x2.dtype, x2.device), BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-        BLOCK_K=o.block_k, num_warps=t.num_warps, num_stages=t.num_stages,
+        BLOCK_K=o.block_k, num_warps=t.num_warps, num_stages=t.num_stages, **pdl.launch(x2.device),
     )  # fmt: skip
     return y

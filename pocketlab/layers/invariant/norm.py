@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import pdl
+from ..pdl import wait_then_release
 from .rounding import cast
 
 MAX_BLOCK = 8192  # the widest column block; longer rows loop over blocks of this width
@@ -44,9 +46,11 @@ def _rms_norm_rows(
     WX_DTYPE: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Rows program_id(0) * ROWS + [0, ROWS): y = norm(x) in the flavour the flags pick (see the wrappers).
     WX_DTYPE is the dtype of `w * x` (the two promoted)."""
+    wait_then_release(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     real = (rows < M)[:, None]
     rows = rows.to(tl.int64)[:, None]
@@ -104,6 +108,7 @@ def _launch(x, weight, gate, eps, offset, out_dtype):
             ROWS=per_program,
             BLOCK=block,
             num_warps=4 if block <= 2048 else 8,
+            **pdl.launch(x.device),
         )  # fmt: skip
     return y.reshape(x.shape)
 
