@@ -245,7 +245,7 @@ class EngineOptions:
     decode_attention: str = "auto"  # "triton" (live keys read in place), "sdpa", or "auto": triton on CUDA
     linear_decode: str = "auto"  # Gated DeltaNet decode: "triton" (states updated in place), "torch", "auto"
     fused_linear: str = "auto"  # few-row projections with their residual add / SwiGLU in one Triton kernel
-    gemv_rows: int = 4  # fused_linear: projections of at most this many rows stream their weight (layers.gemv); 0: off
+    gemv_rows: int = 1  # fused_linear: projections of at most this many rows stream their weight (layers.gemv); 0: off
     moe_kernel: str = "auto"  # routed experts: "triton" (layers.moe_kernel), "torch" (grouped_mm), "auto": GPU triton
     graph_batch_sizes: tuple[int, ...] = field(default=(1, 2, 4, 8, 16, 32, 64))
     batch_invariant: bool = False  # logits bitwise independent of the batch (Triton kernels; CPU: interpreter)

@@ -150,7 +150,7 @@ def test_fused_linear_checks_its_inputs():
         inv.linear(x, w, residual=extras["residual"], swiglu=True)
 
 
-def test_the_default_kernels_take_the_gemv_at_few_rows_and_fuse_only_decode_rows_with_something_to_fuse():
+def test_the_default_kernels_take_the_gemv_at_few_rows_and_fuse_only_decode_rows_with_something_to_fuse(monkeypatch):
     """fused_at_few_rows sends every call of up to gemv_rows rows (row-major weights) to the GEMV, decode-sized
     calls with a residual add or SwiGLU to the fused matmul, the rest to torch."""
     calls = []
@@ -166,7 +166,9 @@ def test_the_default_kernels_take_the_gemv_at_few_rows_and_fuse_only_decode_rows
     run(randn(most + 1, 16), w, residual=randn(most + 1, 8))
     run(randn(most, 16), w, residual=randn(most, 8))
     run(randn(1, 16), w, residual=randn(1, 8))
-    assert calls == [("gemv", 2), ("fused", most), ("gemv", 1)]
+    monkeypatch.setattr(torch_linear, "GEMV_MAX_BYTES", w.numel() * w.element_size() - 1)  # w: one byte over
+    run(randn(1, 16), w, residual=randn(1, 8))
+    assert calls == [("gemv", 2), ("fused", most), ("gemv", 1), ("fused", 1)]
 
 
 def test_gpu_fused_launches_keep_the_bits():

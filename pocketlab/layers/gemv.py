@@ -36,16 +36,18 @@ class Launch:
 
 def launch_for(M: int, N: int, K: int, device: torch.device) -> Launch:
     """The interpreter keeps one small tile (tails in both directions at test shapes). On the GPU, from the H200
-    sweep (reports/gpu/gemv-sweep-h200.txt): one row reads fastest 2 or 4 weight rows per program in 1,024-wide
-    tiles, several rows (their lanes multiply the registers) in 256-wide tiles of 4 weight rows."""
+    sweep (reports/gpu/gemv-sweep-h200.txt): one row reads fastest in 1,024-wide tiles of 2 weight rows when N is
+    small (K long), else 512-wide tiles of 4 (2 while N <= 3,072); several rows (their lanes multiply the registers)
+    in 256-wide tiles of 4."""
     if M > MAX_ROWS:
         raise ValueError(f"gemv: {M} rows; it takes at most {MAX_ROWS}")
     rows = triton.next_power_of_2(M)
     if device.type != "cuda":
         return Launch(rows, 8, 64, 4)
-    if rows == 1:
-        return Launch(1, 2 if N <= 4096 else 4, min(1024, triton.next_power_of_2(K)), 4)
-    return Launch(rows, 4, min(256, triton.next_power_of_2(K)), 4)
+    if rows > 1:
+        return Launch(rows, 4, min(256, triton.next_power_of_2(K)), 4)
+    block_k = min(1024 if N <= 1024 else 512, triton.next_power_of_2(K))
+    return Launch(1, 2 if N <= 3072 and K > 512 else 4, block_k, 4)
 
 
 @triton.jit(do_not_specialize=["rows"])

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from . import activations
 
 FUSED_MAX_ROWS = 64  # the default kernels fuse at up to this many rows (decode batches); cuBLAS beyond
+GEMV_MAX_BYTES = 128 << 20  # larger weights stream faster through the fused matmul's deeper pipeline or cuBLAS
 
 
 def composed(
@@ -38,13 +39,14 @@ linear = functools.partial(composed, F.linear)
 
 
 def fused_at_few_rows(fused, gemv=None, gemv_rows: int = 0):
-    """The default engine's linear: `gemv` (weight rows streamed once) for every projection of up to `gemv_rows`
-    rows, `fused` (the Triton matmul) where the rows are few and it has an epilogue to fuse (residual add, SwiGLU),
-    `linear` (cuBLAS and torch) everywhere else."""
+    """The default engine's linear: `gemv` (weight rows streamed once) for projections of up to `gemv_rows` rows
+    and GEMV_MAX_BYTES of row-major weight, `fused` (the Triton matmul) where the rows are few and it has an
+    epilogue to fuse (residual add, SwiGLU), `linear` (cuBLAS and torch) everywhere else."""
 
     def run(x, weight, bias=None, *, residual=None, swiglu=False):
         rows = x.numel() // x.shape[-1]
-        if rows <= gemv_rows and weight.stride(-1) == 1:
+        small = weight.numel() * weight.element_size() <= GEMV_MAX_BYTES
+        if rows <= gemv_rows and small and weight.stride(-1) == 1:
             return gemv(x, weight, bias, residual=residual, swiglu=swiglu)
         if (residual is not None or swiglu) and rows <= FUSED_MAX_ROWS:
             return fused(x, weight, bias, residual=residual, swiglu=swiglu)

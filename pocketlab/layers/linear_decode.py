@@ -23,8 +23,10 @@ STATE_WARPS = 4  # one- and multi-token recurrent programs alike: the same layou
 if triton is not None:
     import triton.language as tl
 
+    from . import pdl
     from .invariant.elementwise import sigmoid, softplus
     from .invariant.rounding import cast
+    from .pdl import wait_then_release
 
     @triton.jit
     def _conv_token(x_ptr, stride_xt, window_ptr, w_ptr, t, c, chan, live, K: tl.constexpr):
@@ -57,8 +59,10 @@ if triton is not None:
         stride_yb,
         K: tl.constexpr,
         BLOCK_C: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """y = silu(sum_j w[c, j] * [window | x][c, j]); the window shifts left by one and takes x."""
+        wait_then_release(PDL)
         b, cb = tl.program_id(0), tl.program_id(1)
         slot = tl.load(slot_ptr + b).to(tl.int64)
         c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -175,9 +179,11 @@ if triton is not None:
         DK: tl.constexpr,
         BLOCK_V: tl.constexpr,
         RAW_GATES: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """One token per row: the state block of (slot, value head, value block) loaded, advanced, stored. With
         RAW_GATES g and beta are computed here from the raw a and b, as invariant.decay_and_beta computes them."""
+        wait_then_release(PDL)
         b, hv, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         slot = tl.load(slot_ptr + b).to(tl.int64)
         hk = hv // GROUP  # value head hv reads key head hv // GROUP
@@ -298,6 +304,7 @@ def conv_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, s
         y.stride(0),
         K=K,
         BLOCK_C=CONV_BLOCK_C,
+        **pdl.launch(x.device),
     )
     return y
 
@@ -402,6 +409,7 @@ def recurrent_step(
         BLOCK_V=block_v,
         RAW_GATES=gates is not None,
         num_warps=STATE_WARPS,
+        **pdl.launch(v.device),
     )
     return o
 
