@@ -105,18 +105,6 @@ def test_gemv_rows_are_batch_invariant(epilogue):
             assert torch.equal(got[row], solo[i][0]), (epilogue, index, row)
 
 
-def test_gemv_checks_its_inputs():
-    x, w, _, extras = inputs(3, 40, 64, torch.float32, "residual")
-    with pytest.raises(ValueError, match="residual"):
-        gemv.gemv(x, w, residual=extras["residual"][:, :-1])
-    with pytest.raises(ValueError, match="swiglu"):
-        gemv.gemv(x, w[:-1], swiglu=True)
-    with pytest.raises(ValueError, match="at most"):
-        gemv.gemv(torch.cat([x, x]), w)
-    with pytest.raises(ValueError, match="row-major"):
-        gemv.gemv(x, w.t().contiguous().t())
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("epilogue", ["swiglu", "residual", "bias"])
 def test_fused_rows_are_batch_invariant(dtype, epilogue):
@@ -140,14 +128,23 @@ def test_both_launches_give_a_fused_row_the_same_bits():
         assert torch.equal(inv.linear(x[:rows], w, **extras), many[:rows])
 
 
-def test_fused_linear_checks_its_inputs():
+@pytest.mark.parametrize("linear", [inv.linear, gemv.gemv], ids=["matmul", "gemv"])
+def test_fused_linears_check_their_inputs(linear):
     x, w, _, extras = inputs(3, 40, 64, torch.float32, "residual")
     with pytest.raises(ValueError, match="residual"):
-        inv.linear(x, w, residual=extras["residual"][:, :-1])
+        linear(x, w, residual=extras["residual"][:, :-1])
     with pytest.raises(ValueError, match="swiglu"):
-        inv.linear(x, w[:-1], swiglu=True)
+        linear(x, w[:-1], swiglu=True)
     with pytest.raises(ValueError, match="swiglu"):
-        inv.linear(x, w, residual=extras["residual"], swiglu=True)
+        linear(x, w, residual=extras["residual"], swiglu=True)
+
+
+def test_gemv_refuses_more_rows_than_a_launch_holds_and_column_major_weights():
+    x, w, _, _ = inputs(3, 40, 64, torch.float32, "plain")
+    with pytest.raises(ValueError, match="at most"):
+        gemv.gemv(torch.cat([x, x]), w)
+    with pytest.raises(ValueError, match="row-major"):
+        gemv.gemv(x, w.t().contiguous().t())
 
 
 def test_the_default_kernels_take_the_gemv_at_few_rows_and_fuse_only_decode_rows_with_something_to_fuse(monkeypatch):

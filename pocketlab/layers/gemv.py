@@ -20,7 +20,7 @@ import triton.language as tl
 
 from ..config import GEMV_MAX_ROWS as MAX_ROWS
 from . import pdl
-from .invariant.matmul import PLAIN, RESIDUAL, SWIGLU, finish
+from .invariant.matmul import PLAIN, as_rows, checked_width, epilogue_of, finish
 from .pdl import wait_then_release
 
 
@@ -93,25 +93,16 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     """F.linear(x, weight, bias) for x [..., K] of at most MAX_ROWS rows, weight [N, K] (contiguous rows), bias [N];
     fp32 sums rounded once. `residual` [..., N]: residual + y; `swiglu`: weight is [gate | up] and y [..., N] is
     silu(x @ gate^T) * (x @ up^T). The same arguments and rounding as layers.invariant.linear."""
-    N, K = weight.shape
-    if x.shape[-1] != K or weight.dtype != x.dtype or weight.stride(1) != 1:
-        raise ValueError(f"gemv: x {tuple(x.shape)} {x.dtype} and weight {tuple(weight.shape)} {weight.dtype} "
-                         "should be [..., K] and a row-major [N, K] of one dtype")  # fmt: skip
-    if swiglu and (N % 2 or bias is not None or residual is not None):
-        raise ValueError(f"gemv: swiglu needs a [gate | up] weight of even rows ({N}), no bias, no residual")
-    N = N // 2 if swiglu else N
-    lead = x.shape[:-1]
-    if bias is not None and tuple(bias.shape) != (N,):
-        raise ValueError(f"gemv: bias {tuple(bias.shape)} should be [{N}]")
-    if residual is not None and (residual.shape != (*lead, N) or residual.dtype != x.dtype):
-        raise ValueError(f"gemv: residual {tuple(residual.shape)} {residual.dtype} should be {(*lead, N)} {x.dtype}")
-    x2 = x.reshape(-1, K).contiguous()
+    N = checked_width("gemv", x, weight, bias, residual, swiglu)
+    if weight.stride(1) != 1:
+        raise ValueError(f"gemv: weight {tuple(weight.shape)} should be row-major (unit stride along K)")
+    K = weight.shape[1]
+    x2 = as_rows(x, K)
     y = torch.empty(x2.shape[0], N, dtype=x.dtype, device=x.device)
-    res = None if residual is None else residual.reshape(-1, N).contiguous()
-    epilogue = RESIDUAL if residual is not None else SWIGLU if swiglu else PLAIN
+    res = None if residual is None else as_rows(residual, N)
     if x2.shape[0]:
-        launch(x2, weight, bias, y, launch_for(x2.shape[0], N, K, x.device), epilogue, res)
-    return y.reshape(*lead, N)
+        launch(x2, weight, bias, y, launch_for(x2.shape[0], N, K, x.device), epilogue_of(residual, swiglu), res)
+    return y.reshape(*x.shape[:-1], N)
 
 
 def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, t: Launch,

@@ -190,37 +190,48 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     fp32 accumulation, the bias added in fp32 before the one rounding to x's dtype. Fused into the same kernel:
     `residual` [..., N] added after (residual + y); `swiglu`: weight is [gate | up] ([2N, K]) and
     y = silu(x @ gate^T) * (x @ up^T) [..., N]."""
-    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(
-            f"linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match as [..., K], [N, K]"
-        )
-    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
-        raise ValueError(
-            f"linear: x, weight and bias must share a dtype, got {x.dtype}, {weight.dtype}, "
-            f"{None if bias is None else bias.dtype}"
-        )
-    N, K = weight.shape
-    if swiglu and (N % 2 or bias is not None or residual is not None):
-        raise ValueError(f"linear: swiglu needs a [gate | up] weight of even rows ({N}), no bias, no residual")
-    N = N // 2 if swiglu else N
-    if bias is not None and tuple(bias.shape) != (N,):
-        raise ValueError(f"linear: bias {tuple(bias.shape)} should be [{N}]")
-    lead = x.shape[:-1]
-    if residual is not None and (residual.shape != (*lead, N) or residual.dtype != x.dtype):
-        raise ValueError(f"linear: residual {tuple(residual.shape)} {residual.dtype} should be {(*lead, N)} {x.dtype}")
-    x2 = _rows(x, K)
+    N = checked_width("linear", x, weight, bias, residual, swiglu)
+    K = weight.shape[1]
+    x2 = as_rows(x, K)
     M = x2.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M:
-        epilogue = RESIDUAL if residual is not None else SWIGLU if swiglu else PLAIN
-        fused = Fused(None if residual is None else _rows(residual, N), epilogue)
+        fused = Fused(None if residual is None else as_rows(residual, N), epilogue_of(residual, swiglu))
         launch(x2, weight, bias, y, order(N, K, x.dtype), tiles(M, N, x.dtype, x.device, swiglu), fused)
-    return y.reshape(*lead, N)
+    return y.reshape(*x.shape[:-1], N)
 
 
-def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
+def checked_width(name: str, x, weight, bias, residual, swiglu: bool) -> int:
+    """The output width N of a fused linear's arguments (`name`'s, for the message), or a ValueError saying which
+    of x [..., K], weight [N, K] ([2N, K] for swiglu), bias [N], residual [..., N] does not fit."""
+    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        shapes = f"x {tuple(x.shape)} and weight {tuple(weight.shape)}"
+        raise ValueError(f"{name}: {shapes} do not match as [..., K], [N, K]")
+    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise ValueError(
+            f"{name}: x, weight and bias must share a dtype, got {x.dtype}, {weight.dtype}, "
+            f"{None if bias is None else bias.dtype}"
+        )
+    N = weight.shape[0]
+    if swiglu and (N % 2 or bias is not None or residual is not None):
+        raise ValueError(f"{name}: swiglu needs a [gate | up] weight of even rows ({N}), no bias, no residual")
+    N = N // 2 if swiglu else N
+    if bias is not None and tuple(bias.shape) != (N,):
+        raise ValueError(f"{name}: bias {tuple(bias.shape)} should be [{N}]")
+    lead = x.shape[:-1]
+    if residual is not None and (residual.shape != (*lead, N) or residual.dtype != x.dtype):
+        raise ValueError(f"{name}: residual {tuple(residual.shape)} {residual.dtype} should be {(*lead, N)} {x.dtype}")
+    return N
+
+
+def as_rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """t as [rows, n] with unit stride along n (a copy only where it has none)."""
     t = t.reshape(-1, n)
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def epilogue_of(residual: torch.Tensor | None, swiglu: bool) -> int:
+    return RESIDUAL if residual is not None else SWIGLU if swiglu else PLAIN
 
 
 PLAIN, RESIDUAL, SWIGLU = 0, 1, 2  # the epilogues

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from .. import pdl
 from ..pdl import wait_then_release
+from .matmul import as_rows
 from .rounding import cast
 
 MAX_BLOCK = 8192  # the widest column block; longer rows loop over blocks of this width
@@ -79,11 +80,6 @@ def _rms_norm_rows(
 _TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
-def _rows(t: torch.Tensor, N: int) -> torch.Tensor:
-    t = t.reshape(-1, N)
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def _launch(x, weight, gate, eps, offset, out_dtype):
     if x.dtype not in _TL or weight.dtype not in _TL:
         raise ValueError(f"rms_norm supports float32, bfloat16, float16; got {x.dtype} with weight {weight.dtype}")
@@ -92,10 +88,10 @@ def _launch(x, weight, gate, eps, offset, out_dtype):
         raise ValueError(f"rms_norm: weight {tuple(weight.shape)} should be [{N}] for x {tuple(x.shape)}")
     if gate is not None and gate.shape != x.shape:
         raise ValueError(f"rms_norm: gate {tuple(gate.shape)} should have x's shape {tuple(x.shape)}")
-    x2 = _rows(x, N)
+    x2 = as_rows(x, N)
     rows = x2.shape[0]
     y = torch.empty(rows, N, dtype=out_dtype, device=x.device)
-    g2 = _rows(gate, N) if gate is not None else x2
+    g2 = as_rows(gate, N) if gate is not None else x2
     if rows:
         block = min(triton.next_power_of_2(N), MAX_BLOCK)
         per_program = rows_per_program(block)
