@@ -18,6 +18,7 @@ from pocketlab.layers import gemv  # noqa: E402
 from pocketlab.layers import invariant as inv  # noqa: E402
 from pocketlab.layers import linear as torch_linear  # noqa: E402
 from pocketlab.layers.invariant import matmul  # noqa: E402
+from pocketlab.layers.norm import RMSNorm, _rms_norm  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # (N, K): K in several slices at few rows, and a shape off the tiles in one slice
@@ -84,6 +85,24 @@ def test_gemv_matches_the_unfused_torch_steps(dtype, epilogue):
             assert_matches_the_unfused_steps(gemv.gemv(x, w, bias, **extras), want, dtype, (N, K, M))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("epilogue", EPILOGUES)
+@pytest.mark.parametrize("offset", [False, True], ids=["w*x", "(1+w)*x"])
+def test_gemv_norms_its_input_in_the_launch(dtype, epilogue, offset):
+    """With a pre-norm the GEMV reads norm(x), never rounding the normed row: against the float32 norm, then the
+    float32-summed matmul rounded once, then the epilogue, at every row count and with K off the tiles. Rows of
+    very different scales, so a norm summed over part of K, a missing eps or weight, or a misplaced scale shows."""
+    for N, K in SHAPES[dtype]:
+        for M in range(1, gemv.MAX_ROWS + 1):
+            x, w, bias, extras = inputs(M, N, K, dtype, epilogue, seed=M)
+            x = x * torch.logspace(-2, 1, M, device=DEV, dtype=dtype)[:, None]  # rms 0.01 .. 10 by row
+            norm = RMSNorm(randn(K, dtype=dtype, seed=M + 7), 1e-2, offset)  # eps large enough to count
+            normed = _rms_norm(x.float(), norm.weight.float(), norm.eps, offset)
+            want = torch_linear.composed(lambda a, b, c=None: fp32_matmul(a, b, c).to(dtype), normed, w, bias, **extras)
+            got = gemv.gemv(x, w, bias, norm=norm, **extras)
+            assert_matches_the_unfused_steps(got, want, dtype, (N, K, M, offset))
+
+
 @pytest.mark.parametrize("epilogue", ["swiglu", "residual", "bias"])
 def test_gemv_rows_are_batch_invariant(epilogue):
     """With one launch (ROWS rows a program) each row's bits are its own in any batch of up to ROWS rows: rows
@@ -145,6 +164,8 @@ def test_gemv_refuses_more_rows_than_a_launch_holds_and_column_major_weights():
         gemv.gemv(torch.cat([x, x]), w)
     with pytest.raises(ValueError, match="row-major"):
         gemv.gemv(x, w.t().contiguous().t())
+    with pytest.raises(ValueError, match="norm weight"):
+        gemv.gemv(x, w, norm=RMSNorm(randn(63), 1e-6))
 
 
 def test_the_default_kernels_take_the_gemv_at_few_rows_and_fuse_only_decode_rows_with_something_to_fuse(monkeypatch):

@@ -82,3 +82,17 @@ def test_tied_embeddings_parity(checkpoint):
     engine = QwenEngine.from_pretrained(path, EngineOptions(device=DEVICE, dtype=DTYPE, max_seq_len=64))
     assert engine.model.lm_head is engine.model.embed
     check_parity(engine, path, 7, steps=8)
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-qwen3", "tiny-qwen3_5"])
+def test_parity_through_the_fused_linears(preset, make_engine, checkpoint):
+    """The default CUDA engine's projections (layers.gemv at one row, each pre-norm inside the projection's launch;
+    the fused matmul at few rows) on any device: Qwen2's biases, Qwen3's `w * x` and Qwen3.5's `(1 + w) * x`
+    norms, the Gated DeltaNet in_proj. Through Triton's interpreter on the CPU."""
+    if preset == "tiny-qwen3_5" and DTYPE == "float32" and backend_name(DEVICE) == "fla":
+        pytest.skip("HF's float32 Qwen3.5 runs fla's TF32 chunk kernels on CUDA; the 1e-4 check runs on the CPU")
+    pytest.importorskip("triton")
+    engine = make_engine(preset, fused_linear="triton", gemv_rows=1)
+    assert engine.model.kernels.linear.__name__ == "run"  # layers.linear.fused_at_few_rows
+    diff = check_parity(engine, checkpoint(preset), 17, steps=6)
+    print(f"{preset} fused linears: max |diff| = {diff:.2e}")

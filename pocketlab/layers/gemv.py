@@ -1,10 +1,16 @@
-"""y = x @ W^T for a few rows (decode), streaming each weight row once, with the residual add or SwiGLU in the launch.
+"""y = x @ W^T for a few rows (decode), streaming each weight row once, with the input's RMSNorm and the residual
+add or SwiGLU in the launch.
 
 At one to a few rows a projection is a weight read: a matmul kernel pads the rows to a tensor-core tile and, to fill
 the GPU, splits K and adds the slices' partials after an arrival count, a chain of global round trips that costs
 more than the read itself at the small shapes. Here each program owns BLOCK_N whole weight rows: it walks K in
 BLOCK_K-wide tiles, multiplies each by every input row into float32 lanes, and sums the lanes once at the end.
 No split, no second pass, no atomics; the epilogue is the matmul kernel's (`matmul.finish`).
+
+A pre-norm folds in for free: every program walks the whole input row, so it sums the row's squares on the way and
+multiplies by the norm's weight as it loads x; since rms(x) is one scalar per row, W @ (g * x / rms(x)) is
+(W @ (g * x)) / rms(x), applied to the fp32 sums before the epilogue. The normed row itself is never rounded to the
+dtype (the unfused norm rounds it once or twice): a difference the size of that rounding, in the exact direction.
 
 Every row is reduced the same way whatever the other rows hold: with the same launch (ROWS, the tile), each of up
 to ROWS rows gets the same bits in any batch (the default engine takes it for single rows: decode at batch 1).
@@ -50,14 +56,18 @@ def launch_for(M: int, N: int, K: int, device: torch.device) -> Launch:
     return Launch(1, 2 if N <= 3072 and K > 512 else 4, block_k, 4)
 
 
+NO_NORM, NORM, NORM_OFFSET = 0, 1, 2  # the input's RMSNorm: none, `g * x` (Qwen2/3), `(1 + g) * x` (Qwen3.5)
+
+
 @triton.jit(do_not_specialize=["rows"])
-def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, rows, N, K, stride_xm, stride_wn, stride_ym, stride_rm,
-          HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_K: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, g_ptr, eps, rows, N, K, stride_xm, stride_wn, stride_ym, stride_rm,
+          HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, NORM: tl.constexpr, ROWS: tl.constexpr,
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """y[m, n] for the ROWS rows and this program's BLOCK_N columns: float32 lanes [ROWS, BLOCK_N, BLOCK_K] along
-    K, summed once. EPILOGUE 1: y = residual + x @ W^T; 2: W is [gate | up] (2N rows), y = silu(x @ gate^T) * (x @
-    up^T). Each weight tile is loaded one step ahead of its use, the first before the PDL wait (weights are never
-    written), so the read streams while the previous kernel finishes."""
+    K, summed once. NORM: x is first RMS-normed with weight g (see the module docstring). EPILOGUE 1: y = residual +
+    x @ W^T; 2: W is [gate | up] (2N rows), y = silu(x @ gate^T) * (x @ up^T). Each weight tile is loaded one step
+    ahead of its use, the first before the PDL wait (weights are never written), so the read streams while the
+    previous kernel finishes."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, ROWS)
     live_m, live_n = m < rows, n < N
@@ -68,14 +78,21 @@ def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, rows, N, K, stride_xm, stride_wn,
     k = tl.arange(0, BLOCK_K)
     w = tl.load(w_rows + k[None, :], mask=live_n[:, None] & (k < K)[None, :], other=0.0)
     up = tl.load(up_rows + k[None, :], mask=live_n[:, None] & (k < K)[None, :], other=0.0) if TWO else w
+    g = tl.load(g_ptr + k, mask=k < K, other=0.0) if NORM else k  # the norm's weight: ahead like the others
     wait_then_release(PDL)
     lanes = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
     lanes_up = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    squares = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         ahead = live_n[:, None] & (k + BLOCK_K < K)[None, :]  # the next tile, masked off past the end
         w_next = tl.load(w_rows + (k + BLOCK_K)[None, :], mask=ahead, other=0.0)
         x = tl.load(x_rows + k[None, :], mask=live_m[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+        if NORM:
+            g_next = tl.load(g_ptr + k + BLOCK_K, mask=k + BLOCK_K < K, other=0.0)
+            squares += x * x
+            x = x * (g.to(tl.float32) + (1.0 if NORM == 2 else 0.0))[None, :]
+            g = g_next
         lanes += x[:, None, :] * w.to(tl.float32)[None, :, :]
         w = w_next
         if TWO:
@@ -83,37 +100,47 @@ def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, rows, N, K, stride_xm, stride_wn,
             lanes_up += x[:, None, :] * up.to(tl.float32)[None, :, :]
             up = up_next
     total, total_up = tl.sum(lanes, axis=2), tl.sum(lanes_up, axis=2)
+    if NORM:
+        inv_rms = tl.rsqrt(tl.sum(squares, axis=1) / K + eps)[:, None]
+        total, total_up = total * inv_rms, total_up * inv_rms
     dtype = y_ptr.dtype.element_ty
     y = finish(total, total_up, b_ptr, res_ptr, m, n, live_m, live_n, stride_rm, dtype, HAS_BIAS, EPILOGUE)
     tl.store(y_ptr + m.to(tl.int64)[:, None] * stride_ym + n[None, :], y, mask=live_m[:, None] & live_n[None, :])
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-         residual: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:  # fmt: skip
+         residual: torch.Tensor | None = None, swiglu: bool = False, norm=None) -> torch.Tensor:  # fmt: skip
     """F.linear(x, weight, bias) for x [..., K] of at most MAX_ROWS rows, weight [N, K] (contiguous rows), bias [N];
     fp32 sums rounded once. `residual` [..., N]: residual + y; `swiglu`: weight is [gate | up] and y [..., N] is
-    silu(x @ gate^T) * (x @ up^T). The same arguments and rounding as layers.invariant.linear."""
+    silu(x @ gate^T) * (x @ up^T). The same arguments and rounding as layers.invariant.linear; `norm` (a
+    layers.norm.RMSNorm of width K) is applied to x inside the launch."""
     N = checked_width("gemv", x, weight, bias, residual, swiglu)
     if weight.stride(1) != 1:
         raise ValueError(f"gemv: weight {tuple(weight.shape)} should be row-major (unit stride along K)")
     K = weight.shape[1]
+    if norm is not None and tuple(norm.weight.shape) != (K,):
+        raise ValueError(f"gemv: norm weight {tuple(norm.weight.shape)} should be [{K}], the input's width")
     x2 = as_rows(x, K)
     y = torch.empty(x2.shape[0], N, dtype=x.dtype, device=x.device)
     res = None if residual is None else as_rows(residual, N)
     if x2.shape[0]:
-        launch(x2, weight, bias, y, launch_for(x2.shape[0], N, K, x.device), epilogue_of(residual, swiglu), res)
+        t = launch_for(x2.shape[0], N, K, x.device)
+        launch(x2, weight, bias, y, t, epilogue_of(residual, swiglu), res, norm)
     return y.reshape(*x.shape[:-1], N)
 
 
 def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, t: Launch,
-           epilogue: int = PLAIN, residual: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """y[M, N] = x2 @ weight^T (+ bias, + the epilogue) with launch `t` (the sweep tries others)."""
+           epilogue: int = PLAIN, residual: torch.Tensor | None = None, norm=None) -> torch.Tensor:  # fmt: skip
+    """y[M, N] = x2 @ weight^T (+ bias, + the epilogue; of norm(x2) with a norm) with launch `t` (the sweep tries
+    others)."""
     M, K = x2.shape
     N = y.shape[1]
+    flavour = NO_NORM if norm is None else NORM_OFFSET if norm.offset else NORM
     _gemv[(triton.cdiv(N, t.block_n),)](
-        x2, weight, y if bias is None else bias, y, y if residual is None else residual, M, N, K, x2.stride(0),
+        x2, weight, y if bias is None else bias, y, y if residual is None else residual,
+        y if norm is None else norm.weight, 0.0 if norm is None else norm.eps, M, N, K, x2.stride(0),
         weight.stride(0), y.stride(0), 0 if residual is None else residual.stride(0), HAS_BIAS=bias is not None,
-        EPILOGUE=epilogue, ROWS=t.rows, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps,
+        EPILOGUE=epilogue, NORM=flavour, ROWS=t.rows, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps,
         **pdl.launch(x2.device),
     )  # fmt: skip
     return y

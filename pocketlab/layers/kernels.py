@@ -20,7 +20,7 @@ from .linear import linear as composed_linear
 
 @dataclass(frozen=True)
 class Kernels:
-    linear: Callable = composed_linear  # (x, weight, bias=None, *, residual=None, swiglu=False)
+    linear: Callable = composed_linear  # (x, weight, bias=None, *, residual=None, swiglu=False, norm=None)
     rms_norm: Callable = norm.rms_norm
     gated_rms_norm: Callable = norm.gated_rms_norm
     sigmoid_gate: Callable = activations.sigmoid_gate
@@ -36,15 +36,12 @@ class Kernels:
     embedding: Callable = F.embedding
     gather_vocab: Callable = lambda logits: logits  # noqa: E731
 
-    def project_out(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm) -> tuple:
-        """(h, norm(h)) with h = residual + x @ weight.T, for o_proj, down_proj, out_proj: the residual stream and
-        what the next block reads from it. Split over ranks each holds some input columns: one all-reduce sums the
-        parts, then the residual is added once."""
+    def project_out(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + x @ weight.T, for o_proj, down_proj, out_proj: the residual stream. Split over ranks each
+        holds some input columns: one all-reduce sums the parts, then the residual is added once."""
         if self.all_reduce is not None:
-            h = residual + self.all_reduce(self.linear(x, weight))
-        else:
-            h = self.linear(x, weight, residual=residual)
-        return h, norm(h)
+            return residual + self.all_reduce(self.linear(x, weight))
+        return self.linear(x, weight, residual=residual)
 
 
 DEFAULT = Kernels()

@@ -1,4 +1,4 @@
-"""A projection with what runs after it: the residual add or SwiGLU.
+"""A projection with what runs around it: the RMSNorm of its input before, the residual add or SwiGLU after.
 
 `composed` runs them as separate steps (torch, or whatever kernels it is handed); the Triton kernel of
 layers.invariant.matmul runs the matmul and the add or SwiGLU in one launch, which at few rows (decode) saves
@@ -26,9 +26,13 @@ def composed(
     *,
     residual: torch.Tensor | None = None,
     swiglu: bool = False,
+    norm=None,
     activation=activations.swiglu,
 ) -> torch.Tensor:
-    """[residual +] matmul(x, weight, bias), or with `swiglu` silu(gate) * up of the [gate | up] output."""
+    """[residual +] matmul(x, weight, bias), or with `swiglu` silu(gate) * up of the [gate | up] output; with `norm`
+    (a layers.norm.RMSNorm) the matmul reads norm(x)."""
+    if norm is not None:
+        x = norm(x)
     y = matmul(x, weight, bias)
     if swiglu:
         y = activation(y)
@@ -39,15 +43,18 @@ linear = functools.partial(composed, F.linear)
 
 
 def fused_at_few_rows(fused, gemv=None, gemv_rows: int = 0):
-    """The default engine's linear: `gemv` (weight rows streamed once) for projections of up to `gemv_rows` rows
-    and GEMV_MAX_BYTES of row-major weight, `fused` (the Triton matmul) where the rows are few and it has an
-    epilogue to fuse (residual add, SwiGLU), `linear` (cuBLAS and torch) everywhere else."""
+    """The default engine's linear: `gemv` (weight rows streamed once, the input's norm computed in the same launch)
+    for projections of up to `gemv_rows` rows and GEMV_MAX_BYTES of row-major weight, `fused` (the Triton matmul)
+    where the rows are few and it has an epilogue to fuse (residual add, SwiGLU), `linear` (cuBLAS and torch)
+    everywhere else; those two read a norm run first as its own kernel."""
 
-    def run(x, weight, bias=None, *, residual=None, swiglu=False):
+    def run(x, weight, bias=None, *, residual=None, swiglu=False, norm=None):
         rows = x.numel() // x.shape[-1]
         small = weight.numel() * weight.element_size() <= GEMV_MAX_BYTES
         if rows <= gemv_rows and small and weight.stride(-1) == 1:
-            return gemv(x, weight, bias, residual=residual, swiglu=swiglu)
+            return gemv(x, weight, bias, residual=residual, swiglu=swiglu, norm=norm)
+        if norm is not None:
+            x = norm(x)
         if (residual is not None or swiglu) and rows <= FUSED_MAX_ROWS:
             return fused(x, weight, bias, residual=residual, swiglu=swiglu)
         return linear(x, weight, bias, residual=residual, swiglu=swiglu)

@@ -128,10 +128,12 @@ class SparseMoE:
         self.route, self.experts = kernels.moe_route, kernels.moe_experts
         self.all_reduce = kernels.all_reduce  # tensor parallelism: each rank computes its slice of every expert
 
-    def __call__(self, h: torch.Tensor, x: torch.Tensor, then) -> tuple[torch.Tensor, torch.Tensor]:
-        """h + moe(x) and `then` of it: the residual add and the shared expert's gate ride on the routed experts'
-        last launch (on one device; split over ranks the partial sums are all-reduced before the residual)."""
-        flat, stream = x.reshape(-1, x.shape[-1]), h.reshape(-1, h.shape[-1])
+    def __call__(self, h: torch.Tensor, norm) -> torch.Tensor:
+        """h + moe(norm(h)): the residual add and the shared expert's gate ride on the routed experts' last launch
+        (on one device; split over ranks the partial sums are all-reduced before the residual). The norm runs once,
+        as its own kernel: the router, the shared expert and the experts all read it."""
+        stream = h.reshape(-1, h.shape[-1])
+        flat = norm(stream)
         logits = self.linear(flat, self.router)
         weights, ids = self.route(logits[:, : self.num_experts], self.top_k, self.renormalize)
         if _recorders:
@@ -144,5 +146,4 @@ class SparseMoE:
         y = self.experts(flat, self.gate_up, self.down, weights, ids, residual, shared, gate)
         if self.all_reduce is not None:
             y = stream + self.all_reduce(y)
-        h = y.view_as(h)
-        return h, then(h)
+        return y.view_as(h)

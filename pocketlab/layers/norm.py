@@ -26,8 +26,8 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 
 
 class RMSNorm:
-    """A pre-norm: its weight, eps and flavour, applied by `kernels.rms_norm` (None: the torch one) when called
-    (Kernels.project_out calls it on the residual stream it has just written)."""
+    """A pre-norm: its weight, eps and flavour, applied by `kernels.rms_norm` (None: the torch one) when called.
+    Handed to the projection that reads it (`linear(h, w, norm=...)`), which may instead norm each row itself."""
 
     def __init__(self, weight: torch.Tensor, eps: float, offset: bool = False, kernels=None):
         self.weight, self.eps, self.offset = weight, eps, offset

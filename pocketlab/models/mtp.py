@@ -71,7 +71,7 @@ class MTPHead:
         h = kernels.rms_norm(hidden.to(e.dtype), self.norm_hidden, eps, True)
         x = kernels.linear(torch.cat([e, h], dim=-1), self.fc)
         self.main.prepare(ctx)
-        return self.layer(x, self.layer.input_norm(x), self.norm, ctx, cache)[1]
+        return self.norm(self.layer(x, ctx, cache))
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         return self.main.logits(out)

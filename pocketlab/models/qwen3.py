@@ -23,9 +23,9 @@ class MLP:
         self.down = w.pop(p + "down_proj.weight")
         self.kernels = kernels
 
-    def __call__(self, h, x, then):
-        """h + down(silu(gate(x)) * up(x)) and `then` of it: two kernels where the linear fuses."""
-        return self.kernels.project_out(self.kernels.linear(x, self.gate_up, swiglu=True), self.down, h, then)
+    def __call__(self, h, norm):
+        """h + down(silu(gate(x)) * up(x)) with x = norm(h): two kernels where the linears fuse the norm and the add."""
+        return self.kernels.project_out(self.kernels.linear(h, self.gate_up, swiglu=True, norm=norm), self.down, h)
 
 
 class Attention:
@@ -43,10 +43,10 @@ class Attention:
         self.q_norm = w.pop(p + "q_norm.weight", None)
         self.k_norm = w.pop(p + "k_norm.weight", None)
 
-    def __call__(self, h, x, then, ctx: ForwardContext, cache: SlotCache):
-        """h + attention(x) and `then` of it, the residual add (and `then`) inside o_proj's kernel where it fuses."""
+    def __call__(self, h, norm, ctx: ForwardContext, cache: SlotCache):
+        """h + attention(norm(h)), the norm inside qkv's kernel and the residual add inside o_proj's where they fuse."""
         B, T, _ = h.shape
-        q, k, v = self.kernels.linear(x, self.qkv, self.qkv_bias).split(
+        q, k, v = self.kernels.linear(h, self.qkv, self.qkv_bias, norm=norm).split(
             [self.q_size, self.nkv * self.hd, self.nkv * self.hd], dim=-1
         )
         if self.gated:  # per head: [q_h | gate_h]
@@ -82,7 +82,7 @@ class Attention:
         out = out.reshape(B, T, self.nq * self.hd)
         if self.gated:
             out = self.kernels.sigmoid_gate(out, gate)
-        return self.kernels.project_out(out, self.o, h, then)
+        return self.kernels.project_out(out, self.o, h)
 
 
 def make_mlp(cfg: ModelConfig, w: dict, p: str, kernels: Kernels, moe: bool):
@@ -100,11 +100,11 @@ class DecoderLayer:
         self.post_norm = RMSNorm(w.pop(p + "post_attention_layernorm.weight"), eps, offset, kernels)
         self.mlp = mlp
 
-    def __call__(self, h, x, then, ctx: ForwardContext, cache: SlotCache):
-        """(h, x = input_norm(h)) -> (h', then(h')): each projection into the residual stream also norms it for
-        whoever reads it next (in one kernel where the linear fuses), so no norm runs on its own."""
-        h, x = self.mixer(h, x, self.post_norm, ctx, cache)  # h + mixer(x), and post_norm of that
-        return self.mlp(h, x, then)  # h + mlp(x), and the next block's input norm (or the final norm) of that
+    def __call__(self, h, ctx: ForwardContext, cache: SlotCache):
+        """h -> h + mixer(input_norm(h)) -> h + mlp(post_norm(h)). Each norm is handed to the projection that reads
+        it, which norms its rows in its own launch where it can (layers.gemv), so no norm runs on its own there."""
+        h = self.mixer(h, self.input_norm, ctx, cache)
+        return self.mlp(h, self.post_norm)
 
 
 class DecoderModel:
@@ -127,7 +127,6 @@ class DecoderModel:
             p = f"model.layers.{i}."
             mlp = make_mlp(cfg, w, p + "mlp.", self.kernels, cfg.is_moe_layer(i))
             self.layers.append(DecoderLayer(w, p, self.make_mixer(w, p, i), mlp, eps, self.norm_offset, self.kernels))
-        self.norms_after = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]  # layer i's `then`
 
     def make_mixer(self, w: dict, p: str, i: int):
         return Attention(self.cfg, w, p + "self_attn.", i, self.kernels)
@@ -136,10 +135,9 @@ class DecoderModel:
         """Final-normed hidden states [B, T, hidden] for every token of the context's runs."""
         self.prepare(ctx)
         h = self.kernels.embedding(ctx.tokens, self.embed)
-        x = self.layers[0].input_norm(h)
-        for layer, then in zip(self.layers, self.norms_after, strict=True):
-            h, x = layer(h, x, then, ctx, cache)
-        return x
+        for layer in self.layers:
+            h = layer(h, ctx, cache)
+        return self.final_norm(h)
 
     def prepare(self, ctx: ForwardContext) -> None:
         ctx.prepare(self.rotary, self.decode_kernel, invariant=self.kernels.attention is not None)

@@ -34,10 +34,11 @@ class GatedDeltaNet:
         self.norm = w.pop(p + "norm.weight")
         self.out = w.pop(p + "out_proj.weight")
 
-    def __call__(self, h, x, then, ctx: ForwardContext, cache: SlotCache):
-        """h + gated_delta_net(x) and `then` of it, the add (and `then`) inside out_proj's kernel where it fuses."""
+    def __call__(self, h, norm, ctx: ForwardContext, cache: SlotCache):
+        """h + gated_delta_net(norm(h)), the norm inside in_proj's kernel and the add inside out_proj's where they
+        fuse."""
         B, T, _ = h.shape
-        qkv, z, b, a = self.kernels.linear(x, self.in_proj).split(self.splits, dim=-1)
+        qkv, z, b, a = self.kernels.linear(h, self.in_proj, norm=norm).split(self.splits, dim=-1)
         conv, rec = cache.conv[self.layer], cache.rec[self.layer]
         if self.kernels.delta_rule_in_place:
             o = self._run_invariant(qkv, b, a, conv, rec, ctx)
@@ -46,7 +47,7 @@ class GatedDeltaNet:
         else:
             o = self._run_gathered(qkv, b, a, conv, rec, ctx)
         o = self.kernels.gated_rms_norm(o, z.reshape(B, T, self.hv, self.dv), self.norm, self.cfg.rms_norm_eps)
-        return self.kernels.project_out(o.reshape(B, T, self.hv * self.dv), self.out, h, then)
+        return self.kernels.project_out(o.reshape(B, T, self.hv * self.dv), self.out, h)
 
     def _run_gathered(self, qkv_in, b, a, conv, rec, ctx: ForwardContext) -> torch.Tensor:
         """Any number of tokens: gather the slots' states, run conv and delta rule on the copies, scatter back.

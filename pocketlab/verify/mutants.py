@@ -70,16 +70,16 @@ def _kv_other_slot():
     bug in one layer's gather). Rows whose position 0 this forward writes are spared, so prompts look right."""
     original = Attention.__call__
 
-    def call(self, h, x, then, ctx, cache):
+    def call(self, h, norm, ctx, cache):
         if self.kv_key != _last_attention_layer(cache):
-            return original(self, h, x, then, ctx, cache)
+            return original(self, h, norm, ctx, cache)
         k, v, slots = cache.k[self.kv_key], cache.v[self.kv_key], ctx.slot_ids
         other, stale = (slots + 1) % k.shape[0], (ctx.start > 0)[:, None, None]
         own_k, own_v = k[slots, :, 0].clone(), v[slots, :, 0].clone()
         k[slots, :, 0] = torch.where(stale, k[other, :, 0], own_k)
         v[slots, :, 0] = torch.where(stale, v[other, :, 0], own_v)
         try:
-            return original(self, h, x, then, ctx, cache)
+            return original(self, h, norm, ctx, cache)
         finally:  # only the read was wrong: the slot's own rows are put back
             k[slots, :, 0] = torch.where(stale, own_k, k[slots, :, 0])
             v[slots, :, 0] = torch.where(stale, own_v, v[slots, :, 0])
@@ -92,14 +92,14 @@ def _shared_position():
     engine's shared `position_`, surviving in one layer's rotary lookup. K/V still land at each row's position."""
     original = Attention.__call__
 
-    def call(self, h, x, then, ctx, cache):
+    def call(self, h, norm, ctx, cache):
         B, T = ctx.tokens.shape
         if T != 1 or B < 2 or self.kv_key != _last_attention_layer(cache):
-            return original(self, h, x, then, ctx, cache)
+            return original(self, h, norm, ctx, cache)
         rope = ctx.rope
         ctx.rope = tuple(t[:1].expand_as(t).contiguous() for t in rope)
         try:
-            return original(self, h, x, then, ctx, cache)
+            return original(self, h, norm, ctx, cache)
         finally:
             ctx.rope = rope
 
@@ -150,13 +150,13 @@ def _kv_written_late():
     before reading, so each step misses the previous token's key and sees a stale row instead."""
     original = Attention.__call__
 
-    def call(self, h, x, then, ctx, cache):
-        if x.shape[1] != 1 or self.kv_key != _last_attention_layer(cache):
-            return original(self, h, x, then, ctx, cache)
+    def call(self, h, norm, ctx, cache):
+        if h.shape[1] != 1 or self.kv_key != _last_attention_layer(cache):
+            return original(self, h, norm, ctx, cache)
         k, v, slots, pos = cache.k[self.kv_key], cache.v[self.kv_key], ctx.slot_ids, ctx.start
         late = (pos + 1).clamp(max=k.shape[2] - 1)
         old_k, old_v = k[slots, :, pos].clone(), v[slots, :, pos].clone()
-        out = original(self, h, x, then, ctx, cache)
+        out = original(self, h, norm, ctx, cache)
         new_k, new_v = k[slots, :, pos].clone(), v[slots, :, pos].clone()
         k[slots, :, late], v[slots, :, late] = new_k, new_v
         k[slots, :, pos], v[slots, :, pos] = old_k, old_v
@@ -225,7 +225,7 @@ def _expert_capacity():
     loses a pair (its k experts differ), so its output comes to follow what else the forward holds."""
     original = SparseMoE.__call__
 
-    def call(self, h, x, then):
+    def call(self, h, norm):
         route = self.route
 
         def capped(logits, top_k, renormalize):
@@ -237,7 +237,7 @@ def _expert_capacity():
 
         self.route = capped
         try:
-            return original(self, h, x, then)
+            return original(self, h, norm)
         finally:
             self.route = route
 

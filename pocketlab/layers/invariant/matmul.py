@@ -185,11 +185,13 @@ def finish(total, total_up, b_ptr, res_ptr, m, n, live_m, live_n, stride_rm, dty
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-           residual: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:  # fmt: skip
+           residual: torch.Tensor | None = None, swiglu: bool = False, norm=None) -> torch.Tensor:  # fmt: skip
     """F.linear(x, weight, bias) whose rows do not depend on one another: x [..., K], weight [N, K], bias [N];
     fp32 accumulation, the bias added in fp32 before the one rounding to x's dtype. Fused into the same kernel:
     `residual` [..., N] added after (residual + y); `swiglu`: weight is [gate | up] ([2N, K]) and
-    y = silu(x @ gate^T) * (x @ up^T) [..., N]."""
+    y = silu(x @ gate^T) * (x @ up^T) [..., N]. `norm` (a layers.norm.RMSNorm) runs first, as its own kernel."""
+    if norm is not None:
+        x = norm(x)
     N = checked_width("linear", x, weight, bias, residual, swiglu)
     K = weight.shape[1]
     x2 = as_rows(x, K)
