@@ -40,11 +40,13 @@ class Launch:
     num_warps: int
 
 
-def launch_for(M: int, N: int, K: int, device: torch.device) -> Launch:
+def launch_for(M: int, N: int, K: int, device: torch.device, normed: bool = False) -> Launch:
     """The interpreter keeps one small tile (tails in both directions at test shapes). On the GPU, from the H200
     sweep (reports/gpu/gemv-sweep-h200.txt): one row reads fastest in 1,024-wide tiles of 2 weight rows when N is
     small (K long), else 512-wide tiles of 4 (2 while N <= 3,072); several rows (their lanes multiply the registers)
-    in 256-wide tiles of 4."""
+    in 256-wide tiles of 4. A wide normed projection (`normed`: qkv, the Gated DeltaNet in_proj) takes 256-wide
+    tiles of 8 rows, so each program's loads of the x row and the norm weight serve twice the weight rows
+    (reports/gpu/gemv-norm-chain-h200.txt)."""
     if M > MAX_ROWS:
         raise ValueError(f"gemv: {M} rows; it takes at most {MAX_ROWS}")
     rows = triton.next_power_of_2(M)
@@ -52,6 +54,8 @@ def launch_for(M: int, N: int, K: int, device: torch.device) -> Launch:
         return Launch(rows, 8, 64, 4)
     if rows > 1:
         return Launch(rows, 4, min(256, triton.next_power_of_2(K)), 4)
+    if normed and N > 3072:
+        return Launch(1, 8, min(256, triton.next_power_of_2(K)), 4)
     block_k = min(1024 if N <= 1024 else 512, triton.next_power_of_2(K))
     return Launch(1, 2 if N <= 3072 and K > 512 else 4, block_k, 4)
 
@@ -124,7 +128,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     y = torch.empty(x2.shape[0], N, dtype=x.dtype, device=x.device)
     res = None if residual is None else as_rows(residual, N)
     if x2.shape[0]:
-        t = launch_for(x2.shape[0], N, K, x.device)
+        t = launch_for(x2.shape[0], N, K, x.device, normed=norm is not None and not swiglu)
         launch(x2, weight, bias, y, t, epilogue_of(residual, swiglu), res, norm)
     return y.reshape(*x.shape[:-1], N)
 

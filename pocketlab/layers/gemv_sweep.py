@@ -5,12 +5,17 @@ every candidate launch of layers.gemv (ROWS, BLOCK_N, BLOCK_K, warps) as weight-
 default engine runs there today (the fused matmul where there is an epilogue, else cuBLAS) and cuBLAS's bare matmul.
 Times are medians of CUDA-graph replays cycling over weight copies (invariant.sweep.graph_ms), so every call reads
 its weight from HBM. Prints the best launches of each shape and a summary against `launch_for`'s choice.
+
+`--norm-chain`: where a pre-norm costs least, in a graph of 28 layers of [normed projection -> residual projection]
+at one row (the programmatic dependent launches overlapping as in a decode step): no norm at all, the norm as its
+own kernel, and folded into the GEMV at `launch_for`'s launch and at every candidate.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import statistics
 
 import torch
 import torch.nn.functional as F
@@ -19,8 +24,10 @@ from tqdm import tqdm
 
 from . import gemv
 from .invariant import linear as fused_linear
+from .invariant import rms_norm
 from .invariant.matmul import PLAIN, RESIDUAL, SWIGLU
 from .invariant.sweep import graph_ms
+from .norm import RMSNorm
 
 SHAPES = {  # name: (N, K, epilogue); for swiglu N is the output width and the weight holds 2N rows
     "0.6b qkv": (4096, 1024, PLAIN), "0.6b o+res": (1024, 2048, RESIDUAL), "0.6b gate_up": (3072, 1024, SWIGLU),
@@ -83,11 +90,72 @@ def sweep_rows(name: str, N: int, K: int, epilogue: int, M: int, weights: list[t
     return name, M, gb, chosen, chosen_ms, timed[0], now_ms, cublas_ms, bits
 
 
+NORM_CHAIN = {  # name: (N, K) of the normed projection; the residual projection is its transpose
+    "0.6b qkv/o": (4096, 1024), "0.8b gdn in/out": (8224, 1024), "8b qkv/o": (6144, 4096),
+    "9b gdn in/out": (12352, 4096),
+}  # fmt: skip
+
+
+def chain_us(layer, weights, h: torch.Tensor, runs: int = 20) -> float:
+    """Median microseconds per layer of one graph running `layer(h, a, b, norm)` over every layer's weights."""
+    for args in weights[:2]:
+        layer(h, *args)  # compile
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        x = h
+        for args in weights:
+            x = layer(x, *args)
+    times = []
+    for _ in range(runs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(weights))
+    return statistics.median(times)
+
+
+def norm_chain(layers: int = 28, top: int = 4) -> None:
+    def folded(t):
+        def layer(h, a, b, norm):
+            y = torch.empty(1, a.shape[0], dtype=h.dtype, device=h.device)
+            return gemv.gemv(gemv.launch(h, a, None, y, t, PLAIN, None, norm), b, residual=h)
+
+        return layer
+
+    for name, (N, K) in NORM_CHAIN.items():
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        weights = [
+            (torch.randn(N, K, device="cuda", generator=gen).bfloat16() * K**-0.5,
+             torch.randn(K, N, device="cuda", generator=gen).bfloat16() * N**-0.5,
+             RMSNorm(torch.rand(K, device="cuda", generator=gen).bfloat16() + 0.5, 1e-6, False, kernels=None))
+            for _ in range(layers)
+        ]  # fmt: skip
+        for *_, norm in weights:
+            norm.norm = rms_norm  # the Triton row kernel, as the default CUDA engine runs it
+        h = torch.randn(1, K, device="cuda", generator=gen).bfloat16()
+        plain = chain_us(lambda h, a, b, n: gemv.gemv(gemv.gemv(h, a), b, residual=h), weights, h)
+        own = chain_us(lambda h, a, b, n: gemv.gemv(gemv.gemv(n(h), a), b, residual=h), weights, h)
+        chosen = gemv.launch_for(1, N, K, h.device, normed=True)
+        print(f"{name:<16} us/layer: no norm {plain:.2f}, norm kernel {own:.2f}, folded {chosen} "
+              f"{chain_us(folded(chosen), weights, h):.2f}")  # fmt: skip
+        tried = [(chain_us(folded(t), weights, h), t) for t in candidates(1) if t.block_k <= K]
+        for us, t in sorted(tried, key=lambda p: p[0])[:top]:
+            print(f"{name:<16}   folded {(t.block_n, t.block_k, t.num_warps)}  {us:.2f}")
+        del weights
+        torch.cuda.empty_cache()
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1", help=f"row counts, comma-separated (at most {gemv.MAX_ROWS})")
     ap.add_argument("--top", type=int, default=4, help="launches printed per shape and row count")
+    ap.add_argument("--norm-chain", action="store_true", help="the pre-norm's cost, own kernel vs folded (above)")
     a = ap.parse_args(argv)
+    if a.norm_chain:
+        return norm_chain(top=a.top)
     summary = sweep([int(v) for v in a.rows.split(",")], a.top)
     print(f"\n{'shape':<20}{'M':>3}{'chosen':>18}{'ms':>9}{'TB/s':>7}{'best ms':>9}{'today ms':>10}{'cuBLAS ms':>11}"
           f"{'today/chosen':>14}  row 0 alone vs in the batch")  # fmt: skip
