@@ -105,6 +105,16 @@
 # 540); the hybrid prefill's host cost with fewer delta-rule segments (e.g. --engine-option checkpoint_stride=2048 on
 # the 35B-A3B 4-layer profile and bench); then the tenth session's list (the whole bench at the four dense/hybrid
 # shapes, the invariant step, STEPS=tp on two GPUs).
+# Fourteenth session (2026-12-02, one H200, 30 minutes, all used; issue 14's pre-norm fold): CUDA tests of the fused
+# linear + parity (-n 4) 70 s; the norm chain 46 s; profiles 35-43 s (0.6B, 8B), 86-88 s at 9B, > 100 s at 0.8B (its
+# prefill row cut by the step's cap: give it 140 s); the bench with the static peer at b1/b32 146 s (0.6B), 165 s (8B).
+# Calls made:
+#   STEPS=fused FUSED_TESTS="-n 4 tests/test_fused_linear.py tests/test_parity.py" FUSED_SWEEP=0 GEMV_SWEEP=0
+#     FUSED_MODELS="qwen3-0.6b qwen3.5-0.8b qwen3-8b qwen3.5-9b" FUSED_MODES=fused_linear=triton BUDGET_S=540
+#   STEPS=bench MODELS="qwen3-0.6b qwen3-8b" PEER_MODES=static BENCH_ARGS="--no-warm --batch-sizes 1,32
+#     --prompt-lens 4096 --peer-batch-sizes 1,32 --skip latency,serving" BENCH_CAP_S=290 BUDGET_S=560
+# Still owed: the same bench at qwen3.5-0.8b and qwen3.5-9b (one call); the b1 run-to-run spread (several profiles
+# in one call); then the twelfth session's list (30B-A3B bench, hybrid prefill strides, invariant step, tp).
 # MoE at real shapes (issue 17), one H200, one call each (the engine runs on the HF peer's own tensors, so the weights
 # are on the GPU once: peak ~86 GiB at 30B-A3B, ~81 GiB at 35B-A3B, most of it the weights and, at 30B, 24 GiB of K/V
 # for 64 slots x 4,097 positions; the JSON's "memory" has the measured peak). Engine warm-up, latency and serving

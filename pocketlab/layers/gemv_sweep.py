@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 
 import torch
 import torch.nn.functional as F
@@ -96,25 +95,14 @@ NORM_CHAIN = {  # name: (N, K) of the normed projection; the residual projection
 }  # fmt: skip
 
 
-def chain_us(layer, weights, h: torch.Tensor, runs: int = 20) -> float:
-    """Median microseconds per layer of one graph running `layer(h, a, b, norm)` over every layer's weights."""
-    for args in weights[:2]:
-        layer(h, *args)  # compile
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        x = h
-        for args in weights:
-            x = layer(x, *args)
-    times = []
-    for _ in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(weights))
-    return statistics.median(times)
+def chain_us(layer, weights: list[tuple], h: torch.Tensor) -> float:
+    """Median microseconds per layer of one graph chaining `layer(h, a, b, norm)` through every layer's weights."""
+    state = [h]
+
+    def step(args):
+        state[0] = layer(state[0], *args)
+
+    return graph_ms(step, weights, runs=20) * 1e3
 
 
 def norm_chain(layers: int = 28, top: int = 4) -> None:
