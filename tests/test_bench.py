@@ -182,8 +182,9 @@ def test_profile_tables_a_decode_step_and_a_prefill(make_engine):
     engine = make_engine("tiny-qwen3")
     cases = ((profile.decode_step(engine, 2), None), (profile.prefill_call(engine, 20), lambda: engine.reset(0)))
     for step, setup in cases:
-        summary, kernels = profile.profile(step, 2, 2, "check", setup)
-        assert summary["wall_us"] > 0 and summary["kernels_per_step"] >= 10
+        summary, kernels = profile.profile(step, 3, 2, "check", setup)
+        assert 0 < summary["wall_us"] <= summary["wall_p90_us"] <= summary["wall_max_us"]
+        assert summary["kernels_per_step"] >= 10
         assert (kernels.us_per_step.diff().dropna() <= 0).all()  # costliest first
         assert any(re.search(r"aten::(add)?mm$|gemm", name, re.I) for name in kernels.kernel)
 

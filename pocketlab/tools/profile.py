@@ -45,14 +45,15 @@ def kernel_table(prof, cuda: bool = True) -> pd.DataFrame:
 
 
 def profile(step, steps: int, batch: int, what: str, setup=None, layers: int = 1):
-    """(summary dict, per-kernel DataFrame) of `steps` calls of step() after a warm-up. setup() runs before each
-    call, outside both the wall clock and the profiler."""
+    """(summary dict, per-kernel DataFrame) of `steps` calls of step() after a warm-up: the median step's wall time
+    (tokens/s from it) with p90 and max, and the kernels of another `steps` calls under the profiler. setup() runs
+    before each call, outside both the wall clock and the profiler."""
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
 
-    def loop(profiled: bool) -> tuple[float, list[pd.DataFrame]]:
-        total, tables = 0.0, []
+    def loop(profiled: bool) -> tuple[list[float], list[pd.DataFrame]]:
+        walls, tables = [], []
         for _ in range(steps):
             if setup is not None:
                 setup()
@@ -66,11 +67,12 @@ def profile(step, steps: int, batch: int, what: str, setup=None, layers: int = 1
                 t = time.perf_counter()
                 step()
                 sync()
-                total += time.perf_counter() - t
-        return total / steps, tables
+                walls.append(time.perf_counter() - t)
+        return walls, tables
 
     loop(False)  # warm-up: captures graphs, autotunes kernels
-    wall, _ = loop(False)
+    walls = pd.Series(loop(False)[0])
+    wall = walls.median()
     kernels = pd.concat(loop(True)[1]).groupby("kernel", as_index=False)[["count", "us"]].sum()
     kernels["per_step"], kernels["us_per_step"] = kernels["count"] / steps, kernels["us"] / steps
     kernels["us_each"] = kernels["us"] / kernels["count"].clip(lower=1)
@@ -80,7 +82,9 @@ def profile(step, steps: int, batch: int, what: str, setup=None, layers: int = 1
     summary = {
         "what": what,
         "batch": batch,
-        "wall_us": wall * 1e6,
+        "wall_us": wall * 1e6,  # the median step; its tail beside it
+        "wall_p90_us": walls.quantile(0.9) * 1e6,
+        "wall_max_us": walls.max() * 1e6,
         "gpu_busy_us": kernels.us_per_step.sum(),
         "kernels_per_step": kernels.per_step.sum(),
         "kernels_per_layer": kernels.per_step.sum() / layers,  # the step's, head and sampling included
