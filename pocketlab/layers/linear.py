@@ -53,10 +53,8 @@ def fused_at_few_rows(fused, gemv=None, gemv_rows: int = 0):
         small = weight.numel() * weight.element_size() <= GEMV_MAX_BYTES
         if rows <= gemv_rows and small and weight.stride(-1) == 1:
             return gemv(x, weight, bias, residual=residual, swiglu=swiglu, norm=norm)
-        if norm is not None:
-            x = norm(x)
         if (residual is not None or swiglu) and rows <= FUSED_MAX_ROWS:
-            return fused(x, weight, bias, residual=residual, swiglu=swiglu)
-        return linear(x, weight, bias, residual=residual, swiglu=swiglu)
+            return fused(x, weight, bias, residual=residual, swiglu=swiglu, norm=norm)
+        return linear(x, weight, bias, residual=residual, swiglu=swiglu, norm=norm)
 
     return run
