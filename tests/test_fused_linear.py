@@ -70,7 +70,8 @@ def assert_matches_the_unfused_steps(got, want, dtype, where):
         assert err.max() <= 3e-6 * max(1.0, want.abs().max().item()), (where, err.max())
     else:  # two bf16 ulps at most (a tipped gate rounding carries through silu and the product)
         assert (err / want.float().abs().clamp(min=1e-3)).max() <= 2**-6, (where, err.max())
-        assert (got != want).float().mean() < 0.01, (where, (got != want).float().mean())
+        tipped = (got != want).sum().item()  # one tipped element is over 1% of the smallest outputs (80 values)
+        assert tipped <= max(1, 0.01 * got.numel()), (where, tipped, got.numel())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
