@@ -149,7 +149,8 @@
 #   FUSED_TESTS [the fused linear's tests + parity]  FUSED_SWEEP [1]  FUSED_MODELS [qwen3-0.6b qwen3-8b]
 #   FUSED_BATCHES [1,32]  FUSED_MODES [fused_linear=torch fused_linear=triton,gemv_rows=0 fused_linear=triton]
 #                    the fused step: CUDA tests, the fused matmul's launch sweep (FUSED_SWEEP), the GEMV's (GEMV_SWEEP
-#                    [1]), the pre-norm's cost own vs folded (GEMV_NORM_CHAIN [1]), kernel tables per mode (engine
+#                    [1]), the pre-norm's cost own vs folded (GEMV_NORM_CHAIN [1]), the L2 prefetch distance
+#                    (PREFETCH_CHAIN [1]), kernel tables per mode (engine
 #                    options or env vars such as POCKETLAB_PDL=0, comma-separated)
 #                    -> profile-<model>-<mode>-h200.txt
 #   INVARIANT_SWEEP  [0]  1: the invariant matmul's launch sweep   INVARIANT_PROFILE []  a model: kernel tables, both modes
@@ -203,6 +204,7 @@ FUSED_BATCHES=${FUSED_BATCHES:-1,32}
 FUSED_MODES=${FUSED_MODES:-fused_linear=torch fused_linear=triton,gemv_rows=0 fused_linear=triton}
 GEMV_SWEEP=${GEMV_SWEEP:-1}
 GEMV_NORM_CHAIN=${GEMV_NORM_CHAIN:-1}
+PREFETCH_CHAIN=${PREFETCH_CHAIN:-1}
 STALL_MODELS=${STALL_MODELS-qwen3-0.6b qwen3.5-0.8b}
 STALL_BENCH_MODELS=${STALL_BENCH_MODELS-qwen3-8b qwen3.5-9b}
 STALL_ARGS=${STALL_ARGS:-}
@@ -361,6 +363,8 @@ if wants fused; then
     "TQDM_DISABLE=1 python3 -m pocketlab.layers.gemv_sweep | tee reports/gpu/gemv-sweep-h200.txt"
   [ "$GEMV_NORM_CHAIN" = 1 ] && step "gemv pre-norm, own kernel vs folded" 120 "$reserve" bash -o pipefail -c \
     "python3 -m pocketlab.layers.gemv_sweep --norm-chain | tee reports/gpu/gemv-norm-chain-h200.txt"
+  [ "$PREFETCH_CHAIN" = 1 ] && step "gemv L2 prefetch distance" 240 "$reserve" bash -o pipefail -c \
+    "python3 -m pocketlab.layers.gemv_sweep --prefetch-chain | tee reports/gpu/prefetch-chain-h200.txt"
   for m in $FUSED_MODELS; do
     for mode in $FUSED_MODES; do   # a mode: NAME=VALUE, comma-separated: engine options, or UPPER_CASE env vars
       opts="" envs=""
