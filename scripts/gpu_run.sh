@@ -115,6 +115,17 @@
 #     --prompt-lens 4096 --peer-batch-sizes 1,32 --skip latency,serving" BENCH_CAP_S=290 BUDGET_S=560
 # Still owed: the same bench at qwen3.5-0.8b and qwen3.5-9b (one call); the b1 run-to-run spread (several profiles
 # in one call); then the twelfth session's list (30B-A3B bench, hybrid prefill strides, invariant step, tp).
+# Fifteenth session (2026-12-03, one H200; the device came after ~50 minutes of refusals and its start cost ~11 minutes
+# of the 30): the L2 prefetch experiment (commit 47e5e6c, reverted after) 278 s for CUDA tests + its chain sweep (23 s)
+# + four profiles (31-38 s each); the bench with the static peer at b1/b32 248 s at 0.8B, 283 s at 9B (HF's compiled
+# b32 step finished). Calls made:
+#   STEPS=fused FUSED_TESTS="-n 4 tests/test_prefetch.py tests/test_fused_linear.py tests/test_parity.py" FUSED_SWEEP=0
+#     GEMV_SWEEP=0 GEMV_NORM_CHAIN=0 PREFETCH_CHAIN=1 FUSED_MODELS="qwen3-0.6b qwen3-8b" FUSED_MODES="fused_linear=triton,
+#     POCKETLAB_PREFETCH_MIB=0 fused_linear=triton" BUDGET_S=550                                      (at 47e5e6c)
+#   STEPS=bench MODELS=qwen3.5-0.8b PEER_MODES=static BENCH_ARGS="--no-warm --batch-sizes 1,32 --prompt-lens 4096
+#     --peer-batch-sizes 1,32 --skip latency,serving" BENCH_CAP_S=330 BUDGET_S=350   (then MODELS=qwen3.5-9b, cap 440)
+# Still owed: the b1 run-to-run spread (several profiles in one call); b32 at 8B and 9B (1.81x, 1.53x of HF: the
+# norms as their own kernels at b2-64 and cuBLAS for qkv are where to look); then the twelfth session's list.
 # MoE at real shapes (issue 17), one H200, one call each (the engine runs on the HF peer's own tensors, so the weights
 # are on the GPU once: peak ~86 GiB at 30B-A3B, ~81 GiB at 35B-A3B, most of it the weights and, at 30B, 24 GiB of K/V
 # for 64 slots x 4,097 positions; the JSON's "memory" has the measured peak). Engine warm-up, latency and serving
@@ -149,8 +160,7 @@
 #   FUSED_TESTS [the fused linear's tests + parity]  FUSED_SWEEP [1]  FUSED_MODELS [qwen3-0.6b qwen3-8b]
 #   FUSED_BATCHES [1,32]  FUSED_MODES [fused_linear=torch fused_linear=triton,gemv_rows=0 fused_linear=triton]
 #                    the fused step: CUDA tests, the fused matmul's launch sweep (FUSED_SWEEP), the GEMV's (GEMV_SWEEP
-#                    [1]), the pre-norm's cost own vs folded (GEMV_NORM_CHAIN [1]), the L2 prefetch distance
-#                    (PREFETCH_CHAIN [1]), kernel tables per mode (engine
+#                    [1]), the pre-norm's cost own vs folded (GEMV_NORM_CHAIN [1]), kernel tables per mode (engine
 #                    options or env vars such as POCKETLAB_PDL=0, comma-separated)
 #                    -> profile-<model>-<mode>-h200.txt
 #   INVARIANT_SWEEP  [0]  1: the invariant matmul's launch sweep   INVARIANT_PROFILE []  a model: kernel tables, both modes
@@ -204,7 +214,6 @@ FUSED_BATCHES=${FUSED_BATCHES:-1,32}
 FUSED_MODES=${FUSED_MODES:-fused_linear=torch fused_linear=triton,gemv_rows=0 fused_linear=triton}
 GEMV_SWEEP=${GEMV_SWEEP:-1}
 GEMV_NORM_CHAIN=${GEMV_NORM_CHAIN:-1}
-PREFETCH_CHAIN=${PREFETCH_CHAIN:-1}
 STALL_MODELS=${STALL_MODELS-qwen3-0.6b qwen3.5-0.8b}
 STALL_BENCH_MODELS=${STALL_BENCH_MODELS-qwen3-8b qwen3.5-9b}
 STALL_ARGS=${STALL_ARGS:-}
@@ -363,8 +372,6 @@ if wants fused; then
     "TQDM_DISABLE=1 python3 -m pocketlab.layers.gemv_sweep | tee reports/gpu/gemv-sweep-h200.txt"
   [ "$GEMV_NORM_CHAIN" = 1 ] && step "gemv pre-norm, own kernel vs folded" 120 "$reserve" bash -o pipefail -c \
     "python3 -m pocketlab.layers.gemv_sweep --norm-chain | tee reports/gpu/gemv-norm-chain-h200.txt"
-  [ "$PREFETCH_CHAIN" = 1 ] && step "gemv L2 prefetch distance" 240 "$reserve" bash -o pipefail -c \
-    "python3 -m pocketlab.layers.gemv_sweep --prefetch-chain | tee reports/gpu/prefetch-chain-h200.txt"
   for m in $FUSED_MODELS; do
     for mode in $FUSED_MODES; do   # a mode: NAME=VALUE, comma-separated: engine options, or UPPER_CASE env vars
       opts="" envs=""

@@ -79,17 +79,12 @@ def compile_one(launch: dict) -> str | None:
 
 
 def gpu_variants(launch: dict) -> list[dict]:
-    """The launch, and the forms only the GPU runs: where the kernel takes programmatic dependent launch (layers.pdl;
-    the interpreter runs PDL=False), PDL=True launched with launch_pdl; where it takes an L2 prefetch (layers.prefetch;
-    the interpreter runs AHEAD=0), that one prefetching too (at a 64-bit address)."""
-    constants = launch.get("constants", {})
-    if constants.get("PDL") is not False:
+    """The launch, and where the kernel takes programmatic dependent launch (layers.pdl; the interpreter runs PDL=False)
+    the form the GPU runs too: PDL=True, launched with launch_pdl."""
+    if launch.get("constants", {}).get("PDL") is not False:
         return [launch]
-    pdl = dict(launch, constants=dict(constants, PDL=True), options=dict(launch["options"], launch_pdl=True))
-    if constants.get("AHEAD") != 0:
-        return [launch, pdl]
-    signature = dict(launch["signature"], ahead_addr="i64")
-    return [launch, pdl, dict(pdl, constants=dict(pdl["constants"], AHEAD=1), signature=signature)]
+    pdl = dict(launch, constants=dict(launch["constants"], PDL=True), options=dict(launch["options"], launch_pdl=True))
+    return [launch, pdl]
 
 
 def main(path: str) -> int:

@@ -25,10 +25,9 @@ import triton
 import triton.language as tl
 
 from ..config import GEMV_MAX_ROWS as MAX_ROWS
-from . import pdl, prefetch
+from . import pdl
 from .invariant.matmul import PLAIN, as_rows, checked_width, epilogue_of, finish
 from .pdl import wait_then_release
-from .prefetch import prefetch_l2
 
 
 @dataclass(frozen=True)
@@ -61,23 +60,18 @@ def launch_for(M: int, N: int, K: int, device: torch.device, normed: bool = Fals
     return Launch(1, 2 if N <= 3072 and K > 512 else 4, block_k, 4)
 
 
-AHEAD_WHEN = 1  # 1: before the program's own reads, 2: after them
-EVICT = ""  # the weight loads' L2 eviction policy ("evict_first": streamed once, let them make room)
 NO_NORM, NORM, NORM_OFFSET = 0, 1, 2  # the input's RMSNorm: none, `g * x` (Qwen2/3), `(1 + g) * x` (Qwen3.5)
 
 
 @triton.jit(do_not_specialize=["rows"])
 def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, g_ptr, eps, rows, N, K, stride_xm, stride_wn, stride_ym, stride_rm,
-          ahead_addr, ahead_bytes, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, NORM: tl.constexpr,
-          ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AHEAD: tl.constexpr,
-          EVICT: tl.constexpr, LANES: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+          HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, NORM: tl.constexpr, ROWS: tl.constexpr,
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """y[m, n] for the ROWS rows and this program's BLOCK_N columns: float32 lanes [ROWS, BLOCK_N, BLOCK_K] along
     K, summed once. NORM: x is first RMS-normed with weight g (see the module docstring). EPILOGUE 1: y = residual +
     x @ W^T; 2: W is [gate | up] (2N rows), y = silu(x @ gate^T) * (x @ up^T). Each weight tile is loaded one step
     ahead of its use, the first before the PDL wait (weights are never written), so the read streams while the
-    previous kernel finishes. AHEAD: first, the program's share of the next ahead_bytes of weights into L2."""
-    if AHEAD == 1:
-        prefetch_l2(ahead_addr, ahead_bytes, tl.program_id(0), tl.num_programs(0), LANES)
+    previous kernel finishes."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, ROWS)
     live_m, live_n = m < rows, n < N
@@ -86,9 +80,8 @@ def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, g_ptr, eps, rows, N, K, stride_xm
     up_rows = w_rows + N * stride_wn
     TWO: tl.constexpr = EPILOGUE == 2
     k = tl.arange(0, BLOCK_K)
-    first = live_n[:, None] & (k < K)[None, :]
-    w = tl.load(w_rows + k[None, :], mask=first, other=0.0, eviction_policy=EVICT)
-    up = tl.load(up_rows + k[None, :], mask=first, other=0.0, eviction_policy=EVICT) if TWO else w
+    w = tl.load(w_rows + k[None, :], mask=live_n[:, None] & (k < K)[None, :], other=0.0)
+    up = tl.load(up_rows + k[None, :], mask=live_n[:, None] & (k < K)[None, :], other=0.0) if TWO else w
     g = tl.load(g_ptr + k, mask=k < K, other=0.0) if NORM else k  # the norm's weight: ahead like the others
     wait_then_release(PDL)
     lanes = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -97,7 +90,7 @@ def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, g_ptr, eps, rows, N, K, stride_xm
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         ahead = live_n[:, None] & (k + BLOCK_K < K)[None, :]  # the next tile, masked off past the end
-        w_next = tl.load(w_rows + (k + BLOCK_K)[None, :], mask=ahead, other=0.0, eviction_policy=EVICT)
+        w_next = tl.load(w_rows + (k + BLOCK_K)[None, :], mask=ahead, other=0.0)
         x = tl.load(x_rows + k[None, :], mask=live_m[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
         if NORM:
             g_next = tl.load(g_ptr + k + BLOCK_K, mask=k + BLOCK_K < K, other=0.0)
@@ -107,7 +100,7 @@ def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, g_ptr, eps, rows, N, K, stride_xm
         lanes += x[:, None, :] * w.to(tl.float32)[None, :, :]
         w = w_next
         if TWO:
-            up_next = tl.load(up_rows + (k + BLOCK_K)[None, :], mask=ahead, other=0.0, eviction_policy=EVICT)
+            up_next = tl.load(up_rows + (k + BLOCK_K)[None, :], mask=ahead, other=0.0)
             lanes_up += x[:, None, :] * up.to(tl.float32)[None, :, :]
             up = up_next
     total, total_up = tl.sum(lanes, axis=2), tl.sum(lanes_up, axis=2)
@@ -115,8 +108,6 @@ def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, g_ptr, eps, rows, N, K, stride_xm
         inv_rms = tl.rsqrt(tl.sum(squares, axis=1) / K + eps)[:, None]
         total, total_up = total * inv_rms, total_up * inv_rms
     dtype = y_ptr.dtype.element_ty
-    if AHEAD == 2:
-        prefetch_l2(ahead_addr, ahead_bytes, tl.program_id(0), tl.num_programs(0), LANES)
     y = finish(total, total_up, b_ptr, res_ptr, m, n, live_m, live_n, stride_rm, dtype, HAS_BIAS, EPILOGUE)
     tl.store(y_ptr + m.to(tl.int64)[:, None] * stride_ym + n[None, :], y, mask=live_m[:, None] & live_n[None, :])
 
@@ -149,13 +140,11 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
     M, K = x2.shape
     N = y.shape[1]
     flavour = NO_NORM if norm is None else NORM_OFFSET if norm.offset else NORM
-    addr, nbytes = prefetch.ahead_of(weight, prefetch.AHEAD_BYTES) if prefetch.enabled(x2.device) else (0, 0)
     _gemv[(triton.cdiv(N, t.block_n),)](
         x2, weight, y if bias is None else bias, y, y if residual is None else residual,
         y if norm is None else norm.weight, 0.0 if norm is None else norm.eps, M, N, K, x2.stride(0),
-        weight.stride(0), y.stride(0), 0 if residual is None else residual.stride(0), addr, nbytes,
-        HAS_BIAS=bias is not None, EPILOGUE=epilogue, NORM=flavour, ROWS=t.rows, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-        AHEAD=AHEAD_WHEN if nbytes else 0, EVICT=EVICT, LANES=32 * t.num_warps, num_warps=t.num_warps,
+        weight.stride(0), y.stride(0), 0 if residual is None else residual.stride(0), HAS_BIAS=bias is not None,
+        EPILOGUE=epilogue, NORM=flavour, ROWS=t.rows, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps,
         **pdl.launch(x2.device),
     )  # fmt: skip
     return y

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import triton
 from tqdm import tqdm
 
-from . import gemv, prefetch
+from . import gemv
 from .invariant import linear as fused_linear
 from .invariant import rms_norm
 from .invariant.matmul import PLAIN, RESIDUAL, SWIGLU
@@ -136,62 +136,12 @@ def norm_chain(layers: int = 28, top: int = 4) -> None:
         torch.cuda.empty_cache()
 
 
-PREFETCH_CHAIN = {  # name: hidden, attention width (o_proj's input), qkv width, MLP width, layers
-    "0.6b": (1024, 2048, 4096, 3072, 28), "8b": (4096, 4096, 6144, 12288, 36),
-}  # fmt: skip
-
-
-def packed(shapes: list[tuple[int, int]], gen: torch.Generator) -> list[torch.Tensor]:
-    """Random bf16 weights of `shapes` as views of one buffer, in order (as prefetch.pack_in_reading_order packs)."""
-    sizes = [n * k for n, k in shapes]
-    arena = torch.empty(sum(sizes), device="cuda", dtype=torch.bfloat16)
-    views = [v.view(n, k) for v, (n, k) in zip(arena.split(sizes), shapes, strict=True)]
-    for v in views:
-        v.copy_(torch.randn(v.shape, device="cuda", generator=gen) * v.shape[1] ** -0.5)
-    return views
-
-
-def prefetch_chain(aheads=(0, 2, 4, 8, 16, 32), evicts=("", "evict_first"), whens=(1, 2)) -> None:
-    """Microseconds per decoder layer of GEMVs at one row (qkv with its norm, o + residual, gate_up with its norm and
-    SwiGLU, down + residual) over weights packed in reading order, for each prefetch distance (MiB) and eviction
-    policy of the streamed weight loads."""
-
-    def layer(h, qkv, o, gate_up, down, norm):
-        a = gemv.gemv(h, qkv, norm=norm)
-        h = gemv.gemv(a[:, : o.shape[1]], o, residual=h)
-        return gemv.gemv(gemv.gemv(h, gate_up, swiglu=True, norm=norm), down, residual=h)
-
-    default = prefetch.AHEAD_BYTES, gemv.EVICT, gemv.AHEAD_WHEN
-    for name, (hidden, width, qkv, inter, layers) in PREFETCH_CHAIN.items():
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        shapes = [(qkv, hidden), (hidden, width), (2 * inter, hidden), (hidden, inter)]
-        views = packed(shapes * layers, gen)
-        norm = RMSNorm(torch.rand(hidden, device="cuda", generator=gen).bfloat16() + 0.5, 1e-6, False, kernels=None)
-        weights = [(*views[4 * i : 4 * i + 4], norm) for i in range(layers)]
-        layer_bytes = sum(n * k for n, k in shapes) * 2
-        h = torch.randn(1, hidden, device="cuda", generator=gen).bfloat16()
-        for when, evict, ahead in itertools.product(whens, evicts, aheads):
-            if ahead == 0 and when == 2:
-                continue
-            prefetch.AHEAD_BYTES, gemv.EVICT, gemv.AHEAD_WHEN = ahead << 20, evict, when
-            us = chain_us(layer, weights, h)
-            at = "first" if when == 1 else "last"
-            print(f"{name:<6} ahead {ahead:>3} MiB {at:<6}{evict or 'default':<12} {us:8.2f} us/layer "
-                  f"{layer_bytes / us / 1e6:6.2f} TB/s", flush=True)  # fmt: skip
-        prefetch.AHEAD_BYTES, gemv.EVICT, gemv.AHEAD_WHEN = default
-        del views, weights
-        torch.cuda.empty_cache()
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1", help=f"row counts, comma-separated (at most {gemv.MAX_ROWS})")
     ap.add_argument("--top", type=int, default=4, help="launches printed per shape and row count")
     ap.add_argument("--norm-chain", action="store_true", help="the pre-norm's cost, own kernel vs folded (above)")
-    ap.add_argument("--prefetch-chain", action="store_true", help="L2 prefetch distance (above)")
     a = ap.parse_args(argv)
-    if a.prefetch_chain:
-        return prefetch_chain()
     if a.norm_chain:
         return norm_chain(top=a.top)
     summary = sweep([int(v) for v in a.rows.split(",")], a.top)

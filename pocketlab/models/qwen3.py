@@ -17,8 +17,6 @@ from ..layers.rotary import Rotary, norm_and_rotate
 
 
 class MLP:
-    streamed = ("gate_up", "down")  # the projections in the order a forward reads them (layers.prefetch)
-
     def __init__(self, w: dict, p: str, kernels: Kernels):
         # gate and up fused into one matmul: one weight read per step instead of two launches
         self.gate_up = torch.cat([w.pop(p + "gate_proj.weight"), w.pop(p + "up_proj.weight")])
@@ -33,8 +31,6 @@ class MLP:
 class Attention:
     """Full attention; `gated` is Qwen3.5's variant (q_proj also emits a sigmoid output gate, (1+w) norms).
     kv_key: where this layer's K/V live in the SlotCache (the layer index, or a name such as the MTP head's)."""
-
-    streamed = ("qkv", "o")
 
     def __init__(self, cfg: ModelConfig, w: dict, p: str, kv_key: int | str, kernels: Kernels, gated: bool = False):
         self.cfg, self.kv_key, self.gated, self.kernels = cfg, kv_key, gated, kernels
@@ -142,10 +138,6 @@ class DecoderModel:
         for layer in self.layers:
             h = layer(h, ctx, cache)
         return self.final_norm(h)
-
-    def reading_order(self) -> list:
-        """The blocks' mixers and MLPs in the order a forward runs them (their `streamed` weights are packed so)."""
-        return [part for layer in self.layers for part in (layer.mixer, layer.mlp)]
 
     def prepare(self, ctx: ForwardContext) -> None:
         ctx.prepare(self.rotary, self.decode_kernel, invariant=self.kernels.attention is not None)

@@ -21,8 +21,6 @@ class GatedDeltaNet:
     `in_place`: one-token steps run the Triton kernels that update each slot's state where it lives; with
     batch-invariant kernels every token does (see `_run_invariant`)."""
 
-    streamed = ("in_proj", "out")
-
     def __init__(self, cfg: ModelConfig, w: dict, p: str, layer: int, kernels: Kernels, in_place: bool = False):
         self.cfg, self.layer, self.kernels, self.in_place = cfg, layer, kernels, in_place
         self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads

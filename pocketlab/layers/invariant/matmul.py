@@ -20,10 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import pdl, prefetch
+from .. import pdl
 from ..arrivals import arrival_counts
 from ..pdl import wait_then_release
-from ..prefetch import prefetch_l2
 from .dot import dot, precision
 from .elementwise import sigmoid
 from .rounding import cast
@@ -113,19 +112,14 @@ def _slice_sum(x_rows, w_cols, up_cols, live_m, live_n, k_start, k_end, K, strid
 
 @triton.jit(do_not_specialize=["rows"])
 def _matmul(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, arrived_ptr, res_ptr, rows, N, K, k_per_split, split_k,
-            stride_xm, stride_wn, stride_wk, stride_ym, stride_ps, stride_pm, stride_rm, ahead_addr, ahead_bytes,
+            stride_xm, stride_wn, stride_wk, stride_ym, stride_ps, stride_pm, stride_rm,
             MODE: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
             PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-            AHEAD: tl.constexpr, LANES: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+            PDL: tl.constexpr):  # fmt: skip
     """One [BLOCK_M, BLOCK_N] tile of y: all K slices (IN_PROGRAM) or slice program_id(2) (LAST_SUMS).
-    EPILOGUE 1: y = residual + x @ W^T; EPILOGUE 2: W is [gate | up] (2N rows) and y = silu(x @ gate^T) * (x @ up^T).
-    AHEAD: first, this program's share of the next ahead_bytes of weights into L2 (layers.prefetch)."""
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    if AHEAD:
-        flat = (pid_m * tl.num_programs(1) + pid_n) * tl.num_programs(2) + tl.program_id(2)
-        programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-        prefetch_l2(ahead_addr, ahead_bytes, flat, programs, LANES)
+    EPILOGUE 1: y = residual + x @ W^T; EPILOGUE 2: W is [gate | up] (2N rows) and y = silu(x @ gate^T) * (x @ up^T)."""
     wait_then_release(PDL)
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     live_m, live_n = m < rows, n < N
@@ -267,14 +261,12 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
     else:
         part = arrived = y  # never read
     res = fused.residual
-    addr, nbytes = prefetch.ahead_of(weight, prefetch.AHEAD_BYTES) if split and prefetch.enabled(x2.device) else (0, 0)
     _matmul[(grid_m, grid_n, o.split_k if split else 1)](
         x2, weight, y if bias is None else bias, y, part, arrived, y if res is None else res, M, N, K, o.k_per_split,
         o.split_k, x2.stride(0), weight.stride(0), weight.stride(1), y.stride(0), part.stride(0) if split else 0,
-        part.stride(1) if split else 0, 0 if res is None else res.stride(0), addr, nbytes,
+        part.stride(1) if split else 0, 0 if res is None else res.stride(0),
         MODE=LAST_SUMS if split else IN_PROGRAM, HAS_BIAS=bias is not None, EPILOGUE=fused.epilogue,
-        PRECISION=precision(x2.dtype, x2.device), BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=o.block_k,
-        AHEAD=nbytes > 0, LANES=32 * t.num_warps, num_warps=t.num_warps, num_stages=t.num_stages,
-        **pdl.launch(x2.device),
+        PRECISION=precision(x2.dtype, x2.device), BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+        BLOCK_K=o.block_k, num_warps=t.num_warps, num_stages=t.num_stages, **pdl.launch(x2.device),
     )  # fmt: skip
     return y
