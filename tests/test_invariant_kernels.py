@@ -274,6 +274,26 @@ def test_elementwise_match_torch_and_rows_are_batch_invariant(dtype, M, N):
     assert_rows_invariant(lambda x: inv.decay_and_beta(x[:, :N], x[:, N:], neg_A, dt_bias), x)
 
 
+@pytest.mark.parametrize("B,T", [(3, 1), (1, 1), (2, 5)])
+def test_per_head_gates_are_read_where_the_projection_left_them(B, T):
+    """Qwen3.5's attention gate ([q_h | gate_h] per head) and the Gated DeltaNet's z are per-head slices of a wider
+    projection row: as [rows, n] they would be copied (a kernel of its own in every step), as [tokens, heads, n]
+    they are a view, and the gated kernels read them there, to the bit what they give on a contiguous copy."""
+    H, n, extra = 4, 16, 24
+    proj = randn(B, T, H * 2 * n + extra, seed=B + T).to(torch.bfloat16)  # [q_h | gate_h] per head, then k, v
+    _, gate = proj[..., : H * 2 * n].view(B, T, H, 2 * n).chunk(2, dim=-1)
+    z = proj[..., extra : extra + H * n].reshape(B, T, H, n)  # a slice of the row: z of the Gated DeltaNet
+    x = randn(B, T, H, n, seed=7).to(torch.bfloat16)
+    weight = (1.0 + 0.1 * randn(n, seed=8)).to(torch.bfloat16)
+    for g in (gate, z):
+        rows, inner = elementwise.head_rows(g)
+        assert inner == H and rows.data_ptr() == g.data_ptr()  # a view, no copy
+        assert torch.equal(inv.sigmoid_gate(x, g), inv.sigmoid_gate(x, g.contiguous()))
+        assert torch.equal(inv.gated_rms_norm(x, g, weight, EPS), inv.gated_rms_norm(x, g.contiguous(), weight, EPS))
+    close(inv.sigmoid_gate(x, gate), activations.sigmoid_gate(x.float(), gate.float()), torch.bfloat16)
+    close(inv.gated_rms_norm(x, z, weight, EPS), torch_norm.gated_rms_norm(x, z, weight, EPS), torch.bfloat16)
+
+
 def test_the_checker_catches_batch_variant_functions():
     """The checker must fail a matmul that splits K by the batch size, as cuBLAS does for few rows, and a
     norm whose sum of squares runs in an order picked by the row count; and pass them when each row is computed

@@ -49,9 +49,8 @@ class Attention:
         q, k, v = self.kernels.linear(h, self.qkv, self.qkv_bias, norm=norm).split(
             [self.q_size, self.nkv * self.hd, self.nkv * self.hd], dim=-1
         )
-        if self.gated:  # per head: [q_h | gate_h]
+        if self.gated:  # per head: [q_h | gate_h]; the gate stays a view, [B, T, heads, head_dim] as `out` below
             q, gate = q.view(B, T, self.nq, 2 * self.hd).chunk(2, dim=-1)
-            gate = gate.reshape(B, T, self.nq * self.hd)
         q, k, v = q.reshape(B, T, self.nq, self.hd), k.view(B, T, self.nkv, self.hd), v.view(B, T, self.nkv, self.hd)
         k_cache, v_cache, eps = cache.k[self.kv_key], cache.v[self.kv_key], self.cfg.rms_norm_eps
         norms = (self.q_norm, self.k_norm, eps, self.gated) if self.q_norm is not None else None
@@ -79,10 +78,9 @@ class Attention:
             q, k = norm_and_rotate(q, k, self.q_norm, self.k_norm, *ctx.rope, eps, self.gated)
             write_kv(k_cache, v_cache, k, v, ctx.kv_targets)
             out = cached_attention(q, k_cache, v_cache, ctx, self.hd**-0.5)
-        out = out.reshape(B, T, self.nq * self.hd)
         if self.gated:
             out = self.kernels.sigmoid_gate(out, gate)
-        return self.kernels.project_out(out, self.o, h)
+        return self.kernels.project_out(out.reshape(B, T, self.nq * self.hd), self.o, h)
 
 
 def make_mlp(cfg: ModelConfig, w: dict, p: str, kernels: Kernels, moe: bool):

@@ -47,11 +47,13 @@ def _swiglu(x_ptr, y_ptr, M, N, stride_x, stride_y, ROWS: tl.constexpr, BLOCK: t
 
 
 @triton.jit(do_not_specialize=["M"])
-def _sigmoid_gate(x_ptr, g_ptr, y_ptr, M, N, stride_x, stride_g, stride_y, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """y = x * sigmoid(gate), the sigmoid rounded to the dtype first (Qwen3.5's gated attention output)."""
+def _sigmoid_gate(x_ptr, g_ptr, y_ptr, M, N, stride_x, g_inner, stride_go, stride_gi, stride_y, ROWS: tl.constexpr,
+                  BLOCK: tl.constexpr):  # fmt: skip
+    """y = x * sigmoid(gate), the sigmoid rounded to the dtype first (Qwen3.5's gated attention output). The gate's
+    rows are addressed as [outer, g_inner] (see head_rows)."""
     rows, cols, live = _tile(M, N, ROWS, BLOCK)
     x = tl.load(x_ptr + rows * stride_x + cols, mask=live, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + rows * stride_g + cols, mask=live, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + head_row(rows, g_inner, stride_go, stride_gi) + cols, mask=live, other=0.0).to(tl.float32)
     dtype = y_ptr.dtype.element_ty
     tl.store(y_ptr + rows * stride_y + cols, cast(x * cast(sigmoid(g), dtype).to(tl.float32), dtype), mask=live)
 
@@ -67,6 +69,21 @@ def _decay_and_beta(
     tl.store(g_ptr + rows * N + cols, tl.load(neg_a_ptr + cols, mask=cols < N, other=0.0) * softplus(x), mask=live)
     b = tl.load(b_ptr + rows * stride_b + cols, mask=live, other=0.0).to(tl.float32)
     tl.store(beta_ptr + rows * N + cols, cast(sigmoid(b), beta_ptr.dtype.element_ty), mask=live)
+
+
+@triton.jit
+def head_row(rows, inner, stride_outer, stride_inner):
+    """The offset of each row of a [outer, inner, n] tensor (head_rows), rows counted over outer x inner."""
+    return (rows // inner) * stride_outer + (rows % inner) * stride_inner
+
+
+def head_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """t [..., n] as [outer, inner, n] (inner: t's second-to-last dim) with unit stride along n, and inner: a view
+    wherever the leading dims fold into one. A per-head slice of a wider projection row (Qwen3.5's attention gate,
+    the Gated DeltaNet's z) is one, where as [rows, n] it would be a copy: a kernel of its own in every step."""
+    inner = t.shape[-2] if t.dim() >= 2 else 1
+    t3 = t.reshape(-1, inner, t.shape[-1])
+    return (t3 if t3.stride(-1) == 1 else t3.contiguous()), inner
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -97,12 +114,14 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """x * sigmoid(gate) of one dtype, gate [..., N] or [..., 1] (the MoE shared expert's one gate per token: broadcast
-    here, as torch broadcasts it, since the kernel reads a gate for every element)."""
-    x2, g2 = _rows(x), _rows(gate.expand_as(x))
+    here, as torch broadcasts it, since the kernel reads a gate for every element); a per-head gate is read in place
+    (head_rows)."""
+    x2, (g3, inner) = _rows(x), head_rows(gate.expand_as(x))
     y = torch.empty_like(x2)
     if y.numel():
         rows, n = x2.shape
-        _launch(_sigmoid_gate, (x2, g2, y), rows, n, (x2.stride(0), g2.stride(0), y.stride(0)))
+        strides = (x2.stride(0), inner, g3.stride(0), g3.stride(1), y.stride(0))
+        _launch(_sigmoid_gate, (x2, g3, y), rows, n, strides)
     return y.view(x.shape)
 
 

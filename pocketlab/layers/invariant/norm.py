@@ -15,6 +15,7 @@ import triton.language as tl
 
 from .. import pdl
 from ..pdl import wait_then_release
+from .elementwise import head_row, head_rows
 from .matmul import as_rows
 from .rounding import cast
 
@@ -38,7 +39,9 @@ def _rms_norm_rows(
     M,
     N,
     stride_x,
-    stride_g,
+    g_inner,
+    stride_go,
+    stride_gi,
     stride_y,
     eps,
     OFFSET: tl.constexpr,
@@ -50,7 +53,8 @@ def _rms_norm_rows(
     PDL: tl.constexpr,
 ):
     """Rows program_id(0) * ROWS + [0, ROWS): y = norm(x) in the flavour the flags pick (see the wrappers).
-    WX_DTYPE is the dtype of `w * x` (the two promoted)."""
+    WX_DTYPE is the dtype of `w * x` (the two promoted). The gate's rows are addressed as [outer, g_inner]
+    (elementwise.head_rows)."""
     wait_then_release(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     real = (rows < M)[:, None]
@@ -72,7 +76,8 @@ def _rms_norm_rows(
         else:  # w * x rounded to x's dtype, the product rounded to the common dtype of w and x
             y = cast(w * cast(normed, X_DTYPE).to(tl.float32), WX_DTYPE).to(tl.float32)
             if GATED:  # that times silu(gate) in float32
-                g = tl.load(g_ptr + rows * stride_g + cols, mask=live, other=0.0).to(tl.float32)
+                g_rows = g_ptr + head_row(rows, g_inner, stride_go, stride_gi)
+                g = tl.load(g_rows + cols, mask=live, other=0.0).to(tl.float32)
                 y = y * (g / (1.0 + tl.exp(-g)))
         tl.store(y_ptr + rows * stride_y + cols, cast(y, y_ptr.dtype.element_ty), mask=live)
 
@@ -91,12 +96,13 @@ def _launch(x, weight, gate, eps, offset, out_dtype):
     x2 = as_rows(x, N)
     rows = x2.shape[0]
     y = torch.empty(rows, N, dtype=out_dtype, device=x.device)
-    g2 = as_rows(gate, N) if gate is not None else x2
+    g3, inner = head_rows(gate) if gate is not None else (x2[:, None], 1)
     if rows:
         block = min(triton.next_power_of_2(N), MAX_BLOCK)
         per_program = rows_per_program(block)
         _rms_norm_rows[(triton.cdiv(rows, per_program),)](
-            x2, weight.contiguous(), g2, y, rows, N, x2.stride(0), g2.stride(0), y.stride(0), float(eps),
+            x2, weight.contiguous(), g3, y, rows, N, x2.stride(0), inner, g3.stride(0), g3.stride(1), y.stride(0),
+            float(eps),
             OFFSET=offset,
             GATED=gate is not None,
             X_DTYPE=_TL[x.dtype],
