@@ -127,8 +127,9 @@
 # Still owed: profiles at qwen3.5-0.8b and qwen3.5-9b after the per-head gates (commit 8b6a7cf: the torch elementwise
 # copy, 8 a step at b1 and 32 at b32 at 9B, should be gone; STEPS=fused FUSED_TESTS="" FUSED_SWEEP=0 GEMV_SWEEP=0
 # GEMV_NORM_CHAIN=0 FUSED_MODELS="qwen3.5-0.8b qwen3.5-9b" FUSED_MODES=fused_linear=triton); the b1 run-to-run spread
-# (several profiles in one call); b32 at 8B and 9B (1.81x, 1.53x of HF: the norms as their own kernels at b2-64 and
-# cuBLAS for qkv are where to look); then the twelfth session's list.
+# (several profiles in one call); b32 at 8B and 9B (1.81x, 1.53x of HF: a profile's gpu_span_us against wall_us says
+# how much is the host's; the norms as their own kernels at b2-64 and cuBLAS for qkv are where to look); then the
+# twelfth session's list.
 # MoE at real shapes (issue 17), one H200, one call each (the engine runs on the HF peer's own tensors, so the weights
 # are on the GPU once: peak ~86 GiB at 30B-A3B, ~81 GiB at 35B-A3B, most of it the weights and, at 30B, 24 GiB of K/V
 # for 64 slots x 4,097 positions; the JSON's "memory" has the measured peak). Engine warm-up, latency and serving

@@ -5,8 +5,10 @@ Timings are never judged here: only that every figure exists, is finite and posi
 import json
 import math
 import re
+import time
 
 import pytest
+import torch
 
 from pocketlab.config import EngineOptions, ModelConfig
 from pocketlab.engine import QwenEngine
@@ -184,6 +186,14 @@ def test_profile_tables_a_decode_step_and_a_prefill(make_engine):
     for step, setup in cases:
         summary, kernels = profile.profile(step, 3, 2, "check", setup)
         assert 0 < summary["wall_us"] <= summary["wall_p90_us"] <= summary["wall_max_us"]
+        if setup is not None:
+            setup()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            t = time.perf_counter()
+            step()
+            wall_us = (time.perf_counter() - t) * 1e6
+        assert 0.2 * wall_us < profile.span_us(prof, cuda=False) <= wall_us  # the step's operators, each once
+        assert summary["gpu_span_us"] > 0
         assert summary["kernels_per_step"] >= 10
         assert (kernels.us_per_step.diff().dropna() <= 0).all()  # costliest first
         assert any(re.search(r"aten::(add)?mm$|gemm", name, re.I) for name in kernels.kernel)

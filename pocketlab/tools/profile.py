@@ -44,10 +44,20 @@ def kernel_table(prof, cuda: bool = True) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["kernel", "count", "us"])
 
 
+def span_us(prof, cuda: bool = True) -> float:
+    """From the first kernel's start to the last one's end (on the CPU: operators) in one profiled call. Below the
+    step's wall time by what the GPU waits for the host (inputs, launches, reading the tokens back); kernels that
+    overlap (programmatic dependent launch) count once."""
+    kind = DeviceType.CUDA if cuda else DeviceType.CPU
+    ranges = [e.time_range for e in prof.events() if e.device_type == kind]
+    return max(r.end for r in ranges) - min(r.start for r in ranges) if ranges else 0.0
+
+
 def profile(step, steps: int, batch: int, what: str, setup=None, layers: int = 1):
     """(summary dict, per-kernel DataFrame) of `steps` calls of step() after a warm-up: the median step's wall time
-    (tokens/s from it) with p90 and max, and the kernels of another `steps` calls under the profiler. setup() runs
-    before each call, outside both the wall clock and the profiler."""
+    (tokens/s from it) with p90 and max, and the kernels of another `steps` calls under the profiler, with the
+    median span from first kernel to last. setup() runs before each call, outside both the wall clock and the
+    profiler."""
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
@@ -63,6 +73,7 @@ def profile(step, steps: int, batch: int, what: str, setup=None, layers: int = 1
                     step()
                     sync()
                 tables.append(kernel_table(prof, cuda))
+                walls.append(span_us(prof, cuda) / 1e6)
             else:
                 t = time.perf_counter()
                 step()
@@ -73,7 +84,8 @@ def profile(step, steps: int, batch: int, what: str, setup=None, layers: int = 1
     loop(False)  # warm-up: captures graphs, autotunes kernels
     walls = pd.Series(loop(False)[0])
     wall = walls.median()
-    kernels = pd.concat(loop(True)[1]).groupby("kernel", as_index=False)[["count", "us"]].sum()
+    spans, tables = loop(True)
+    kernels = pd.concat(tables).groupby("kernel", as_index=False)[["count", "us"]].sum()
     kernels["per_step"], kernels["us_per_step"] = kernels["count"] / steps, kernels["us"] / steps
     kernels["us_each"] = kernels["us"] / kernels["count"].clip(lower=1)
     kernels = kernels[["kernel", "per_step", "us_per_step", "us_each"]].sort_values(
@@ -85,6 +97,7 @@ def profile(step, steps: int, batch: int, what: str, setup=None, layers: int = 1
         "wall_us": wall * 1e6,  # the median step; its tail beside it
         "wall_p90_us": walls.quantile(0.9) * 1e6,
         "wall_max_us": walls.max() * 1e6,
+        "gpu_span_us": pd.Series(spans).median() * 1e6,  # first kernel to last: wall_us above it is the host's
         "gpu_busy_us": kernels.us_per_step.sum(),
         "kernels_per_step": kernels.per_step.sum(),
         "kernels_per_layer": kernels.per_step.sum() / layers,  # the step's, head and sampling included
