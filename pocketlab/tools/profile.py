@@ -63,7 +63,8 @@ def profile(step, steps: int, batch: int, what: str, setup=None, layers: int = 1
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
 
     def loop(profiled: bool) -> tuple[list[float], list[pd.DataFrame]]:
-        walls, tables = [], []
+        """Seconds per step (the wall clock; profiled: first kernel to last) and, profiled, the kernel tables."""
+        seconds, tables = [], []
         for _ in range(steps):
             if setup is not None:
                 setup()
@@ -73,13 +74,13 @@ def profile(step, steps: int, batch: int, what: str, setup=None, layers: int = 1
                     step()
                     sync()
                 tables.append(kernel_table(prof, cuda))
-                walls.append(span_us(prof, cuda) / 1e6)
+                seconds.append(span_us(prof, cuda) / 1e6)
             else:
                 t = time.perf_counter()
                 step()
                 sync()
-                walls.append(time.perf_counter() - t)
-        return walls, tables
+                seconds.append(time.perf_counter() - t)
+        return seconds, tables
 
     loop(False)  # warm-up: captures graphs, autotunes kernels
     walls = pd.Series(loop(False)[0])
