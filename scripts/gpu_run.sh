@@ -130,6 +130,21 @@
 # (several profiles in one call); b32 at 8B and 9B (1.81x, 1.53x of HF: a profile's gpu_span_us against wall_us says
 # how much is the host's; the norms as their own kernels at b2-64 and cuBLAS for qkv are where to look); then the
 # twelfth session's list.
+# Sixteenth session (2026-12-03, one H200; one refusal cost 2 minutes): profiles 53-126 s with the 4,096 prefill row,
+# 21-96 s without (FUSED_PREFILL=""); CUDA tests of the fused linear + decode attention (-n 4) 90-100 s; the decode
+# attention split sweep 63 s; the 8B bench with the static peer at b1/b32 196 s. Calls made:
+#   STEPS=fused FUSED_TESTS="" FUSED_SWEEP=0 GEMV_SWEEP=0 GEMV_NORM_CHAIN=0 FUSED_MODELS="qwen3.5-9b qwen3-8b
+#     qwen3.5-0.8b" FUSED_MODES=fused_linear=triton BUDGET_S=420
+#   STEPS=fused FUSED_TESTS="-n 4 tests/test_fused_linear.py tests/test_decode_attention.py" ATTENTION_SWEEP=1 (first
+#     call only) FUSED_SWEEP=0 GEMV_SWEEP=0 GEMV_NORM_CHAIN=0 FUSED_MODELS="qwen3-8b qwen3.5-9b qwen3-0.6b"
+#     FUSED_BATCHES=1,32 FUSED_PREFILL="" FUSED_MODES="fused_linear=triton fused_linear=triton,POCKETLAB_FOLD_NORM=0"
+#     (the norm folded into the matmul, a switch of that uncommitted code) BUDGET_S=470
+#   STEPS=bench MODELS=qwen3-8b PEER_MODES=static BENCH_ARGS="--no-warm --batch-sizes 1,32 --prompt-lens 4096
+#     --peer-batch-sizes 1,32 --skip latency,serving" BENCH_CAP_S=225 BUDGET_S=235
+# Still owed: b1 profiles with one-block attention splits back on the static loop (written after the device time ran
+# out: STEPS=fused FUSED_TESTS="-n 4 tests/test_decode_attention.py" FUSED_MODELS="qwen3-0.6b qwen3-8b"
+# FUSED_MODES=fused_linear=triton); a second split sweep (ATTENTION_SWEEP=1) before any rule by batch and length; the
+# bench at the other three shapes; then the twelfth session's list.
 # MoE at real shapes (issue 17), one H200, one call each (the engine runs on the HF peer's own tensors, so the weights
 # are on the GPU once: peak ~86 GiB at 30B-A3B, ~81 GiB at 35B-A3B, most of it the weights and, at 30B, 24 GiB of K/V
 # for 64 slots x 4,097 positions; the JSON's "memory" has the measured peak). Engine warm-up, latency and serving
@@ -162,10 +177,12 @@
 #   INVARIANT_MODELS [qwen3-8b qwen3.5-9b]  INVARIANT_STEPS [64]   the invariant step's shapes and decode steps
 #   INVARIANT_TESTS  [the mode's and its kernels' test files]  INVARIANT_TIMINGS [1]   (empty / 0: skip)
 #   FUSED_TESTS [the fused linear's tests + parity]  FUSED_SWEEP [1]  FUSED_MODELS [qwen3-0.6b qwen3-8b]
-#   FUSED_BATCHES [1,32]  FUSED_MODES [fused_linear=torch fused_linear=triton,gemv_rows=0 fused_linear=triton]
+#   FUSED_BATCHES [1,32]  FUSED_PREFILL [4096] (empty: no prefill row)
+#   FUSED_MODES [fused_linear=torch fused_linear=triton,gemv_rows=0 fused_linear=triton]
 #                    the fused step: CUDA tests, the fused matmul's launch sweep (FUSED_SWEEP), the GEMV's (GEMV_SWEEP
 #                    [1]), the pre-norm's cost own vs folded (GEMV_NORM_CHAIN [1]), kernel tables per mode (engine
-#                    options or env vars such as POCKETLAB_PDL=0, comma-separated)
+#                    options or env vars such as POCKETLAB_PDL=0, comma-separated); ATTENTION_SWEEP [0] 1: the decode
+#                    attention's split counts (layers.decode_attention_sweep)
 #                    -> profile-<model>-<mode>-h200.txt
 #   INVARIANT_SWEEP  [0]  1: the invariant matmul's launch sweep   INVARIANT_PROFILE []  a model: kernel tables, both modes
 #   STALL_MODELS [qwen3-0.6b qwen3.5-0.8b]  STALL_BENCH_MODELS [qwen3-8b qwen3.5-9b]   the stalls step: cold vs warm
@@ -215,6 +232,8 @@ FUSED_TESTS=${FUSED_TESTS-tests/test_fused_linear.py tests/test_invariant_kernel
 FUSED_SWEEP=${FUSED_SWEEP:-1}
 FUSED_MODELS=${FUSED_MODELS-qwen3-0.6b qwen3-8b}
 FUSED_BATCHES=${FUSED_BATCHES:-1,32}
+FUSED_PREFILL=${FUSED_PREFILL-4096}
+ATTENTION_SWEEP=${ATTENTION_SWEEP:-0}
 FUSED_MODES=${FUSED_MODES:-fused_linear=torch fused_linear=triton,gemv_rows=0 fused_linear=triton}
 GEMV_SWEEP=${GEMV_SWEEP:-1}
 GEMV_NORM_CHAIN=${GEMV_NORM_CHAIN:-1}
@@ -376,12 +395,14 @@ if wants fused; then
     "TQDM_DISABLE=1 python3 -m pocketlab.layers.gemv_sweep | tee reports/gpu/gemv-sweep-h200.txt"
   [ "$GEMV_NORM_CHAIN" = 1 ] && step "gemv pre-norm, own kernel vs folded" 120 "$reserve" bash -o pipefail -c \
     "python3 -m pocketlab.layers.gemv_sweep --norm-chain | tee reports/gpu/gemv-norm-chain-h200.txt"
+  [ "$ATTENTION_SWEEP" = 1 ] && step "decode attention splits (sweep)" 200 "$reserve" bash -o pipefail -c \
+    "TQDM_DISABLE=1 python3 -m pocketlab.layers.decode_attention_sweep | tee reports/gpu/decode-attention-splits-h200.txt"
   for m in $FUSED_MODELS; do
     for mode in $FUSED_MODES; do   # a mode: NAME=VALUE, comma-separated: engine options, or UPPER_CASE env vars
       opts="" envs=""
       for kv in ${mode//,/ }; do if [[ $kv == [A-Z]* ]]; then envs+=" $kv"; else opts+=" --engine-option $kv"; fi; done
-      step "profile $m $mode" 100 "$reserve" bash -o pipefail -c "env $envs python3 -m pocketlab.tools.profile --model $m \
-        --batch-sizes $FUSED_BATCHES --prefill-lens 4096 --steps 10 --top 25 $opts \
+      step "profile $m $mode" 150 "$reserve" bash -o pipefail -c "env $envs python3 -m pocketlab.tools.profile --model $m \
+        --batch-sizes $FUSED_BATCHES --prefill-lens '$FUSED_PREFILL' --steps 10 --top 25 $opts \
         | tee reports/gpu/profile-$m-${mode//[=,]/-}-h200.txt"
     done
   done

@@ -160,7 +160,11 @@ if triton is not None:
         mine = (at >= start) & (at < start + SPLIT_LEN)
         tl.store(k_ptr + base + last * stride_ct + d[None, :], k_new, mask=mine)
         tl.store(v_ptr + base + last * stride_ct + d[None, :], v_new, mask=mine)
-        for n0 in range(0, SPLIT_LEN, BLOCK_N):  # masked loads past `length` move no memory
+        if SPLIT_LEN == BLOCK_N:  # one block: a loop of static length (masked loads past `length` move no memory)
+            span = BLOCK_N
+        else:  # the blocks holding live keys only: one past `length` would leave m, l and acc exactly as they are
+            span = tl.minimum(SPLIT_LEN, length - start)
+        for n0 in range(0, span, BLOCK_N):
             n = start + n0 + tl.arange(0, BLOCK_N)
             cached = n < last
             k = tl.load(k_ptr + base + n[:, None] * stride_ct + d[None, :], mask=cached[:, None], other=0.0)
@@ -182,7 +186,9 @@ if triton is not None:
         o_off = b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
         tl.store(o_ptr + o_off, out, mask=g[:, None] < G)
         tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=g < G)
-        # release our split, acquire the others': the last of (b, kvh)'s splits to finish merges them all
+        # release our split, acquire the others': the last of (b, kvh)'s splits to finish merges them all (the
+        # barrier puts every thread's stores before the one thread's atomic)
+        tl.debug_barrier()
         arrivals = arrived_ptr + b * tl.num_programs(1) + kvh
         if tl.atomic_add(arrivals, 1, sem="acq_rel") == splits - 1:
             s_idx = tl.arange(0, BLOCK_S)
@@ -203,6 +209,9 @@ if triton is not None:
             y = out_ptr + b * stride_yb + heads[:, None] * stride_yh + d[None, :]
             tl.store(y, merged.to(out_ptr.dtype.element_ty), mask=g[:, None] < G)
             tl.atomic_xchg(arrivals, 0)  # ready for the next launch
+
+
+PROGRAMS_WANTED = 256  # two waves on an H200's 132 SMs (reports/gpu/decode-attention-splits-h200.txt)
 
 
 def available(device) -> bool:
@@ -232,7 +241,7 @@ def decode_attention(
     kvh = k_cache.shape[1]
     # K and V tiles of 16 KiB each keep two pipeline stages well inside shared memory (fp32, head_dim 256 too)
     block_n = max(16, min(64, 16384 // (D * k_cache.element_size())))
-    split_len = split_length(B * kvh, max_len, block_n)
+    split_len = split_length(B * kvh, max_len, block_n, PROGRAMS_WANTED)
     splits = triton.cdiv(max_len, split_len)
     o = torch.empty(B, H, splits, D, device=q.device, dtype=torch.float32)
     lse = torch.empty(B, H, splits, device=q.device, dtype=torch.float32)
@@ -293,8 +302,8 @@ def decode_attention(
 
 
 def split_length(programs: int, max_len: int, block_n: int, target: int = 256) -> int:
-    """Keys per split: enough splits that (sequences x kv heads x splits) reaches ~`target` programs (two
-    waves on an H200's 132 SMs), each a whole number of key blocks and at most 64 splits to merge."""
+    """Keys per split: enough splits that (sequences x kv heads x splits) reaches ~`target` programs
+    (PROGRAMS_WANTED in decode_attention), each a whole number of key blocks and at most 64 splits to merge."""
     want = max(1, min(64, target // programs))
     per_split = triton.cdiv(max_len, want)
     return max(block_n, triton.next_power_of_2(per_split))

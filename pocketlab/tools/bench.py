@@ -98,7 +98,7 @@ class BenchConfig:
     def max_seq_len(self) -> int:
         decode = self.decode_prompt + self.warmup + self.new_tokens + 1  # + 1: MoE counts one more step's experts
         serving = self.serving_prompt[1] + self.serving_new[1]
-        return max(max(self.prompt_lens), decode, 100 + self.latency_steps, serving) + 1
+        return max(max(self.prompt_lens, default=0), decode, 100 + self.latency_steps, serving) + 1
 
 
 # -- one run -----------------------------------------------------------------------------------

@@ -149,7 +149,9 @@ def _matmul(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, arrived_ptr, res_ptr, rows, N,
         tl.store(parts + s * stride_ps, acc, mask=live)
         if TWO:
             tl.store(parts + s * stride_ps + N, acc_up, mask=live)
-        # release our partials, acquire the others': the last arrival sees every slice's stores
+        # release our partials, acquire the others': the last arrival sees every slice's stores. The atomic runs
+        # on one thread: the barrier first puts every thread's stores before it
+        tl.debug_barrier()
         arrivals = arrived_ptr + pid_m * tl.num_programs(1) + pid_n  # this tile's count
         count = tl.atomic_add(arrivals, 1, sem="acq_rel")
         done = count == split_k - 1

@@ -1,0 +1,70 @@
+"""How many programs the decode attention should split into: python -m pocketlab.layers.decode_attention_sweep
+
+On CUDA, at the Qwen3-8B (32 query heads, 8 kv heads, head_dim 128, w*x q/k norms) and Qwen3.5-9B (16, 4, 256,
+(1+w)*x) attention shapes, for batches of 1 to 64 sequences of a few live lengths, each in its graph's key bucket
+(graphs.key_buckets): the kernel's time for each PROGRAMS_WANTED (the split count follows from it, split_length),
+and the live K/V it reads per microsecond. Times are medians of CUDA-graph replays cycling over cache copies
+(invariant.sweep.graph_ms), so each call reads its keys from HBM as a decode step does.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from tqdm import tqdm
+
+from . import decode_attention as da
+from .invariant.sweep import graph_ms
+
+SHAPES = {"8b": (32, 8, 128, False), "9b": (16, 4, 256, True)}  # heads, kv heads, head_dim, (1+w)*x norms
+TARGETS = (128, 256, 512, 1024, 2048)
+
+
+def bucket(length: int, smallest: int = 128) -> int:
+    """The key bucket a graphed step of this many keys replays (graphs.key_buckets)."""
+    size = smallest
+    while size < length:
+        size *= 2
+    return size
+
+
+def case_us(shape: str, batch: int, length: int, target: int, copies: int = 3) -> float:
+    heads, kv_heads, dim, offset = SHAPES[shape]
+    keys, dev, dt = bucket(length), torch.device("cuda"), torch.bfloat16
+    caches = [
+        tuple(torch.randn(batch, kv_heads, keys, dim, device=dev, dtype=dt) for _ in range(2)) for _ in range(copies)
+    ]
+    q = torch.randn(batch, heads, dim, device=dev, dtype=dt)
+    k, v = (torch.randn(batch, kv_heads, dim, device=dev, dtype=dt) for _ in range(2))
+    rope = tuple(torch.randn(batch, dim, device=dev) for _ in range(2))
+    norms = (torch.randn(dim, device=dev, dtype=dt), torch.randn(dim, device=dev, dtype=dt), 1e-6, offset)
+    slots = torch.arange(batch, device=dev)
+    lengths = torch.full((batch,), length, device=dev, dtype=torch.int32)
+    before, da.PROGRAMS_WANTED = da.PROGRAMS_WANTED, target
+    try:
+        run = lambda kv: da.decode_attention(q, k, v, *kv, slots, lengths, keys, dim**-0.5, rope, norms)  # noqa: E731
+        return graph_ms(run, caches) * 1e3
+    finally:
+        da.PROGRAMS_WANTED = before
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m pocketlab.layers.decode_attention_sweep", description=__doc__)
+    p.add_argument("--batches", default="1,8,32,64")
+    p.add_argument("--lengths", default="150,1100,4000")
+    a = p.parse_args(argv)
+    cases = [(s, int(b), int(n)) for s in SHAPES for b in a.batches.split(",") for n in a.lengths.split(",") if b and n]
+    print(f"{'shape':<6}{'B':>4}{'keys':>6}{'bucket':>7}  " + "".join(f"{f'{t} progs':>12}" for t in TARGETS)
+          + "   best  (us; GB/s of live K/V at the best)")  # fmt: skip
+    for shape, batch, length in tqdm(cases, desc="cases"):
+        _, kv_heads, dim, _ = SHAPES[shape]
+        times = [case_us(shape, batch, length, t) for t in TARGETS]
+        best = min(range(len(TARGETS)), key=times.__getitem__)
+        live_bytes = 2 * batch * kv_heads * length * dim * 2
+        print(f"{shape:<6}{batch:>4}{length:>6}{bucket(length):>7}  " + "".join(f"{t:>12.2f}" for t in times)
+              + f"   {TARGETS[best]:>5}  ({live_bytes / times[best] / 1e3:.0f})")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
