@@ -14,6 +14,7 @@ import argparse
 import torch
 from tqdm import tqdm
 
+from ..graphs import key_buckets
 from . import decode_attention as da
 from .invariant.sweep import graph_ms
 
@@ -21,12 +22,9 @@ SHAPES = {"8b": (32, 8, 128, False), "9b": (16, 4, 256, True)}  # heads, kv head
 TARGETS = (128, 256, 512, 1024, 2048)
 
 
-def bucket(length: int, smallest: int = 128) -> int:
-    """The key bucket a graphed step of this many keys replays (graphs.key_buckets)."""
-    size = smallest
-    while size < length:
-        size *= 2
-    return size
+def bucket(length: int) -> int:
+    """The key bucket a graphed step of this many keys replays, in an engine whose longest context is far beyond."""
+    return next(size for size in key_buckets(2 * max(length, 128)) if size >= length)
 
 
 def case_us(shape: str, batch: int, length: int, target: int, copies: int = 3) -> float:
