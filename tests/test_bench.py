@@ -146,6 +146,23 @@ def test_bench_tables_and_perf_figures(result):
     assert all(positive(v) for v in figs.values())
 
 
+def test_ratios_to_hf_are_judged_from_each_sides_best_rate(result):
+    """One round: the bench's own ratios. Rounds where one side ran slow (a neighbour's load) do not move them: each
+    side's best rate over the rounds is judged, not the per-round ratios (here half and three times the truth)."""
+    one = perf.rounds_table([result], ("vs_hf",))
+    assert len(one) and one["judged"].to_dict() == pytest.approx(one["median"].to_dict())
+    slow_ours, slow_hf = json.loads(json.dumps(result)), json.loads(json.dumps(result))
+    for d in slow_ours["decode"]:
+        d["tokens_per_s"] /= 2
+    for p in slow_hf["peer"]:
+        p["tokens_per_s"] /= 3
+    for slow, factor in ((slow_ours, 0.5), (slow_hf, 3.0)):
+        slow["ratios"] = {k: v * factor for k, v in slow["ratios"].items()}
+    table = perf.rounds_table([slow_ours, slow_hf], ("vs_hf",))
+    assert table["judged"].to_dict() == pytest.approx(one["judged"].to_dict())
+    assert table["median"].to_dict() != pytest.approx(one["median"].to_dict())  # the old judge moved: 1.75x
+
+
 BASELINE = {"figures": {"pocketlab_over_hf_eager_b1": 1.5, "roofline_frac_b1": 0.4}, "kinds": ["vs_hf", "roofline"]}
 
 

@@ -7,8 +7,9 @@ and judge. Every judged figure is higher-is-better.
     python -m pocketlab.verify.perf --device cpu --dtype float32 --model tiny-qwen3            # check
     python -m pocketlab.verify.perf --write-baseline --device cpu --dtype float32 --model tiny-qwen3
 
-On a shared CPU the check runs the bench in several rounds (one thread, low-quantile step times) and
-judges the median of each figure over the rounds; on a GPU one round with medians is steady.
+On a shared CPU the check runs the bench in several rounds (one thread, low-quantile step times) and judges
+each ratio to HF from the two sides' best rates over the rounds (the median over rounds for other figures); on a
+GPU one round with medians is steady.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ BENCH_DIR_ENV = "POCKETLAB_BENCH_DIR"  # reuse a bench JSON from the same GPU ru
 # calibration moved by up to 17% between back-to-back runs. Roofline and prefill are still shown. Even the
 # ratios moved by up to 8% between back-to-back runs of the tiny hybrid here, so the CPU tolerance is 15%;
 # the GPU keeps the 5% the perf contract asks for. One round's b16 ratio at tiny-qwen3 ranged 0.79-1.36 on
-# 2026-12-03 (baseline 1.20) and the median of five rounds 0.90-1.18, once past the tolerance: nine rounds.
+# 2026-12-03 (baseline 1.20) and the median of five rounds 0.90-1.18, once past the tolerance: nine rounds. The
+# median of nine still fell to 0.92 once (rounds 0.91-1.63): noise on a shared CPU only ever slows a side, and the
+# two sides are timed apart, so each round's ratio swings; each side's best rate over the rounds does not.
 SETTINGS = {
     "cpu": dict(
         batch_sizes=(1, 4, 16),
@@ -129,12 +132,29 @@ def figures(result: dict, kinds=("vs_hf", "roofline", "prefill")) -> dict[str, f
 
 
 def rounds_table(results: list[dict], kinds) -> pd.DataFrame:
-    """Each figure per round, and the median over rounds (the value that is judged)."""
+    """Each figure per round, the median over rounds, and the value that is judged: for a ratio to HF, our best
+    rate over the rounds over HF's best (`best_rates_ratios`), else the median."""
     df = pd.DataFrame([figures(r, kinds) for r in results]).T
     df.columns = [f"round {i}" for i in range(len(results))]
     df["median"] = df.median(axis=1)
+    best = best_rates_ratios(results)
+    df["judged"] = [best.get(name, median) for name, median in df["median"].items()]
     df.index.name = "figure"
     return df
+
+
+def best_rates_ratios(results: list[dict]) -> dict[str, float]:
+    """pocketlab_over_hf_<mode>_b<batch> as tools.bench computes it, from each side's best decode rate over the
+    rounds: one round gives the bench's own ratio."""
+    ours: dict[int, float] = {}
+    peers: dict[tuple[str, int], float] = {}
+    for r in results:
+        for d in r["decode"]:
+            ours[d["batch"]] = max(ours.get(d["batch"], 0.0), d["tokens_per_s"])
+        for p in r["peer"]:
+            if "error" not in p:
+                peers[p["mode"], p["batch"]] = max(peers.get((p["mode"], p["batch"]), 0.0), p["tokens_per_s"])
+    return {f"pocketlab_over_hf_{mode}_b{b}": ours[b] / rate for (mode, b), rate in peers.items() if b in ours}
 
 
 # -- baseline ----------------------------------------------------------------------------------
@@ -143,7 +163,7 @@ def baseline_path(device: str, model: str) -> Path:
 
 
 def write_baseline(results: list[dict], kinds, path: Path) -> Path:
-    """Store the judged figures (medians over rounds), the settings and the raw first round."""
+    """Store the judged figures (rounds_table's), the settings and the raw first round."""
     table = rounds_table(results, kinds)
     meta = results[0]["meta"]
     device = meta["config"]["device"]
@@ -153,7 +173,7 @@ def write_baseline(results: list[dict], kinds, path: Path) -> Path:
         "dtype": meta["config"]["dtype"],
         "kinds": list(kinds),
         "tolerance": settings(device)["tolerance"],
-        "figures": table["median"].to_dict(),
+        "figures": table["judged"].to_dict(),
         "rounds": len(results),
         "meta": meta,
         "raw": results[0],
@@ -231,7 +251,7 @@ def check(results: list[dict], path: Path | None = None) -> tuple[pd.DataFrame, 
     baseline = json.loads(path.read_text())
     if baseline["dtype"] != meta["dtype"]:
         raise ValueError(f"baseline {path} is {baseline['dtype']}, this run is {meta['dtype']}")
-    current = rounds_table(results, baseline["kinds"])["median"].to_dict()
+    current = rounds_table(results, baseline["kinds"])["judged"].to_dict()
     table = compare(current, baseline, baseline.get("tolerance", TOLERANCE))
     return table, verdict(table)
 
@@ -277,7 +297,7 @@ def perf(
         "copy_GBps": first["ceilings"]["copy"]["bytes_per_s"] / 1e9,
         "matmul_TFLOPs": first["ceilings"]["matmul"]["flop_per_s"] / 1e12,
         **{f"decode_tok_s_b{d['batch']}": d["tokens_per_s"] for d in first["decode"]},
-        **t["rounds"]["median"].to_dict(),
+        **t["rounds"]["judged"].to_dict(),
         **{k: v for k, v in first["ratios"].items() if k.startswith(("latency_", "serving_"))},
     }
     return Report("perf", summary, t, figs)
