@@ -241,7 +241,7 @@ def decode_attention(
     kvh = k_cache.shape[1]
     # K and V tiles of 16 KiB each keep two pipeline stages well inside shared memory (fp32, head_dim 256 too)
     block_n = max(16, min(64, 16384 // (D * k_cache.element_size())))
-    split_len = split_length(B * kvh, max_len, block_n, PROGRAMS_WANTED)
+    split_len = split_length(B * kvh, max_len, block_n)
     splits = triton.cdiv(max_len, split_len)
     o = torch.empty(B, H, splits, D, device=q.device, dtype=torch.float32)
     lse = torch.empty(B, H, splits, device=q.device, dtype=torch.float32)
@@ -301,9 +301,9 @@ def decode_attention(
     return out
 
 
-def split_length(programs: int, max_len: int, block_n: int, target: int = 256) -> int:
-    """Keys per split: enough splits that (sequences x kv heads x splits) reaches ~`target` programs
-    (PROGRAMS_WANTED in decode_attention), each a whole number of key blocks and at most 64 splits to merge."""
-    want = max(1, min(64, target // programs))
+def split_length(programs: int, max_len: int, block_n: int) -> int:
+    """Keys per split: enough splits that (sequences x kv heads x splits) reaches ~PROGRAMS_WANTED programs (read
+    at each call, so the sweep can vary it), each a whole number of key blocks and at most 64 splits to merge."""
+    want = max(1, min(64, PROGRAMS_WANTED // programs))
     per_split = triton.cdiv(max_len, want)
     return max(block_n, triton.next_power_of_2(per_split))

@@ -144,17 +144,20 @@ def rounds_table(results: list[dict], kinds) -> pd.DataFrame:
 
 
 def best_rates_ratios(results: list[dict]) -> dict[str, float]:
-    """pocketlab_over_hf_<mode>_b<batch> as tools.bench computes it, from each side's best decode rate over the
-    rounds: one round gives the bench's own ratio."""
-    ours: dict[int, float] = {}
-    peers: dict[tuple[str, int], float] = {}
-    for r in results:
-        for d in r["decode"]:
-            ours[d["batch"]] = max(ours.get(d["batch"], 0.0), d["tokens_per_s"])
-        for p in r["peer"]:
-            if "error" not in p:
-                peers[p["mode"], p["batch"]] = max(peers.get((p["mode"], p["batch"]), 0.0), p["tokens_per_s"])
-    return {f"pocketlab_over_hf_{mode}_b{b}": ours[b] / rate for (mode, b), rate in peers.items() if b in ours}
+    """pocketlab_over_hf_<mode>_b<batch> by tools.bench.ratios over each side's fastest round per batch (and peer
+    mode): one round gives the bench's own ratios."""
+
+    def fastest(rows: list[dict], key) -> list[dict]:
+        best: dict = {}
+        for row in rows:
+            if "error" not in row and (key(row) not in best or row["tokens_per_s"] > best[key(row)]["tokens_per_s"]):
+                best[key(row)] = row
+        return list(best.values())
+
+    decode = fastest([d for r in results for d in r["decode"]], lambda d: d["batch"])
+    peer = fastest([p for r in results for p in r["peer"]], lambda p: (p["mode"], p["batch"]))
+    ratios = bench.ratios({"decode": decode, "peer": peer})
+    return {k: v for k, v in ratios.items() if k.startswith("pocketlab_over_hf_")}
 
 
 # -- baseline ----------------------------------------------------------------------------------
