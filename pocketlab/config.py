@@ -247,6 +247,7 @@ class EngineOptions:
     fused_linear: str = "auto"  # few-row projections with their residual add / SwiGLU in one Triton kernel
     gemv_rows: int = 1  # fused_linear: projections of at most this many rows stream their weight (layers.gemv); 0: off
     moe_kernel: str = "auto"  # routed experts: "triton" (layers.moe_kernel), "torch" (grouped_mm), "auto": GPU triton
+    moe_gemv_tokens: int = 1  # with both Triton paths: MoE blocks of at most this many tokens take layers.moe_gemv
     graph_batch_sizes: tuple[int, ...] = field(default=(1, 2, 4, 8, 16, 32, 64))
     batch_invariant: bool = False  # logits bitwise independent of the batch (Triton kernels; CPU: interpreter)
     speculative_tokens: int = 0  # drafts per decode step (MTP head), verified in one forward; 0: off
@@ -281,6 +282,8 @@ class EngineOptions:
                 raise ValueError(f"{name} {getattr(self, name)!r} is not one of auto, triton, torch")
         if not 0 <= self.gemv_rows <= GEMV_MAX_ROWS:
             raise ValueError(f"gemv_rows={self.gemv_rows}: need 0 <= rows <= {GEMV_MAX_ROWS} (layers.gemv's launch)")
+        if not (isinstance(self.moe_gemv_tokens, int) and self.moe_gemv_tokens >= 0):
+            raise ValueError(f"moe_gemv_tokens={self.moe_gemv_tokens!r}: need an int >= 0 (0: off)")
         if self.max_slots != "auto" and not (isinstance(self.max_slots, int) and self.max_slots >= 1):
             raise ValueError(f"max_slots={self.max_slots!r}: an int >= 1, or 'auto'")
         if self.max_seq_len < 2 or self.prefill_chunk < 1:

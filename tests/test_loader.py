@@ -77,3 +77,6 @@ def test_missing_shard_and_bad_config(checkpoint, tmp_path):
 def test_options_are_checked():
     with pytest.raises(ValueError, match="dtype"):
         EngineOptions(dtype="int8")
+    for bad in (-1, 1.5):
+        with pytest.raises(ValueError, match="moe_gemv_tokens"):
+            EngineOptions(moe_gemv_tokens=bad)

@@ -229,6 +229,30 @@ def test_fused_experts_rows_do_not_depend_on_the_batch():
 
 
 @needs_triton
+@pytest.mark.parametrize("offset", [False, True], ids=["w*x", "(1+w)*x"])
+def test_gemv_experts_equal_the_torch_path(offset):
+    """Decode's few tokens through layers.moe_gemv (a program per pair streams its expert's rows with the block's
+    RMSNorm in the gate_up launch; the k products, gated shared expert and residual added in the down launch)
+    against the reference loop on the float32 norm of x, at 1-4 tokens and with each part left out. Rows of very
+    different scales and a large eps, so a norm over part of H, a lost routing weight or pair shows."""
+    from pocketlab.layers.moe_gemv import gemv_experts
+    from pocketlab.layers.norm import RMSNorm
+
+    g = torch.Generator().manual_seed(11)
+    for N in (1, 2, 4):
+        x, gu, d, w, ids = expert_inputs(N, H=70, seed=20 + N)
+        x = x * torch.logspace(-2, 1, N, device=DEVICE)[:, None]
+        residual, shared, logits = (torch.randn(N, n, generator=g).to(DEVICE) for n in (70, 70, 9))
+        everything = dict(shared=shared, shared_gate=logits[:, 8:], residual=residual)
+        for norm in (None, RMSNorm(torch.randn(70, generator=g).to(DEVICE), 1e-2, offset)):
+            normed = x if norm is None else norm(x)
+            for extra in ({}, dict(residual=residual), everything):
+                want = moe.looped_experts(normed, gu, d, w, ids, **extra)
+                got = gemv_experts(x, gu, d, w, ids, norm=norm, **extra)
+                torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+@needs_triton
 def test_align_in_one_launch_gives_the_torch_layout():
     """The one-program align (histogram, sort, scans) lays the pairs out exactly as the torch ops do: experts
     idle, in one partial block, over several blocks; one pair alone; the most pairs it takes."""
@@ -289,12 +313,26 @@ def test_padding_rows_do_not_touch_real_tokens():
 
 
 @needs_triton
-def test_engine_with_the_triton_experts_matches_the_torch_path(checkpoint):
+@pytest.mark.parametrize("fused_linear", ["torch", "triton"])
+def test_engine_with_the_triton_experts_matches_the_torch_path(fused_linear, checkpoint, monkeypatch):
+    """The Triton experts in the engine; with the fused linears, decode's one token takes layers.moe_gemv (the
+    norm folded into the router, shared expert and experts) and prefill the block kernels."""
+    from pocketlab.layers import moe_gemv
+
+    real, tokens = moe_gemv.gemv_experts, []
+
+    def counted(x, *args, **kwargs):
+        tokens.append(x.shape[0])
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(moe_gemv, "gemv_experts", counted)
     path = checkpoint("tiny-qwen3_5_moe")
     prompt = random_prompt(20, seed=3)
     want = greedy_run(engine(path, moe_kernel="torch"), prompt, 4)
-    got = greedy_run(engine(path, moe_kernel="triton"), prompt, 4)
+    eng = engine(path, moe_kernel="triton", fused_linear=fused_linear)
+    got = greedy_run(eng, prompt, 4)
     assert got[0] == want[0] and close(got[1], want[1])
+    assert tokens == ([1] * eng.cfg.num_hidden_layers * 4 if fused_linear == "triton" else [])  # 4 decode steps
 
 
 # -- engine guarantees on the MoE presets ---------------------------------------------------------

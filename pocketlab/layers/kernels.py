@@ -30,6 +30,8 @@ class Kernels:
     delta_rule_in_place: bool = False  # Gated DeltaNet: every token through the in-place kernels, no chunked rule
     moe_route: Callable = moe.route  # (router logits, top_k, renormalize) -> (weights, expert ids)
     moe_experts: Callable = moe.grouped_experts  # (x, gate_up, down, weights, ids, residual, shared, shared_gate)
+    moe_few_experts: Callable | None = None  # at up to moe_few_tokens tokens: the same with norm=, folded in
+    moe_few_tokens: int = 0
     # tensor parallelism (pocketlab.parallel): the sum over ranks of row-parallel outputs (None: one device), the
     # vocab-parallel embedding lookup, and the gather of vocab-parallel logits
     all_reduce: Callable | None = None
@@ -88,7 +90,12 @@ def _moe_kernels(options) -> dict:
     from .moe_kernel import fused_experts, route_in_one_launch
 
     on_cuda = torch.device(options.device).type == "cuda"
-    return dict(moe_route=route_in_one_launch if on_cuda else moe.route, moe_experts=fused_experts)
+    kernels = dict(moe_route=route_in_one_launch if on_cuda else moe.route, moe_experts=fused_experts)
+    if options.batch_invariant or not fuses_linear(options) or not options.moe_gemv_tokens:
+        return kernels
+    from . import moe_gemv  # decode's token streams its experts' rows as the linears do (layers.gemv)
+
+    return kernels | dict(moe_few_experts=moe_gemv.gemv_experts, moe_few_tokens=options.moe_gemv_tokens)
 
 
 def _kernels_for(options) -> Kernels:

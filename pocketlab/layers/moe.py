@@ -12,6 +12,7 @@ kernels of layers.moe_kernel. `looped_experts` is the plain one-matmul-per-exper
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -126,24 +127,27 @@ class SparseMoE:
             self.shared_down = w.pop(s + "down_proj.weight")
         self.linear = kernels.linear
         self.route, self.experts = kernels.moe_route, kernels.moe_experts
+        self.few_experts, self.few_tokens = kernels.moe_few_experts, kernels.moe_few_tokens
         self.all_reduce = kernels.all_reduce  # tensor parallelism: each rank computes its slice of every expert
 
     def __call__(self, h: torch.Tensor, norm) -> torch.Tensor:
         """h + moe(norm(h)): the residual add and the shared expert's gate ride on the routed experts' last launch
-        (on one device; split over ranks the partial sums are all-reduced before the residual). The norm runs once,
-        as its own kernel: the router, the shared expert and the experts all read it."""
+        (on one device; split over ranks the partial sums are all-reduced before the residual)."""
         stream = h.reshape(-1, h.shape[-1])
-        flat = norm(stream)
-        logits = self.linear(flat, self.router)
+        if self.few_experts and stream.shape[0] <= self.few_tokens:  # decode: each launch reading the norm runs it
+            x, experts = stream, functools.partial(self.few_experts, norm=norm)
+        else:  # the norm once, as its own kernel: the router, the shared expert and the experts all read it
+            x, norm, experts = norm(stream), None, self.experts
+        logits = self.linear(x, self.router, norm=norm)
         weights, ids = self.route(logits[:, : self.num_experts], self.top_k, self.renormalize)
         if _recorders:
             _recorders[-1].append(ids)
         shared = gate = None
         if self.shared:
-            shared = self.linear(self.linear(flat, self.shared_gate_up, swiglu=True), self.shared_down)
+            shared = self.linear(self.linear(x, self.shared_gate_up, swiglu=True, norm=norm), self.shared_down)
             gate = logits[:, self.num_experts :]
         residual = stream if self.all_reduce is None else None
-        y = self.experts(flat, self.gate_up, self.down, weights, ids, residual, shared, gate)
+        y = experts(x, self.gate_up, self.down, weights, ids, residual, shared, gate)
         if self.all_reduce is not None:
             y = stream + self.all_reduce(y)
         return y.view_as(h)

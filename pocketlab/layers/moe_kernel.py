@@ -234,10 +234,19 @@ def _combine(pairs_ptr, out_ptr, shared_ptr, gate_ptr, residual_ptr, H, stride_s
     token = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     live = n < H
-    dtype = out_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         acc += tl.load(pairs_ptr + (token * TOP_K + j) * H + n, mask=live, other=0.0).to(tl.float32)
+    y = finish_token(acc, token, n, live, shared_ptr, gate_ptr, residual_ptr, stride_s, stride_g, stride_r,
+                     out_ptr.dtype.element_ty, SHARED, RESIDUAL)  # fmt: skip
+    tl.store(out_ptr + token * H + n, y, mask=live)
+
+
+@triton.jit
+def finish_token(acc, token, n, live, shared_ptr, gate_ptr, residual_ptr, stride_s, stride_g, stride_r,
+                 dtype: tl.constexpr, SHARED: tl.constexpr, RESIDUAL: tl.constexpr):  # fmt: skip
+    """A token's float32 sum of its k routed outputs (columns n) -> [residual +] (sum [+ shared * sigmoid(gate)]) in
+    `dtype`, each step rounded where moe.combine's torch ops round."""
     y = cast(acc, dtype).to(tl.float32)
     if SHARED:
         s = tl.load(shared_ptr + token * stride_s + n, mask=live, other=0.0).to(tl.float32)
@@ -245,7 +254,7 @@ def _combine(pairs_ptr, out_ptr, shared_ptr, gate_ptr, residual_ptr, H, stride_s
         y = cast(y + cast(s * g, dtype).to(tl.float32), dtype).to(tl.float32)
     if RESIDUAL:
         y = tl.load(residual_ptr + token * stride_r + n, mask=live, other=0.0).to(tl.float32) + y
-    tl.store(out_ptr + token * H + n, cast(y, dtype), mask=live)
+    return cast(y, dtype)
 
 
 def fused_experts(

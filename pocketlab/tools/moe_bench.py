@@ -1,5 +1,6 @@
 """The routed experts of one MoE layer alone, each path timed against the device's ceilings in the same run: how
-the Triton kernels (layers.moe_kernel) and torch's grouped_mm (layers.moe) compare, to choose moe_kernel "auto".
+the Triton kernels (layers.moe_kernel; layers.moe_gemv at decode sizes) and torch's grouped_mm (layers.moe)
+compare, to choose moe_kernel "auto" and the tokens up to which decode streams its experts' rows.
 
     python -m pocketlab.tools.moe_bench --model qwen3.5-35b-a3b --device cuda [--tokens 1,2,4,8,16,32,64,4096]
         [--sweep]   (CUDA: each projection's launch tiles at the decode sizes, to choose moe_kernel.tiles)
@@ -34,9 +35,10 @@ GRAPH_MAX_TOKENS = 64  # decode batches: the engine replays these from CUDA grap
 def paths(device: str) -> dict:
     out = {"grouped_mm": moe.grouped_experts, "loop": moe.looped_experts}
     if torch.device(device).type == "cuda":
+        from ..layers.moe_gemv import gemv_experts
         from ..layers.moe_kernel import fused_experts
 
-        out = {"triton": fused_experts} | out
+        out = {"triton": fused_experts, "gemv": gemv_experts} | out
     return out
 
 
@@ -81,6 +83,9 @@ def bench_layer(
         for name, fn in (("route_torch", moe.route), ("route_triton", route_in_one_launch)):
             row[name] = {"seconds": clock.measure(in_graph(fn, (logits, k, cfg.norm_topk_prob)), repeats, warmup=3)}
     for name, fn in paths(device).items():
+        if name == "gemv" and not decode:
+            row[name] = {"error": "decode sizes only"}
+            continue
         try:
             run = in_graph(fn, args) if decode and name != "loop" else functools.partial(fn, *args)
             seconds = clock.measure(run, repeats, warmup=3)
