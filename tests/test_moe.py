@@ -332,7 +332,10 @@ def test_engine_with_the_triton_experts_matches_the_torch_path(fused_linear, che
     eng = engine(path, moe_kernel="triton", fused_linear=fused_linear)
     got = greedy_run(eng, prompt, 4)
     assert got[0] == want[0] and close(got[1], want[1])
-    assert tokens == ([1] * eng.cfg.num_hidden_layers * 4 if fused_linear == "triton" else [])  # 4 decode steps
+    if fused_linear == "triton":  # every layer of a decode step (CUDA graph replays run no Python: fewer there)
+        assert set(tokens) == {1} and len(tokens) >= eng.cfg.num_hidden_layers
+    else:
+        assert tokens == []
 
 
 # -- engine guarantees on the MoE presets ---------------------------------------------------------

@@ -64,23 +64,14 @@ NO_NORM, NORM, NORM_OFFSET = 0, 1, 2  # the input's RMSNorm: none, `g * x` (Qwen
 
 
 @triton.jit(do_not_specialize=["rows"])
-def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, g_ptr, ids_ptr, eps, rows, N, K, stride_xm, stride_wn, stride_ym,
-          stride_rm, stride_we, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, NORM: tl.constexpr,
-          TOP_K: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-          PDL: tl.constexpr):  # fmt: skip
+def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, g_ptr, eps, rows, N, K, stride_xm, stride_wn, stride_ym, stride_rm,
+          HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, NORM: tl.constexpr, ROWS: tl.constexpr,
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """y[m, n] for the ROWS rows and this program's BLOCK_N columns: float32 lanes [ROWS, BLOCK_N, BLOCK_K] along
     K, summed once. NORM: x is first RMS-normed with weight g (see the module docstring). EPILOGUE 1: y = residual +
     x @ W^T; 2: W is [gate | up] (2N rows), y = silu(x @ gate^T) * (x @ up^T). Each weight tile is loaded one step
     ahead of its use, the first before the PDL wait (weights are never written), so the read streams while the
-    previous kernel finishes. TOP_K > 0: routed experts, one (token, k) pair per program_id(1): W is expert
-    ids[pair] of a stack [E, N, K] (its id is written by the kernel before: read after the wait), x the pair's
-    token's row, y the pair's row."""
-    if TOP_K:
-        wait_then_release(PDL)
-        pair = tl.program_id(1).to(tl.int64)
-        w_ptr += tl.load(ids_ptr + pair).to(tl.int64) * stride_we
-        x_ptr += pair // TOP_K * stride_xm
-        y_ptr += pair * stride_ym
+    previous kernel finishes."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, ROWS)
     live_m, live_n = m < rows, n < N
@@ -92,8 +83,7 @@ def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, g_ptr, ids_ptr, eps, rows, N, K, 
     w = tl.load(w_rows + k[None, :], mask=live_n[:, None] & (k < K)[None, :], other=0.0)
     up = tl.load(up_rows + k[None, :], mask=live_n[:, None] & (k < K)[None, :], other=0.0) if TWO else w
     g = tl.load(g_ptr + k, mask=k < K, other=0.0) if NORM else k  # the norm's weight: ahead like the others
-    if not TOP_K:
-        wait_then_release(PDL)
+    wait_then_release(PDL)
     lanes = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
     lanes_up = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
     squares = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
@@ -144,21 +134,17 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 
 def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, t: Launch,
-           epilogue: int = PLAIN, residual: torch.Tensor | None = None, norm=None,
-           ids: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+           epilogue: int = PLAIN, residual: torch.Tensor | None = None, norm=None) -> torch.Tensor:  # fmt: skip
     """y[M, N] = x2 @ weight^T (+ bias, + the epilogue; of norm(x2) with a norm) with launch `t` (the sweep tries
-    others). With expert `ids` [M, k]: weight is a stack [E, N', K] and row j of y [M * k, N] is x2's row j // k
-    through expert ids.flatten()[j] (one row per launch program)."""
+    others)."""
     M, K = x2.shape
     N = y.shape[1]
     flavour = NO_NORM if norm is None else NORM_OFFSET if norm.offset else NORM
-    top_k = 0 if ids is None else ids.shape[1]
-    _gemv[(triton.cdiv(N, t.block_n), y.shape[0] if top_k else 1)](
+    _gemv[(triton.cdiv(N, t.block_n),)](
         x2, weight, y if bias is None else bias, y, y if residual is None else residual,
-        y if norm is None else norm.weight, y if ids is None else ids, 0.0 if norm is None else norm.eps,
-        1 if top_k else M, N, K, x2.stride(0), weight.stride(-2), y.stride(0),
-        0 if residual is None else residual.stride(0), weight.stride(0) if top_k else 0, HAS_BIAS=bias is not None,
-        EPILOGUE=epilogue, NORM=flavour, TOP_K=top_k, ROWS=1 if top_k else t.rows, BLOCK_N=t.block_n,
-        BLOCK_K=t.block_k, num_warps=t.num_warps, **pdl.launch(x2.device),
+        y if norm is None else norm.weight, 0.0 if norm is None else norm.eps, M, N, K, x2.stride(0),
+        weight.stride(0), y.stride(0), 0 if residual is None else residual.stride(0), HAS_BIAS=bias is not None,
+        EPILOGUE=epilogue, NORM=flavour, ROWS=t.rows, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps,
+        **pdl.launch(x2.device),
     )  # fmt: skip
     return y

@@ -1,78 +1,159 @@
-"""The routed experts of a decode step's one token (or few): each (token, k) pair streams its expert's weight rows.
+"""The routed experts of a decode step's one token (or few): each program streams the weight rows of all k experts.
 
 At batch 1 a token's k pairs hit k distinct experts, so there is nothing to group: layers.moe_kernel's block
 kernels would sort the pairs (a launch), pad each to a 16-row tensor-core tile, and add the k outputs in a launch
-of their own. Here two launches do it all:
-- gate_up: layers.gemv, a program per (pair, columns) of its expert's [gate | up] with SiLU * mul in the epilogue,
-  and the MoE block's RMSNorm of x in the same launch (the router and shared expert fold it in too: no norm kernel);
-- `_down_sum`: per token and output columns, the k experts' down rows in k order, each product scaled by its routing
-  weight and rounded as the block kernels round it, then the gated shared expert and the residual
-  (moe_kernel.finish_token, moe.combine's roundings).
+of their own. Here two launches do it all, each program taking one token and a few columns of all k experts at once
+(k weight tiles in flight together, the token's row loaded once for all of them):
+- `_gate_up`: silu(x . gate) * (x . up), the MoE block's RMSNorm of x summed on the way as in layers.gemv (the router
+  and shared expert fold it in too, so the block runs no norm kernel);
+- `_down_sum`: each pair's down product scaled by its routing weight and rounded as the block kernels round it, the
+  k of them added in k order, then the gated shared expert and the residual (moe_kernel.finish_token).
+The tiles change how a dot's float32 lanes are summed (a few ulps), never which rows meet: batch-invariant engines
+keep the block kernels.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from . import gemv, pdl
-from .invariant.matmul import SWIGLU
+from . import pdl
+from .invariant.matmul import finish
 from .invariant.rounding import cast
 from .moe_kernel import finish_token
 from .pdl import wait_then_release
 
 
+@dataclass(frozen=True)
+class Launch:
+    """One projection's launch: BLOCK_N columns of all k experts per program, BLOCK_K-wide steps along the input."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+
+
+@dataclass(frozen=True)
+class Tiles:
+    gate_up: Launch
+    down: Launch
+
+
+def tiles(device: torch.device) -> Tiles:
+    """The interpreter keeps small tiles (tails in both directions at test shapes)."""
+    if device.type != "cuda":
+        return Tiles(Launch(2, 32), Launch(2, 16))
+    return Tiles(Launch(2, 128), Launch(4, 128))
+
+
 @triton.jit
-def _down_sum(h_ptr, w_ptr, weights_ptr, ids_ptr, out_ptr, shared_ptr, gate_ptr, residual_ptr, H, I, stride_we,
-              stride_wn, stride_s, stride_g, stride_r, TOP_K: tl.constexpr, SHARED: tl.constexpr,
-              RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    """out[token, n] for this program's BLOCK_N columns: sum over j in k order of cast(weight_j * (h[pair j] .
-    down[e_j, n])), each dot in float32 lanes along I summed once, then finish_token. Expert ids and routing weights
-    come from the routing kernel, so every read is after the PDL wait."""
+def _gate_up(x_ptr, w_ptr, g_ptr, ids_ptr, h_ptr, eps, H, I, stride_x, stride_we, stride_wn, TOP_K: tl.constexpr,
+             NORM: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             PDL: tl.constexpr):  # fmt: skip
+    """h[pair j, n] = silu(x . gate[e_j, n]) * (x . up[e_j, n]) for the token's k pairs and this program's columns:
+    float32 lanes [KP, BLOCK_N, BLOCK_K] along H, summed once; NORM (layers.gemv's flavours): x is RMS-normed with
+    weight g first. Weight tiles load a step ahead of their use; the first after the PDL wait (the routing kernel
+    writes the expert ids)."""
     wait_then_release(PDL)
     token = tl.program_id(1).to(tl.int64)
+    j = tl.arange(0, KP)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    live = n < H
+    live = (j < TOP_K)[:, None, None] & (n < I)[None, :, None]
+    e = tl.load(ids_ptr + token * TOP_K + j, mask=j < TOP_K, other=0).to(tl.int64)
+    gate_rows = w_ptr + e[:, None, None] * stride_we + n.to(tl.int64)[None, :, None] * stride_wn
+    up_rows = gate_rows + I * stride_wn
+    k = tl.arange(0, BLOCK_K)
+    gate_w = tl.load(gate_rows + k[None, None, :], mask=live & (k < H)[None, None, :], other=0.0)
+    up_w = tl.load(up_rows + k[None, None, :], mask=live & (k < H)[None, None, :], other=0.0)
+    lanes_gate = tl.zeros((KP, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    lanes_up = tl.zeros((KP, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        ahead = live & (k + BLOCK_K < H)[None, None, :]
+        gate_next = tl.load(gate_rows + (k + BLOCK_K)[None, None, :], mask=ahead, other=0.0)
+        up_next = tl.load(up_rows + (k + BLOCK_K)[None, None, :], mask=ahead, other=0.0)
+        x = tl.load(x_ptr + token * stride_x + k, mask=k < H, other=0.0).to(tl.float32)
+        if NORM:
+            squares += x * x
+            x = x * (tl.load(g_ptr + k, mask=k < H, other=0.0).to(tl.float32) + (1.0 if NORM == 2 else 0.0))
+        lanes_gate += x[None, None, :] * gate_w.to(tl.float32)
+        lanes_up += x[None, None, :] * up_w.to(tl.float32)
+        gate_w, up_w = gate_next, up_next
+    gate, up = tl.sum(lanes_gate, axis=2), tl.sum(lanes_up, axis=2)
+    if NORM:
+        inv_rms = tl.rsqrt(tl.sum(squares, axis=0) / H + eps)
+        gate, up = gate * inv_rms, up * inv_rms
+    y = finish(gate, up, h_ptr, h_ptr, j, n, j < TOP_K, n < I, 0, h_ptr.dtype.element_ty, False, 2)  # SwiGLU
+    pairs = token * TOP_K + j
+    tl.store(h_ptr + pairs[:, None] * I + n[None, :], y, mask=(j < TOP_K)[:, None] & (n < I)[None, :])
+
+
+@triton.jit
+def _down_sum(h_ptr, w_ptr, weights_ptr, ids_ptr, out_ptr, shared_ptr, gate_ptr, residual_ptr, H, I, stride_we,
+              stride_wn, stride_s, stride_g, stride_r, TOP_K: tl.constexpr, KP: tl.constexpr, SHARED: tl.constexpr,
+              RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """out[token, n] for this program's columns: the k products cast(weight_j * (h[pair j] . down[e_j, n])) (float32
+    lanes along I, summed once) added in k order in float32, then finish_token. All reads after the PDL wait."""
+    wait_then_release(PDL)
+    token = tl.program_id(1).to(tl.int64)
+    j = tl.arange(0, KP)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    live = (j < TOP_K)[:, None, None] & (n < H)[None, :, None]
+    pairs = token * TOP_K + j
+    e = tl.load(ids_ptr + pairs, mask=j < TOP_K, other=0).to(tl.int64)
+    rows = w_ptr + e[:, None, None] * stride_we + n.to(tl.int64)[None, :, None] * stride_wn
+    k = tl.arange(0, BLOCK_K)
+    w = tl.load(rows + k[None, None, :], mask=live & (k < I)[None, None, :], other=0.0)
+    lanes = tl.zeros((KP, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        w_next = tl.load(rows + (k + BLOCK_K)[None, None, :], mask=live & (k + BLOCK_K < I)[None, None, :], other=0.0)
+        h = tl.load(h_ptr + pairs[:, None] * I + k[None, :], mask=(j < TOP_K)[:, None] & (k < I)[None, :], other=0.0)
+        lanes += h.to(tl.float32)[:, None, :] * w.to(tl.float32)
+        w = w_next
     dtype = out_ptr.dtype.element_ty
+    routing = tl.load(weights_ptr + pairs, mask=j < TOP_K, other=0.0).to(tl.float32)
+    products = cast(tl.sum(lanes, axis=2) * routing[:, None], dtype).to(tl.float32)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        pair = token * TOP_K + j
-        rows = w_ptr + tl.load(ids_ptr + pair).to(tl.int64) * stride_we + n.to(tl.int64)[:, None] * stride_wn
-        lanes = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            h = tl.load(h_ptr + pair * I + k, mask=k < I, other=0.0).to(tl.float32)
-            w = tl.load(rows + k[None, :], mask=live[:, None] & (k < I)[None, :], other=0.0)
-            lanes += h[None, :] * w.to(tl.float32)
-        acc += cast(tl.sum(lanes, axis=1) * tl.load(weights_ptr + pair).to(tl.float32), dtype).to(tl.float32)
-    y = finish_token(acc, token, n, live, shared_ptr, gate_ptr, residual_ptr, stride_s, stride_g, stride_r, dtype,
+    for i in tl.static_range(TOP_K):  # k order: adding the zeros of the other pairs is exact
+        acc += tl.sum(tl.where((j == i)[:, None], products, 0.0), axis=0)
+    y = finish_token(acc, token, n, n < H, shared_ptr, gate_ptr, residual_ptr, stride_s, stride_g, stride_r, dtype,
                      SHARED, RESIDUAL)  # fmt: skip
-    tl.store(out_ptr + token * H + n, y, mask=live)
+    tl.store(out_ptr + token * H + n, y, mask=n < H)
 
 
-def gemv_experts(x, gate_up, down, weights, ids, residual=None, shared=None, shared_gate=None, norm=None):
+def gemv_experts(x, gate_up, down, weights, ids, residual=None, shared=None, shared_gate=None, norm=None,
+                 t: Tiles | None = None):  # fmt: skip
     """moe_kernel.fused_experts' contract (x [N, H], gate_up [E, 2I, H], down [E, H, I], weights/ids [N, k]; the
     residual and the gated shared expert added in the last launch), for decode's few tokens; `norm` (a
-    layers.norm.RMSNorm of width H): the experts read norm(x), normed in the gate_up launch."""
+    layers.norm.RMSNorm of width H): the experts read norm(x), normed in the gate_up launch. t: the launches' tiles
+    (default `tiles(...)`; the bench's sweep passes others)."""
     N, top_k = ids.shape
     E, two_i, H = gate_up.shape
     I = two_i // 2  # noqa: E741
     if gate_up.stride(2) != 1 or down.stride(2) != 1:
         raise ValueError("gemv_experts needs expert weights contiguous along their input dimension")
-    x = x.contiguous()
+    x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
     h = torch.empty(N * top_k, I, dtype=x.dtype, device=x.device)
     total = torch.empty(N, H, dtype=x.dtype, device=x.device)
     if not N:
         return total
-    t = gemv.launch_for(1, I, H, x.device)
-    gemv.launch(x, gate_up, None, h, t, SWIGLU, norm=norm, ids=ids.contiguous())
-    t = gemv.launch_for(1, H, I, x.device)
+    t = t or tiles(x.device)
+    kp = triton.next_power_of_2(top_k)
+    flavour = 0 if norm is None else 2 if norm.offset else 1
+    _gate_up[(triton.cdiv(I, t.gate_up.block_n), N)](
+        x, gate_up, x if norm is None else norm.weight, ids, h, 0.0 if norm is None else norm.eps, H, I,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), TOP_K=top_k, NORM=flavour, KP=kp,
+        BLOCK_N=t.gate_up.block_n, BLOCK_K=t.gate_up.block_k, num_warps=t.gate_up.num_warps, **pdl.launch(x.device),
+    )  # fmt: skip
     s, g, r = (total if a is None else a for a in (shared, shared_gate, residual))  # absent: a pointer never read
-    _down_sum[(triton.cdiv(H, t.block_n), N)](
-        h, down, weights.contiguous(), ids.contiguous(), total, s, g, r, H, I, down.stride(0), down.stride(1),
-        s.stride(0), g.stride(0), r.stride(0), TOP_K=top_k, SHARED=shared is not None,
-        RESIDUAL=residual is not None, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps,
-        **pdl.launch(x.device),
+    _down_sum[(triton.cdiv(H, t.down.block_n), N)](
+        h, down, weights, ids, total, s, g, r, H, I, down.stride(0), down.stride(1), s.stride(0), g.stride(0),
+        r.stride(0), TOP_K=top_k, KP=kp, SHARED=shared is not None, RESIDUAL=residual is not None,
+        BLOCK_N=t.down.block_n, BLOCK_K=t.down.block_k, num_warps=t.down.num_warps, **pdl.launch(x.device),
     )  # fmt: skip
     return total

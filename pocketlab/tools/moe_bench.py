@@ -101,6 +101,8 @@ def bench_layer(
         }
     if sweep and decode:
         row["sweep"] = sweep_tiles(args, clock, repeats)
+    if sweep and decode and n == 1:
+        row["gemv_sweep"] = sweep_gemv_tiles(args, clock, repeats)
     return row
 
 
@@ -122,6 +124,27 @@ def sweep_tiles(args, clock: Clock, repeats: int) -> list[dict]:
                 out.append(cell | {"seconds": clock.measure(run, repeats, 3)})
             except Exception as exc:  # noqa: BLE001 - a launch the compiler refuses is reported, not fatal
                 print(f"sweep: {cell} failed: {type(exc).__name__}: {exc}")
+    return out
+
+
+def sweep_gemv_tiles(args, clock: Clock, repeats: int) -> list[dict]:
+    """layers.moe_gemv graphed with each projection's launch varied alone: columns per program, K step, warps."""
+    from ..layers.moe_gemv import Launch, gemv_experts, tiles
+
+    base = tiles(args[0].device)
+    launches = [Launch(n, k, w) for n in (1, 2, 4, 8) for k in (64, 128, 256) for w in (4, 8)]
+    out = []
+    for proj in ("gate_up", "down"):
+        for launch in launches:
+            cell = {"projection": proj, **dataclasses.asdict(launch)}
+            try:
+                t = dataclasses.replace(base, **{proj: launch})
+                out.append(
+                    cell
+                    | {"seconds": clock.measure(in_graph(functools.partial(gemv_experts, *args, t=t), ()), repeats, 3)}
+                )
+            except Exception as exc:  # noqa: BLE001 - a launch the compiler refuses is reported, not fatal
+                print(f"gemv sweep: {cell} failed: {type(exc).__name__}: {exc}")
     return out
 
 
@@ -168,6 +191,11 @@ def main(argv=None) -> dict:
             runs = sorted((c for c in r["sweep"] if c["projection"] == proj), key=lambda c: c["seconds"])
             best = ", ".join(f"n{c['block_n']} w{c['num_warps']} s{c['num_stages']} {us(c)}" for c in runs[:4])
             print(f"sweep, {r['tokens']} tokens, {proj}: default {us(r['triton'])} us; fastest {best}")
+    for r in (r for r in rows if "gemv_sweep" in r):
+        for proj in ("gate_up", "down"):
+            runs = sorted((c for c in r["gemv_sweep"] if c["projection"] == proj), key=lambda c: c["seconds"])
+            best = ", ".join(f"n{c['block_n']} k{c['block_k']} w{c['num_warps']} {us(c)}" for c in runs[:4])
+            print(f"gemv sweep, {r['tokens']} token, {proj}: default {us(r['gemv'])} us; fastest {best}")
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=2))
     return result
