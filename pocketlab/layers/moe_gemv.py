@@ -43,10 +43,11 @@ class Tiles:
 
 
 def tiles(device: torch.device) -> Tiles:
-    """The interpreter keeps small tiles (tails in both directions at test shapes)."""
+    """From `python -m pocketlab.tools.moe_bench --sweep` at both MoE shapes (reports/gpu/moe-experts-*); the
+    interpreter keeps small tiles (tails in both directions at test shapes)."""
     if device.type != "cuda":
         return Tiles(Launch(2, 32), Launch(2, 16))
-    return Tiles(Launch(2, 128), Launch(4, 128))
+    return Tiles(Launch(2, 256), Launch(2, 128))
 
 
 @triton.jit
