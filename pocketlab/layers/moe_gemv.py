@@ -98,20 +98,17 @@ def _down_sum(h_ptr, w_ptr, weights_ptr, ids_ptr, out_ptr, shared_ptr, gate_ptr,
               stride_wn, stride_s, stride_g, stride_r, TOP_K: tl.constexpr, KP: tl.constexpr, SHARED: tl.constexpr,
               RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """out[token, n] for this program's columns: the k products cast(weight_j * (h[pair j] . down[e_j, n])) (float32
-    lanes along I, summed once) added in k order in float32, then finish_token. The expert ids, routing weights and
-    first weight tiles are read before the PDL wait: the routing kernel ran before `_gate_up`, which waited for it
-    before letting this launch start (pdl: one kernel ahead at most). h, `_gate_up`'s output, after."""
+    lanes along I, summed once) added in k order in float32, then finish_token. All reads after the PDL wait."""
+    wait_then_release(PDL)
     token = tl.program_id(1).to(tl.int64)
     j = tl.arange(0, KP)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     live = (j < TOP_K)[:, None, None] & (n < H)[None, :, None]
     pairs = token * TOP_K + j
     e = tl.load(ids_ptr + pairs, mask=j < TOP_K, other=0).to(tl.int64)
-    routing = tl.load(weights_ptr + pairs, mask=j < TOP_K, other=0.0).to(tl.float32)
     rows = w_ptr + e[:, None, None] * stride_we + n.to(tl.int64)[None, :, None] * stride_wn
     k = tl.arange(0, BLOCK_K)
     w = tl.load(rows + k[None, None, :], mask=live & (k < I)[None, None, :], other=0.0)
-    wait_then_release(PDL)
     lanes = tl.zeros((KP, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -120,6 +117,7 @@ def _down_sum(h_ptr, w_ptr, weights_ptr, ids_ptr, out_ptr, shared_ptr, gate_ptr,
         lanes += h.to(tl.float32)[:, None, :] * w.to(tl.float32)
         w = w_next
     dtype = out_ptr.dtype.element_ty
+    routing = tl.load(weights_ptr + pairs, mask=j < TOP_K, other=0.0).to(tl.float32)
     products = cast(tl.sum(lanes, axis=2) * routing[:, None], dtype).to(tl.float32)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for i in tl.static_range(TOP_K):  # k order: adding the zeros of the other pairs is exact
