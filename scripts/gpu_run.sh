@@ -145,6 +145,20 @@
 # out: STEPS=fused FUSED_TESTS="-n 4 tests/test_decode_attention.py" FUSED_MODELS="qwen3-0.6b qwen3-8b"
 # FUSED_MODES=fused_linear=triton); a second split sweep (ATTENTION_SWEEP=1) before any rule by batch and length; the
 # bench at the other three shapes; then the twelfth session's list.
+# Seventeenth session (2026-12-03, one H200, 30 minutes, all used): CUDA tests of the fused linear + decode attention
+# (-n 4) 80 s; b1-only profiles without prefill 21-78 s (the 35B-A3B 4-layer preset the slowest); tests/test_moe.py
+# on CUDA 74 s; moe_bench 20-48 s per shape (with --sweep at 1-8 tokens); the MoE model bench without the HF peer
+# (b1/b32, prefill 4,096) 44 s at 30B-A3B, 58 s at 35B-A3B; with the static peer at b1/b32 233 s at 30B-A3B. Calls:
+#   STEPS="fused moe" FUSED_TESTS="-n 4 tests/test_fused_linear.py tests/test_decode_attention.py" FUSED_SWEEP=0
+#     GEMV_SWEEP=0 GEMV_NORM_CHAIN=0 FUSED_MODELS="qwen3-30b-a3b-4-layers qwen3.5-35b-a3b-4-layers" FUSED_BATCHES=1
+#     FUSED_PREFILL="" FUSED_MODES="fused_linear=triton fused_linear=triton,moe_gemv_tokens=0" MOE_ARGS="--tokens
+#     1,2,4,8 --sweep" BUDGET_S=420   (then STEPS=fused for qwen3-0.6b qwen3-8b at b1, one call)
+#   STEPS="moe bench" MOE_TESTS="tests/test_moe.py -k gemv_experts" MODELS="qwen3-30b-a3b qwen3.5-35b-a3b"
+#     BENCH_ARGS="--no-peer --no-warm --batch-sizes 1,32 --prompt-lens 4096 --skip latency,serving" BENCH_CAP_S=230
+#   STEPS=bench MODELS=qwen3-30b-a3b PEER_MODES=static BENCH_ARGS="--no-warm --batch-sizes 1,32 --prompt-lens 4096
+#     --peer-batch-sizes 1,32 --skip latency,serving" BENCH_CAP_S=390 BUDGET_S=400
+# Still owed: the 35B-A3B bench with the static peer (one call, cap ~540 s); the 4-layer MoE profiles with the swept
+# moe_gemv tiles; a second decode-attention split sweep; the bench at 0.6B, 0.8B and 9B; the twelfth session's list.
 # MoE at real shapes (issue 17), one H200, one call each (the engine runs on the HF peer's own tensors, so the weights
 # are on the GPU once: peak ~86 GiB at 30B-A3B, ~81 GiB at 35B-A3B, most of it the weights and, at 30B, 24 GiB of K/V
 # for 64 slots x 4,097 positions; the JSON's "memory" has the measured peak). Engine warm-up, latency and serving

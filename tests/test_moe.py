@@ -231,8 +231,8 @@ def test_fused_experts_rows_do_not_depend_on_the_batch():
 @needs_triton
 @pytest.mark.parametrize("offset", [False, True], ids=["w*x", "(1+w)*x"])
 def test_gemv_experts_equal_the_torch_path(offset):
-    """Decode's few tokens through layers.moe_gemv (a program per pair streams its expert's rows with the block's
-    RMSNorm in the gate_up launch; the k products, gated shared expert and residual added in the down launch)
+    """Decode's few tokens through layers.moe_gemv (each program streams rows of all k experts, the block's RMSNorm in
+    the gate_up launch; the k products, gated shared expert and residual added in the down launch)
     against the reference loop on the float32 norm of x, at 1-4 tokens and with each part left out. Rows of very
     different scales and a large eps, so a norm over part of H, a lost routing weight or pair shows."""
     from pocketlab.layers.moe_gemv import gemv_experts

@@ -30,7 +30,7 @@ class Kernels:
     delta_rule_in_place: bool = False  # Gated DeltaNet: every token through the in-place kernels, no chunked rule
     moe_route: Callable = moe.route  # (router logits, top_k, renormalize) -> (weights, expert ids)
     moe_experts: Callable = moe.grouped_experts  # (x, gate_up, down, weights, ids, residual, shared, shared_gate)
-    moe_few_experts: Callable | None = None  # at up to moe_few_tokens tokens: the same with norm=, folded in
+    moe_few_experts: Callable | None = None  # the same and norm=, for up to moe_few_tokens tokens (layers.moe_gemv)
     moe_few_tokens: int = 0
     # tensor parallelism (pocketlab.parallel): the sum over ranks of row-parallel outputs (None: one device), the
     # vocab-parallel embedding lookup, and the gather of vocab-parallel logits

@@ -3,7 +3,8 @@ the Triton kernels (layers.moe_kernel; layers.moe_gemv at decode sizes) and torc
 compare, to choose moe_kernel "auto" and the tokens up to which decode streams its experts' rows.
 
     python -m pocketlab.tools.moe_bench --model qwen3.5-35b-a3b --device cuda [--tokens 1,2,4,8,16,32,64,4096]
-        [--sweep]   (CUDA: each projection's launch tiles at the decode sizes, to choose moe_kernel.tiles)
+        [--sweep]   (CUDA: each projection's launch tiles at the decode sizes, to choose moe_kernel.tiles, and at
+                     one token moe_gemv.tiles)
 
 Per token count N: the experts its routing reads (random weights, random router), the step time of each path
 (captured in a CUDA graph for N <= 64, as decode runs it; eager beyond, as prefill does), the bytes it must read
@@ -139,10 +140,8 @@ def sweep_gemv_tiles(args, clock: Clock, repeats: int) -> list[dict]:
             cell = {"projection": proj, **dataclasses.asdict(launch)}
             try:
                 t = dataclasses.replace(base, **{proj: launch})
-                out.append(
-                    cell
-                    | {"seconds": clock.measure(in_graph(functools.partial(gemv_experts, *args, t=t), ()), repeats, 3)}
-                )
+                run = in_graph(functools.partial(gemv_experts, *args, t=t), ())
+                out.append(cell | {"seconds": clock.measure(run, repeats, 3)})
             except Exception as exc:  # noqa: BLE001 - a launch the compiler refuses is reported, not fatal
                 print(f"gemv sweep: {cell} failed: {type(exc).__name__}: {exc}")
     return out
