@@ -63,6 +63,11 @@ def launch_for(M: int, N: int, K: int, device: torch.device, normed: bool = Fals
 NO_NORM, NORM, NORM_OFFSET = 0, 1, 2  # the input's RMSNorm: none, `g * x` (Qwen2/3), `(1 + g) * x` (Qwen3.5)
 
 
+def norm_flavour(norm) -> int:
+    """The NORM constexpr for an optional layers.norm.RMSNorm folded into a launch."""
+    return NO_NORM if norm is None else NORM_OFFSET if norm.offset else NORM
+
+
 @triton.jit(do_not_specialize=["rows"])
 def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, g_ptr, eps, rows, N, K, stride_xm, stride_wn, stride_ym, stride_rm,
           HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, NORM: tl.constexpr, ROWS: tl.constexpr,
@@ -139,12 +144,11 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
     others)."""
     M, K = x2.shape
     N = y.shape[1]
-    flavour = NO_NORM if norm is None else NORM_OFFSET if norm.offset else NORM
     _gemv[(triton.cdiv(N, t.block_n),)](
         x2, weight, y if bias is None else bias, y, y if residual is None else residual,
         y if norm is None else norm.weight, 0.0 if norm is None else norm.eps, M, N, K, x2.stride(0),
         weight.stride(0), y.stride(0), 0 if residual is None else residual.stride(0), HAS_BIAS=bias is not None,
-        EPILOGUE=epilogue, NORM=flavour, ROWS=t.rows, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps,
-        **pdl.launch(x2.device),
+        EPILOGUE=epilogue, NORM=norm_flavour(norm), ROWS=t.rows, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        num_warps=t.num_warps, **pdl.launch(x2.device),
     )  # fmt: skip
     return y

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl
+from . import gemv, pdl
 from .invariant.matmul import finish
 from .invariant.rounding import cast
 from .moe_kernel import finish_token
@@ -145,10 +145,9 @@ def gemv_experts(x, gate_up, down, weights, ids, residual=None, shared=None, sha
         return total
     t = t or tiles(x.device)
     kp = triton.next_power_of_2(top_k)
-    flavour = 0 if norm is None else 2 if norm.offset else 1
     _gate_up[(triton.cdiv(I, t.gate_up.block_n), N)](
         x, gate_up, x if norm is None else norm.weight, ids, h, 0.0 if norm is None else norm.eps, H, I,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), TOP_K=top_k, NORM=flavour, KP=kp,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), TOP_K=top_k, NORM=gemv.norm_flavour(norm), KP=kp,
         BLOCK_N=t.gate_up.block_n, BLOCK_K=t.gate_up.block_k, num_warps=t.gate_up.num_warps, **pdl.launch(x.device),
     )  # fmt: skip
     s, g, r = (total if a is None else a for a in (shared, shared_gate, residual))  # absent: a pointer never read

@@ -108,42 +108,35 @@ def bench_layer(
 
 
 def sweep_tiles(args, clock: Clock, repeats: int) -> list[dict]:
-    """The Triton path graphed with each projection's launch varied alone (the other at its default): columns per
-    program, warps, pipeline stages. Rows per block and the K step stay (they fix the layout and a row's sums)."""
+    """The Triton path with each projection's launch varied: columns per program, warps, pipeline stages. Rows per
+    block and the K step stay (they fix the layout and a row's sums)."""
     from ..layers.moe_kernel import Launch, fused_experts, tiles
 
     base = tiles(args[4].numel(), args[0].dtype, args[0].device)
     launches = [Launch(n, w, s) for n in (16, 32, 64, 128) for w in (2, 4) for s in (3, 5)]
-    out = []
-    for proj in ("gate_up", "down"):
-        for launch in launches:
-            cell = {"projection": proj, **dataclasses.asdict(launch)}
-            try:
-                run = in_graph(
-                    functools.partial(fused_experts, *args, t=dataclasses.replace(base, **{proj: launch})), ()
-                )
-                out.append(cell | {"seconds": clock.measure(run, repeats, 3)})
-            except Exception as exc:  # noqa: BLE001 - a launch the compiler refuses is reported, not fatal
-                print(f"sweep: {cell} failed: {type(exc).__name__}: {exc}")
-    return out
+    return sweep_launches(fused_experts, args, base, launches, clock, repeats)
 
 
 def sweep_gemv_tiles(args, clock: Clock, repeats: int) -> list[dict]:
-    """layers.moe_gemv graphed with each projection's launch varied alone: columns per program, K step, warps."""
+    """layers.moe_gemv with each projection's launch varied: columns per program, K step, warps."""
     from ..layers.moe_gemv import Launch, gemv_experts, tiles
 
-    base = tiles(args[0].device)
     launches = [Launch(n, k, w) for n in (1, 2, 4, 8) for k in (64, 128, 256) for w in (4, 8)]
+    return sweep_launches(gemv_experts, args, tiles(args[0].device), launches, clock, repeats)
+
+
+def sweep_launches(experts, args, base, launches, clock: Clock, repeats: int) -> list[dict]:
+    """experts(*args, t=...) graphed with each projection's launch varied alone (the other at `base`'s)."""
     out = []
     for proj in ("gate_up", "down"):
         for launch in launches:
             cell = {"projection": proj, **dataclasses.asdict(launch)}
             try:
                 t = dataclasses.replace(base, **{proj: launch})
-                run = in_graph(functools.partial(gemv_experts, *args, t=t), ())
+                run = in_graph(functools.partial(experts, *args, t=t), ())
                 out.append(cell | {"seconds": clock.measure(run, repeats, 3)})
             except Exception as exc:  # noqa: BLE001 - a launch the compiler refuses is reported, not fatal
-                print(f"gemv sweep: {cell} failed: {type(exc).__name__}: {exc}")
+                print(f"sweep: {cell} failed: {type(exc).__name__}: {exc}")
     return out
 
 
@@ -185,16 +178,18 @@ def main(argv=None) -> dict:
         print(f"{r['tokens']:>6} {r['experts_hit']:>7} " + " ".join(cells))
     for r in (r for r in rows if "route_torch" in r):
         print(f"routing, {r['tokens']} tokens: torch {us(r['route_torch'])}, one launch {us(r['route_triton'])} us")
-    for r in (r for r in rows if "sweep" in r):
-        for proj in ("gate_up", "down"):
-            runs = sorted((c for c in r["sweep"] if c["projection"] == proj), key=lambda c: c["seconds"])
-            best = ", ".join(f"n{c['block_n']} w{c['num_warps']} s{c['num_stages']} {us(c)}" for c in runs[:4])
-            print(f"sweep, {r['tokens']} tokens, {proj}: default {us(r['triton'])} us; fastest {best}")
-    for r in (r for r in rows if "gemv_sweep" in r):
-        for proj in ("gate_up", "down"):
-            runs = sorted((c for c in r["gemv_sweep"] if c["projection"] == proj), key=lambda c: c["seconds"])
-            best = ", ".join(f"n{c['block_n']} k{c['block_k']} w{c['num_warps']} {us(c)}" for c in runs[:4])
-            print(f"gemv sweep, {r['tokens']} token, {proj}: default {us(r['gemv'])} us; fastest {best}")
+    sweeps = (
+        ("sweep", "triton", "n{block_n} w{num_warps} s{num_stages}"),
+        ("gemv_sweep", "gemv", "n{block_n} k{block_k} w{num_warps}"),
+    )
+    for key, path, label in sweeps:
+        for r in (r for r in rows if key in r):
+            for proj in ("gate_up", "down"):
+                runs = sorted((c for c in r[key] if c["projection"] == proj), key=lambda c: c["seconds"])
+                best = ", ".join(f"{label.format(**c)} {us(c)}" for c in runs[:4])
+                print(
+                    f"{key.replace('_', ' ')}, {r['tokens']} tokens, {proj}: default {us(r[path])} us; fastest {best}"
+                )
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=2))
     return result
