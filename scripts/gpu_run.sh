@@ -194,7 +194,8 @@
 #   FUSED_BATCHES [1,32]  FUSED_PREFILL [4096] (empty: no prefill row)
 #   FUSED_MODES [fused_linear=torch fused_linear=triton,gemv_rows=0 fused_linear=triton]
 #                    the fused step: CUDA tests, the fused matmul's launch sweep (FUSED_SWEEP), the GEMV's (GEMV_SWEEP
-#                    [1]), the pre-norm's cost own vs folded (GEMV_NORM_CHAIN [1]), kernel tables per mode (engine
+#                    [1]; GEMV_SWEEP_ARGS [] e.g. "--forms --shapes 8b,30b", GEMV_SWEEP_FILE [gemv-sweep],
+#                    GEMV_SWEEP_CAP_S [300]), the pre-norm's cost own vs folded (GEMV_NORM_CHAIN [1]), kernel tables per mode (engine
 #                    options or env vars such as POCKETLAB_PDL=0, comma-separated); ATTENTION_SWEEP [0] 1: the decode
 #                    attention's split counts (layers.decode_attention_sweep)
 #                    -> profile-<model>-<mode>-h200.txt
@@ -250,6 +251,9 @@ FUSED_PREFILL=${FUSED_PREFILL-4096}
 ATTENTION_SWEEP=${ATTENTION_SWEEP:-0}
 FUSED_MODES=${FUSED_MODES:-fused_linear=torch fused_linear=triton,gemv_rows=0 fused_linear=triton}
 GEMV_SWEEP=${GEMV_SWEEP:-1}
+GEMV_SWEEP_ARGS=${GEMV_SWEEP_ARGS:-}
+GEMV_SWEEP_FILE=${GEMV_SWEEP_FILE:-gemv-sweep}
+GEMV_SWEEP_CAP_S=${GEMV_SWEEP_CAP_S:-300}
 GEMV_NORM_CHAIN=${GEMV_NORM_CHAIN:-1}
 STALL_MODELS=${STALL_MODELS-qwen3-0.6b qwen3.5-0.8b}
 STALL_BENCH_MODELS=${STALL_BENCH_MODELS-qwen3-8b qwen3.5-9b}
@@ -405,8 +409,8 @@ if wants fused; then
     env POCKETLAB_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider --tb=short $FUSED_TESTS
   [ "$FUSED_SWEEP" = 1 ] && step "fused linear launches (sweep)" 150 "$reserve" bash -o pipefail -c \
     "python3 -m pocketlab.layers.invariant.sweep --fused | tee reports/gpu/fused-linear-sweep-h200.txt"
-  [ "$GEMV_SWEEP" = 1 ] && step "gemv launches (sweep)" 300 "$reserve" bash -o pipefail -c \
-    "TQDM_DISABLE=1 python3 -m pocketlab.layers.gemv_sweep | tee reports/gpu/gemv-sweep-h200.txt"
+  [ "$GEMV_SWEEP" = 1 ] && step "gemv launches (sweep)" "$GEMV_SWEEP_CAP_S" "$reserve" bash -o pipefail -c \
+    "TQDM_DISABLE=1 python3 -m pocketlab.layers.gemv_sweep $GEMV_SWEEP_ARGS | tee reports/gpu/$GEMV_SWEEP_FILE-h200.txt"
   [ "$GEMV_NORM_CHAIN" = 1 ] && step "gemv pre-norm, own kernel vs folded" 120 "$reserve" bash -o pipefail -c \
     "python3 -m pocketlab.layers.gemv_sweep --norm-chain | tee reports/gpu/gemv-norm-chain-h200.txt"
   [ "$ATTENTION_SWEEP" = 1 ] && step "decode attention splits (sweep)" 200 "$reserve" bash -o pipefail -c \

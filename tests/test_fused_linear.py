@@ -2,6 +2,7 @@
 in one kernel give what the unfused torch steps give, and each row the same bits in any batch (natively on CUDA,
 through Triton's interpreter on the CPU)."""
 
+import dataclasses
 import os
 
 import pytest
@@ -102,6 +103,22 @@ def test_gemv_norms_its_input_in_the_launch(dtype, epilogue, offset):
             want = torch_linear.composed(lambda a, b, c=None: fp32_matmul(a, b, c).to(dtype), normed, w, bias, **extras)
             got = gemv.gemv(x, w, bias, norm=norm, **extras)
             assert_matches_the_unfused_steps(got, want, dtype, (N, K, M, offset))
+
+
+@pytest.mark.parametrize("epilogue", EPILOGUES)
+def test_gemv_launch_forms_sum_alike(epilogue):
+    """Two weight tiles in flight (ahead=2) sum as one does: the same bits, normed or not, at one and several rows."""
+    N, K = 40, 200  # K off the 64-wide tiles
+    for M in (1, 3):
+        x, w, bias, extras = inputs(M, N, K, torch.bfloat16, epilogue, seed=M)
+        residual = extras["residual"]
+        epi = matmul.epilogue_of(residual, extras["swiglu"])
+        base = gemv.launch_for(M, N, K, x.device)
+        for norm in (None, RMSNorm(randn(K, dtype=torch.bfloat16, seed=5), 1e-6, True)):
+            y1, y2 = (torch.empty(M, N, dtype=x.dtype, device=DEV) for _ in range(2))
+            want = gemv.launch(x, w, bias, y1, base, epi, residual, norm)
+            got = gemv.launch(x, w, bias, y2, dataclasses.replace(base, ahead=2), epi, residual, norm)
+            assert torch.equal(got, want), (epilogue, M, norm is not None)
 
 
 @pytest.mark.parametrize("epilogue", ["swiglu", "residual", "bias"])

@@ -38,6 +38,7 @@ class Launch:
     block_n: int
     block_k: int
     num_warps: int
+    ahead: int = 1  # weight tiles in flight beyond the one in use (1 or 2), the first `ahead` before the PDL wait
 
 
 def launch_for(M: int, N: int, K: int, device: torch.device, normed: bool = False) -> Launch:
@@ -46,7 +47,9 @@ def launch_for(M: int, N: int, K: int, device: torch.device, normed: bool = Fals
     small (K long), else 512-wide tiles of 4 (2 while N <= 3,072); several rows (their lanes multiply the registers)
     in 256-wide tiles of 4. A wide normed projection (`normed`: qkv, the Gated DeltaNet in_proj) takes 256-wide
     tiles of 8 rows, so each program's loads of the x row and the norm weight serve twice the weight rows
-    (reports/gpu/gemv-norm-chain-h200.txt)."""
+    (reports/gpu/gemv-norm-chain-h200.txt). A weight of at most 8 MiB, N >= 1,024 and a long K (o_proj, down at
+    0.6B) takes 1,024-wide tiles of 4 rows, two tiles ahead: the program's whole read is issued before the PDL
+    wait; the fastest there in two sweeps of every tile with one or two ahead (gemv-forms-sweep-h200.txt)."""
     if M > MAX_ROWS:
         raise ValueError(f"gemv: {M} rows; it takes at most {MAX_ROWS}")
     rows = triton.next_power_of_2(M)
@@ -56,6 +59,8 @@ def launch_for(M: int, N: int, K: int, device: torch.device, normed: bool = Fals
         return Launch(rows, 4, min(256, triton.next_power_of_2(K)), 4)
     if normed and N > 3072:
         return Launch(1, 8, min(256, triton.next_power_of_2(K)), 4)
+    if N >= 1024 and N * K * 2 <= 8 << 20 and K >= 2048:
+        return Launch(1, 4, 1024, 4, ahead=2)
     block_k = min(1024 if N <= 1024 else 512, triton.next_power_of_2(K))
     return Launch(1, 2 if N <= 3072 and K > 512 else 4, block_k, 4)
 
@@ -68,15 +73,21 @@ def norm_flavour(norm) -> int:
     return NO_NORM if norm is None else NORM_OFFSET if norm.offset else NORM
 
 
+@triton.jit
+def _tile(rows, k, live_n, K):
+    """The weight rows' columns k (zeros past K)."""
+    return tl.load(rows + k[None, :], mask=live_n[:, None] & (k < K)[None, :], other=0.0)
+
+
 @triton.jit(do_not_specialize=["rows"])
 def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, g_ptr, eps, rows, N, K, stride_xm, stride_wn, stride_ym, stride_rm,
           HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, NORM: tl.constexpr, ROWS: tl.constexpr,
-          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """y[m, n] for the ROWS rows and this program's BLOCK_N columns: float32 lanes [ROWS, BLOCK_N, BLOCK_K] along
     K, summed once. NORM: x is first RMS-normed with weight g (see the module docstring). EPILOGUE 1: y = residual +
-    x @ W^T; 2: W is [gate | up] (2N rows), y = silu(x @ gate^T) * (x @ up^T). Each weight tile is loaded one step
-    ahead of its use, the first before the PDL wait (weights are never written), so the read streams while the
-    previous kernel finishes."""
+    x @ W^T; 2: W is [gate | up] (2N rows), y = silu(x @ gate^T) * (x @ up^T). Each weight tile is loaded AHEAD
+    steps before its use, the first AHEAD before the PDL wait (weights are never written), so the read streams
+    while the previous kernel finishes."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, ROWS)
     live_m, live_n = m < rows, n < N
@@ -85,8 +96,12 @@ def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, g_ptr, eps, rows, N, K, stride_xm
     up_rows = w_rows + N * stride_wn
     TWO: tl.constexpr = EPILOGUE == 2
     k = tl.arange(0, BLOCK_K)
-    w = tl.load(w_rows + k[None, :], mask=live_n[:, None] & (k < K)[None, :], other=0.0)
-    up = tl.load(up_rows + k[None, :], mask=live_n[:, None] & (k < K)[None, :], other=0.0) if TWO else w
+    w = _tile(w_rows, k, live_n, K)
+    up = _tile(up_rows, k, live_n, K) if TWO else w
+    w1, up1 = w, up
+    if AHEAD == 2:
+        w1 = _tile(w_rows, k + BLOCK_K, live_n, K)
+        up1 = _tile(up_rows, k + BLOCK_K, live_n, K) if TWO else w1
     g = tl.load(g_ptr + k, mask=k < K, other=0.0) if NORM else k  # the norm's weight: ahead like the others
     wait_then_release(PDL)
     lanes = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -94,8 +109,8 @@ def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, g_ptr, eps, rows, N, K, stride_xm
     squares = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        ahead = live_n[:, None] & (k + BLOCK_K < K)[None, :]  # the next tile, masked off past the end
-        w_next = tl.load(w_rows + (k + BLOCK_K)[None, :], mask=ahead, other=0.0)
+        w_next = _tile(w_rows, k + AHEAD * BLOCK_K, live_n, K)
+        up_next = _tile(up_rows, k + AHEAD * BLOCK_K, live_n, K) if TWO else w_next
         x = tl.load(x_rows + k[None, :], mask=live_m[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
         if NORM:
             g_next = tl.load(g_ptr + k + BLOCK_K, mask=k + BLOCK_K < K, other=0.0)
@@ -103,11 +118,12 @@ def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, g_ptr, eps, rows, N, K, stride_xm
             x = x * (g.to(tl.float32) + (1.0 if NORM == 2 else 0.0))[None, :]
             g = g_next
         lanes += x[:, None, :] * w.to(tl.float32)[None, :, :]
-        w = w_next
         if TWO:
-            up_next = tl.load(up_rows + (k + BLOCK_K)[None, :], mask=ahead, other=0.0)
             lanes_up += x[:, None, :] * up.to(tl.float32)[None, :, :]
-            up = up_next
+        if AHEAD == 2:
+            w, up, w1, up1 = w1, up1, w_next, up_next
+        else:
+            w, up = w_next, up_next
     total, total_up = tl.sum(lanes, axis=2), tl.sum(lanes_up, axis=2)
     if NORM:
         inv_rms = tl.rsqrt(tl.sum(squares, axis=1) / K + eps)[:, None]
@@ -149,6 +165,6 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
         y if norm is None else norm.weight, 0.0 if norm is None else norm.eps, M, N, K, x2.stride(0),
         weight.stride(0), y.stride(0), 0 if residual is None else residual.stride(0), HAS_BIAS=bias is not None,
         EPILOGUE=epilogue, NORM=norm_flavour(norm), ROWS=t.rows, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-        num_warps=t.num_warps, **pdl.launch(x2.device),
+        AHEAD=t.ahead, num_warps=t.num_warps, **pdl.launch(x2.device),
     )  # fmt: skip
     return y

@@ -35,14 +35,18 @@ SHAPES = {  # name: (N, K, epilogue); for swiglu N is the output width and the w
     "8b gate_up": (12288, 4096, SWIGLU), "8b down+res": (4096, 12288, RESIDUAL), "8b lm_head": (151936, 4096, PLAIN),
     "9b gdn in": (12352, 4096, PLAIN), "moe router 128": (128, 2048, PLAIN), "moe router 256": (256, 2048, PLAIN),
     "35b shared gate_up": (512, 2048, SWIGLU), "35b shared down": (2048, 512, RESIDUAL),
+    "30b qkv": (5120, 2048, PLAIN), "30b o+res": (2048, 4096, RESIDUAL),
 }  # fmt: skip
 BLOCK_N = (2, 4, 8, 16)
 BLOCK_K = (256, 512, 1024)
 WARPS = (4, 8)
+AHEAD = (1, 2)  # --forms: weight tiles in flight
 
 
-def candidates(M: int) -> list[gemv.Launch]:
+def candidates(M: int, forms: bool = False) -> list[gemv.Launch]:
     rows = sorted({triton.next_power_of_2(M), gemv.MAX_ROWS})
+    if forms:  # one row count, the tiles that ever won, one or two tiles ahead
+        return [gemv.Launch(*v) for v in itertools.product(rows[:1], BLOCK_N[:3], BLOCK_K, WARPS, AHEAD)]
     return [gemv.Launch(r, n, k, w) for r, n, k, w in itertools.product(rows, BLOCK_N, BLOCK_K, WARPS)]
 
 
@@ -53,34 +57,38 @@ def today(x, w, res, epilogue):
     return fused_linear(x, w, residual=res, swiglu=epilogue == SWIGLU)
 
 
-def sweep(rows: list[int], top: int) -> list[tuple]:
+def sweep(rows: list[int], top: int, shapes: list[str], forms: bool) -> list[tuple]:
     summary = []
-    print(f"{'shape':<20}{'M':>3}  {'launch (rows, bn, bk, warps)':<30}{'ms':>9}{'TB/s':>7}")
-    for name, (N, K, epilogue) in tqdm(SHAPES.items(), desc="shapes"):
+    print(f"{'shape':<20}{'M':>3}  {'launch (rows, bn, bk, warps, ahead)':<46}{'ms':>9}{'TB/s':>7}")
+    for name, (N, K, epilogue) in tqdm([(s, SHAPES[s]) for s in shapes], desc="shapes"):
         rows_w = 2 * N if epilogue == SWIGLU else N
         copies = max(1, min(16, (800 * 2**20) // (rows_w * K * 2)))
         weights = [torch.randn(rows_w, K, device="cuda", dtype=torch.bfloat16) * K**-0.5 for _ in range(copies)]
-        summary += [sweep_rows(name, N, K, epilogue, M, weights, top) for M in rows]
+        summary += [sweep_rows(name, N, K, epilogue, M, weights, top, forms) for M in rows]
         del weights
         torch.cuda.empty_cache()
     return summary
 
 
-def sweep_rows(name: str, N: int, K: int, epilogue: int, M: int, weights: list[torch.Tensor], top: int) -> tuple:
+def sweep_rows(name: str, N: int, K: int, epilogue: int, M: int, weights: list[torch.Tensor], top: int,
+               forms: bool) -> tuple:  # fmt: skip
     """Every candidate launch at M rows (the best `top` printed); the chosen one against today's path and cuBLAS."""
     gb = weights[0].numel() * 2 / 1e9
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     res = torch.randn(M, N, device="cuda", dtype=torch.bfloat16) if epilogue == RESIDUAL else None
     y = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+    tried = candidates(M, forms)
     timed = sorted(
-        ((graph_ms(lambda w, t=t: gemv.launch(x, w, None, y, t, epilogue, res), weights), t) for t in candidates(M)),
+        ((graph_ms(lambda w, t=t: gemv.launch(x, w, None, y, t, epilogue, res), weights), t) for t in tried),
         key=lambda p: p[0],
     )
     for ms, t in timed[:top]:
-        launch = str((t.rows, t.block_n, t.block_k, t.num_warps))
-        print(f"{name:<20}{M:>3}  {launch:<30}{ms:>9.4f}{gb / ms:>7.2f}")
+        launch = str((t.rows, t.block_n, t.block_k, t.num_warps, t.ahead))
+        print(f"{name:<20}{M:>3}  {launch:<46}{ms:>9.4f}{gb / ms:>7.2f}")
     chosen = gemv.launch_for(M, N, K, x.device)
-    chosen_ms = next(ms for ms, t in timed if t == chosen)
+    chosen_ms = next((ms for ms, t in timed if t == chosen), None)
+    if chosen_ms is None:
+        chosen_ms = graph_ms(lambda w: gemv.launch(x, w, None, y, chosen, epilogue, res), weights)
     now_ms = graph_ms(lambda w: today(x, w, res, epilogue), weights)
     cublas_ms = graph_ms(lambda w: F.linear(x, w), weights)
     solo = gemv.launch(x[:1], weights[0], None, y[:1].clone(), chosen, epilogue, None if res is None else res[:1])
@@ -141,14 +149,18 @@ def main(argv=None):
     ap.add_argument("--rows", default="1", help=f"row counts, comma-separated (at most {gemv.MAX_ROWS})")
     ap.add_argument("--top", type=int, default=4, help="launches printed per shape and row count")
     ap.add_argument("--norm-chain", action="store_true", help="the pre-norm's cost, own kernel vs folded (above)")
+    ap.add_argument("--forms", action="store_true", help="one or two tiles ahead too (one row count)")
+    ap.add_argument("--shapes", default="", help="names containing any of these, comma-separated, _ for a space")
     a = ap.parse_args(argv)
     if a.norm_chain:
         return norm_chain(top=a.top)
-    summary = sweep([int(v) for v in a.rows.split(",")], a.top)
+    parts = [part.replace("_", " ") for part in a.shapes.split(",") if part]
+    shapes = [s for s in SHAPES if not parts or any(part in s for part in parts)]
+    summary = sweep([int(v) for v in a.rows.split(",")], a.top, shapes, a.forms)
     print(f"\n{'shape':<20}{'M':>3}{'chosen':>18}{'ms':>9}{'TB/s':>7}{'best ms':>9}{'today ms':>10}{'cuBLAS ms':>11}"
           f"{'today/chosen':>14}  row 0 alone vs in the batch")  # fmt: skip
     for name, M, gb, t, ms, (best_ms, _), now_ms, cublas_ms, bits in summary:
-        launch = f"{t.rows},{t.block_n},{t.block_k},{t.num_warps}"
+        launch = f"{t.rows},{t.block_n},{t.block_k},{t.num_warps},{t.ahead}"
         print(f"{name:<20}{M:>3}{launch:>18}{ms:>9.4f}{gb / ms:>7.2f}{best_ms:>9.4f}{now_ms:>10.4f}{cublas_ms:>11.4f}"
               f"{now_ms / ms:>14.2f}  {bits}")  # fmt: skip
 
