@@ -98,7 +98,7 @@ def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, g_ptr, eps, rows, N, K, stride_xm
     k = tl.arange(0, BLOCK_K)
     w = _tile(w_rows, k, live_n, K)
     up = _tile(up_rows, k, live_n, K) if TWO else w
-    w1, up1 = w, up
+    w1, up1 = w, up  # the second tile ahead (unused at AHEAD 1)
     if AHEAD == 2:
         w1 = _tile(w_rows, k + BLOCK_K, live_n, K)
         up1 = _tile(up_rows, k + BLOCK_K, live_n, K) if TWO else w1
