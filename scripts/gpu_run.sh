@@ -159,7 +159,7 @@
 #     --peer-batch-sizes 1,32 --skip latency,serving" BENCH_CAP_S=390 BUDGET_S=400
 # Still owed: the 35B-A3B bench with the static peer (one call, cap ~540 s); the 4-layer MoE profiles with the swept
 # moe_gemv tiles; a second decode-attention split sweep; the bench at 0.6B, 0.8B and 9B; the twelfth session's list.
-# Eighteenth session (2026-12-03, one H200, ~21 of 30 minutes used): CUDA tests of the fused linear (-n 4) 69-79 s,
+# Eighteenth session (2026-12-03, one H200, four calls, 334 s of the 30 minutes left): CUDA tests of the fused linear (-n 4) 69-79 s,
 # with parity 79 s; the GEMV forms sweep over ten shapes 44-65 s; b1 profiles without prefill 18-27 s; the 8B bench
 # with the static peer at b1/b32 180 s. The same launch timed up to 20% apart in two calls: compare within a call.
 # Calls made:
@@ -170,6 +170,9 @@
 #   STEPS="fused bench" (the same, + tests/test_parity.py, qwen3-30b-a3b-4-layers) MODELS=qwen3-8b PEER_MODES=static
 #     BENCH_ARGS="--no-warm --batch-sizes 1,32 --prompt-lens 4096 --peer-batch-sizes 1,32 --skip latency,serving"
 #     BENCH_CAP_S=220 BUDGET_S=545
+#   STEPS=fused FUSED_TESTS="" FUSED_SWEEP=0 GEMV_SWEEP=0 GEMV_NORM_CHAIN=0 FUSED_MODELS=qwen3-0.6b FUSED_BATCHES=1
+#     FUSED_PREFILL="" FUSED_MODES="<three rules of a temporary switch, each twice>" BUDGET_S=300   (174 s: the
+#     same 0.6B b1 profile spread 931-1,043 us inside one call)
 # Still owed: the b1 run-to-run spread (the same profile three times in one call, and on two machines); the 35B-A3B
 # bench with the static peer; the bench at 0.6B, 0.8B and 9B; the seventeenth session's list.
 # MoE at real shapes (issue 17), one H200, one call each (the engine runs on the HF peer's own tensors, so the weights
