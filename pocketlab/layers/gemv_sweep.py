@@ -6,6 +6,9 @@ default engine runs there today (the fused matmul where there is an epilogue, el
 Times are medians of CUDA-graph replays cycling over weight copies (invariant.sweep.graph_ms), so every call reads
 its weight from HBM. Prints the best launches of each shape and a summary against `launch_for`'s choice.
 
+`--forms`: each tile with one and with two weight tiles ahead (`Launch.ahead`), at one row count; `--shapes` picks
+shapes by name.
+
 `--norm-chain`: where a pre-norm costs least, in a graph of 28 layers of [normed projection -> residual projection]
 at one row (the programmatic dependent launches overlapping as in a decode step): no norm at all, the norm as its
 own kernel, and folded into the GEMV at `launch_for`'s launch and at every candidate.
