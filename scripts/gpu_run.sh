@@ -159,9 +159,9 @@
 #     --peer-batch-sizes 1,32 --skip latency,serving" BENCH_CAP_S=390 BUDGET_S=400
 # Still owed: the 35B-A3B bench with the static peer (one call, cap ~540 s); the 4-layer MoE profiles with the swept
 # moe_gemv tiles; a second decode-attention split sweep; the bench at 0.6B, 0.8B and 9B; the twelfth session's list.
-# Eighteenth session (2026-12-03, one H200, four calls, 334 s of the 30 minutes left): CUDA tests of the fused linear (-n 4) 69-79 s,
-# with parity 79 s; the GEMV forms sweep over ten shapes 44-65 s; b1 profiles without prefill 18-27 s; the 8B bench
-# with the static peer at b1/b32 180 s. The same launch timed up to 20% apart in two calls: compare within a call.
+# Eighteenth session (2026-12-03, one H200, four calls, 334 s of the 30 minutes left): CUDA tests of the fused
+# linear (-n 4) 69-79 s, with parity 79 s; the GEMV forms sweep over ten shapes 44-65 s; b1 profiles without prefill
+# 18-27 s; the 8B bench with the static peer at b1/b32 180 s. The same launch timed up to 20% apart in two calls: compare within a call.
 # Calls made:
 #   STEPS=fused FUSED_TESTS="tests/test_fused_linear.py" FUSED_SWEEP=0 GEMV_NORM_CHAIN=0 GEMV_SWEEP_ARGS="--forms
 #     --shapes 0.6b_qkv,0.6b_o,0.6b_gate,0.6b_down,8b_qkv,8b_o,8b_gate,8b_down,30b" GEMV_SWEEP_FILE=gemv-forms-sweep
@@ -211,9 +211,9 @@
 #   FUSED_MODES [fused_linear=torch fused_linear=triton,gemv_rows=0 fused_linear=triton]
 #                    the fused step: CUDA tests, the fused matmul's launch sweep (FUSED_SWEEP), the GEMV's (GEMV_SWEEP
 #                    [1]; GEMV_SWEEP_ARGS [] e.g. "--forms --shapes 8b,30b", GEMV_SWEEP_FILE [gemv-sweep],
-#                    GEMV_SWEEP_CAP_S [300]), the pre-norm's cost own vs folded (GEMV_NORM_CHAIN [1]), kernel tables per mode (engine
-#                    options or env vars such as POCKETLAB_PDL=0, comma-separated); ATTENTION_SWEEP [0] 1: the decode
-#                    attention's split counts (layers.decode_attention_sweep)
+#                    GEMV_SWEEP_CAP_S [300]), the pre-norm's cost own vs folded (GEMV_NORM_CHAIN [1]), kernel tables
+#                    per mode (engine options or env vars such as POCKETLAB_PDL=0, comma-separated);
+#                    ATTENTION_SWEEP [0] 1: the decode attention's split counts (layers.decode_attention_sweep)
 #                    -> profile-<model>-<mode>-h200.txt
 #   INVARIANT_SWEEP  [0]  1: the invariant matmul's launch sweep   INVARIANT_PROFILE []  a model: kernel tables, both modes
 #   STALL_MODELS [qwen3-0.6b qwen3.5-0.8b]  STALL_BENCH_MODELS [qwen3-8b qwen3.5-9b]   the stalls step: cold vs warm

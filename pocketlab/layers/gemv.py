@@ -49,7 +49,8 @@ def launch_for(M: int, N: int, K: int, device: torch.device, normed: bool = Fals
     tiles of 8 rows, so each program's loads of the x row and the norm weight serve twice the weight rows
     (reports/gpu/gemv-norm-chain-h200.txt). A weight of at most 8 MiB, N >= 1,024 and a long K (o_proj, down at
     0.6B) takes 1,024-wide tiles of 4 rows, two tiles ahead: the program's whole read is issued before the PDL
-    wait; the fastest there in two sweeps of every tile with one or two ahead (gemv-forms-sweep-h200.txt)."""
+    wait; the fastest there in both sweeps of every tile with one or two ahead (gemv-forms-sweep-h200.txt,
+    gemv-persistent-sweep-h200.txt)."""
     if M > MAX_ROWS:
         raise ValueError(f"gemv: {M} rows; it takes at most {MAX_ROWS}")
     rows = triton.next_power_of_2(M)
