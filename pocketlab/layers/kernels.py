@@ -6,7 +6,6 @@ rows), so a request's logits do not depend on what else the batch holds."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,9 +30,7 @@ class Kernels:
     delta_rule_in_place: bool = False  # Gated DeltaNet: every token through the in-place kernels, no chunked rule
     moe_route: Callable = moe.route  # (router logits, top_k, renormalize) -> (weights, expert ids)
     moe_experts: Callable = moe.grouped_experts  # (x, gate_up, down, weights, ids, residual, shared, shared_gate)
-    # decode: (x, gate_up, down, logits, top_k, renormalize, residual, shared, shared_gate, norm=) -> (y, weights,
-    # ids), routing included, for up to moe_few_tokens tokens (layers.moe_gemv)
-    moe_few_experts: Callable | None = None
+    moe_few_experts: Callable | None = None  # the same and norm=, for up to moe_few_tokens tokens (layers.moe_gemv)
     moe_few_tokens: int = 0
     # tensor parallelism (pocketlab.parallel): the sum over ranks of row-parallel outputs (None: one device), the
     # vocab-parallel embedding lookup, and the gather of vocab-parallel logits
@@ -86,9 +83,8 @@ def kernels_for(options) -> Kernels:
 
 
 def _moe_kernels(options) -> dict:
-    """The routing kernel (alone or in decode's experts launch) runs on CUDA only. It takes the lowest of equal
-    experts first, as torch.topk does on CUDA where a whole row ties (a zero router); torch.topk on the CPU, HF's
-    float32 reference, orders ties its own way."""
+    """The routing kernel runs on CUDA only. It takes the lowest of equal experts first, as torch.topk does on CUDA
+    where a whole row ties (a zero router); torch.topk on the CPU, HF's float32 reference, orders ties its own way."""
     if not moe_in_triton(options):
         return dict(moe_route=moe.route, moe_experts=moe.grouped_experts)
     from .moe_kernel import fused_experts, route_in_one_launch
@@ -99,8 +95,7 @@ def _moe_kernels(options) -> dict:
         return kernels
     from . import moe_gemv  # decode's token streams its experts' rows as the linears do (layers.gemv)
 
-    few = moe_gemv.gemv_experts if on_cuda else functools.partial(moe_gemv.gemv_experts, route=moe.route)
-    return kernels | dict(moe_few_experts=few, moe_few_tokens=options.moe_gemv_tokens)
+    return kernels | dict(moe_few_experts=moe_gemv.gemv_experts, moe_few_tokens=options.moe_gemv_tokens)
 
 
 def _kernels_for(options) -> Kernels:

@@ -12,6 +12,7 @@ kernels of layers.moe_kernel. `looped_experts` is the plain one-matmul-per-exper
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -131,27 +132,22 @@ class SparseMoE:
 
     def __call__(self, h: torch.Tensor, norm) -> torch.Tensor:
         """h + moe(norm(h)): the residual add and the shared expert's gate ride on the routed experts' last launch
-        (on one device; split over ranks the partial sums are all-reduced before the residual). Decode's few tokens
-        (`few_experts`) read the norm in each launch and route inside the experts' first."""
+        (on one device; split over ranks the partial sums are all-reduced before the residual)."""
         stream = h.reshape(-1, h.shape[-1])
-        few = self.few_experts is not None and stream.shape[0] <= self.few_tokens
-        x = stream if few else norm(stream)  # prefill: the norm once, as its own kernel, read by all that follows
-        norm = norm if few else None
+        if self.few_experts and stream.shape[0] <= self.few_tokens:  # decode: each launch reading the norm runs it
+            x, experts = stream, functools.partial(self.few_experts, norm=norm)
+        else:  # the norm once, as its own kernel: the router, the shared expert and the experts all read it
+            x, norm, experts = norm(stream), None, self.experts
         logits = self.linear(x, self.router, norm=norm)
+        weights, ids = self.route(logits[:, : self.num_experts], self.top_k, self.renormalize)
+        if _recorders:
+            _recorders[-1].append(ids)
         shared = gate = None
         if self.shared:
             shared = self.linear(self.linear(x, self.shared_gate_up, swiglu=True, norm=norm), self.shared_down)
             gate = logits[:, self.num_experts :]
         residual = stream if self.all_reduce is None else None
-        routed = logits[:, : self.num_experts]
-        if few:
-            y, _, ids = self.few_experts(x, self.gate_up, self.down, routed, self.top_k, self.renormalize, residual,
-                                         shared, gate, norm=norm)  # fmt: skip
-        else:
-            weights, ids = self.route(routed, self.top_k, self.renormalize)
-            y = self.experts(x, self.gate_up, self.down, weights, ids, residual, shared, gate)
-        if _recorders:
-            _recorders[-1].append(ids)
+        y = experts(x, self.gate_up, self.down, weights, ids, residual, shared, gate)
         if self.all_reduce is not None:
             y = stream + self.all_reduce(y)
         return y.view_as(h)

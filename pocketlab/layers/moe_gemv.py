@@ -2,12 +2,10 @@
 
 At batch 1 a token's k pairs hit k distinct experts, so there is nothing to group: layers.moe_kernel's block
 kernels would sort the pairs (a launch), pad each to a 16-row tensor-core tile, and add the k outputs in a launch
-of their own. Here two launches do it all, routing included, each program taking one token and a few columns of all
-k experts at once (k weight tiles in flight together, the token's row loaded once for all of them):
-- `_gate_up`: the token's routing from its router logits (every program picks the same k experts, so no launch of
-  its own sits between the router and the experts; the first program stores it), then silu(x . gate) * (x . up),
-  the MoE block's RMSNorm of x summed on the way as in layers.gemv (the router and shared expert fold it in too, so
-  the block runs no norm kernel);
+of their own. Here two launches do it all, each program taking one token and a few columns of all k experts at once
+(k weight tiles in flight together, the token's row loaded once for all of them):
+- `_gate_up`: silu(x . gate) * (x . up), the MoE block's RMSNorm of x summed on the way as in layers.gemv (the router
+  and shared expert fold it in too, so the block runs no norm kernel);
 - `_down_sum`: each pair's down product scaled by its routing weight and rounded as the block kernels round it, the
   k of them added in k order, then the gated shared expert and the residual (moe_kernel.finish_token).
 The tiles change how a dot's float32 lanes are summed (a few ulps), never which rows meet: batch-invariant engines
@@ -25,7 +23,7 @@ import triton.language as tl
 from . import gemv, pdl
 from .invariant.matmul import finish
 from .invariant.rounding import cast
-from .moe_kernel import finish_token, top_k_routing
+from .moe_kernel import finish_token
 from .pdl import wait_then_release
 
 
@@ -53,27 +51,19 @@ def tiles(device: torch.device) -> Tiles:
 
 
 @triton.jit
-def _gate_up(x_ptr, w_ptr, g_ptr, logits_ptr, weights_ptr, ids_ptr, h_ptr, eps, H, I, E, stride_x, stride_l,
-             stride_we, stride_wn, TOP_K: tl.constexpr, ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr,
-             NORM: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    """The token's k experts e_j (ROUTE: moe_kernel.top_k_routing of its E logits, program 0 storing them and their
-    weights; else given), then h[pair j, n] = silu(x . gate[e_j, n]) * (x . up[e_j, n]) for this program's columns:
+def _gate_up(x_ptr, w_ptr, g_ptr, ids_ptr, h_ptr, eps, H, I, stride_x, stride_we, stride_wn, TOP_K: tl.constexpr,
+             NORM: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             PDL: tl.constexpr):  # fmt: skip
+    """h[pair j, n] = silu(x . gate[e_j, n]) * (x . up[e_j, n]) for the token's k pairs and this program's columns:
     float32 lanes [KP, BLOCK_N, BLOCK_K] along H, summed once; NORM (layers.gemv's flavours): x is RMS-normed with
-    weight g first. Weight tiles load a step ahead of their use; the first after the PDL wait (the router writes the
-    logits)."""
+    weight g first. Weight tiles load a step ahead of their use; the first after the PDL wait (the routing kernel
+    writes the expert ids)."""
     wait_then_release(PDL)
     token = tl.program_id(1).to(tl.int64)
     j = tl.arange(0, KP)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     live = (j < TOP_K)[:, None, None] & (n < I)[None, :, None]
-    if ROUTE:
-        routing, e = top_k_routing(logits_ptr + token * stride_l, E, TOP_K, RENORMALIZE, BLOCK_E, KP)
-        if tl.program_id(0) == 0:
-            tl.store(weights_ptr + token * TOP_K + j, routing.to(weights_ptr.dtype.element_ty), mask=j < TOP_K)
-            tl.store(ids_ptr + token * TOP_K + j, e, mask=j < TOP_K)
-    else:
-        e = tl.load(ids_ptr + token * TOP_K + j, mask=j < TOP_K, other=0).to(tl.int64)
+    e = tl.load(ids_ptr + token * TOP_K + j, mask=j < TOP_K, other=0).to(tl.int64)
     gate_rows = w_ptr + e[:, None, None] * stride_we + n.to(tl.int64)[None, :, None] * stride_wn
     up_rows = gate_rows + I * stride_wn
     k = tl.arange(0, BLOCK_K)
@@ -137,37 +127,27 @@ def _down_sum(h_ptr, w_ptr, weights_ptr, ids_ptr, out_ptr, shared_ptr, gate_ptr,
     tl.store(out_ptr + token * H + n, y, mask=n < H)
 
 
-def gemv_experts(x, gate_up, down, logits, top_k: int, renormalize: bool, residual=None, shared=None,
-                 shared_gate=None, norm=None, route=None, t: Tiles | None = None):  # fmt: skip
-    """(out [N, H], routing weights [N, k], expert ids [N, k]) for decode's few tokens: moe.route of the router
-    `logits` [N, E], in the gate_up launch (ties: the lowest expert first, as moe_kernel.route_in_one_launch) or by
-    `route` (moe.route's contract) before it, then moe_kernel.fused_experts' contract (x [N, H], gate_up [E, 2I, H],
-    down [E, H, I]; the residual and the gated shared expert added in the last launch). `norm` (a layers.norm.RMSNorm
-    of width H): the experts read norm(x), normed in the gate_up launch. t: the launches' tiles (default
-    `tiles(...)`; the bench's sweep passes others)."""
-    N, E = logits.shape
-    _, two_i, H = gate_up.shape
+def gemv_experts(x, gate_up, down, weights, ids, residual=None, shared=None, shared_gate=None, norm=None,
+                 t: Tiles | None = None):  # fmt: skip
+    """moe_kernel.fused_experts' contract (x [N, H], gate_up [E, 2I, H], down [E, H, I], weights/ids [N, k]; the
+    residual and the gated shared expert added in the last launch), for decode's few tokens; `norm` (a
+    layers.norm.RMSNorm of width H): the experts read norm(x), normed in the gate_up launch. t: the launches' tiles
+    (default `tiles(...)`; the bench's sweep passes others)."""
+    N, top_k = ids.shape
+    E, two_i, H = gate_up.shape
     I = two_i // 2  # noqa: E741
-    if gate_up.stride(2) != 1 or down.stride(2) != 1 or logits.stride(1) != 1:
-        raise ValueError("gemv_experts needs expert weights contiguous along their input dimension, logits by expert")
-    if not 0 < top_k <= E:
-        raise ValueError(f"top_k must be in 1..{E} (the experts), got {top_k}")
-    x = x.contiguous()
-    if route is None:
-        weights = torch.empty(N, top_k, dtype=logits.dtype, device=x.device)
-        ids = torch.empty(N, top_k, dtype=torch.int64, device=x.device)
-    else:
-        weights, ids = (a.contiguous() for a in route(logits, top_k, renormalize))
+    if gate_up.stride(2) != 1 or down.stride(2) != 1:
+        raise ValueError("gemv_experts needs expert weights contiguous along their input dimension")
+    x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
     h = torch.empty(N * top_k, I, dtype=x.dtype, device=x.device)
     total = torch.empty(N, H, dtype=x.dtype, device=x.device)
     if not N:
-        return total, weights, ids
+        return total
     t = t or tiles(x.device)
     kp = triton.next_power_of_2(top_k)
     _gate_up[(triton.cdiv(I, t.gate_up.block_n), N)](
-        x, gate_up, x if norm is None else norm.weight, logits, weights, ids, h, 0.0 if norm is None else norm.eps,
-        H, I, E, x.stride(0), logits.stride(0), gate_up.stride(0), gate_up.stride(1), TOP_K=top_k, ROUTE=route is None,
-        RENORMALIZE=renormalize, NORM=gemv.norm_flavour(norm), KP=kp, BLOCK_E=triton.next_power_of_2(E),
+        x, gate_up, x if norm is None else norm.weight, ids, h, 0.0 if norm is None else norm.eps, H, I,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), TOP_K=top_k, NORM=gemv.norm_flavour(norm), KP=kp,
         BLOCK_N=t.gate_up.block_n, BLOCK_K=t.gate_up.block_k, num_warps=t.gate_up.num_warps, **pdl.launch(x.device),
     )  # fmt: skip
     s, g, r = (total if a is None else a for a in (shared, shared_gate, residual))  # absent: a pointer never read
@@ -176,4 +156,4 @@ def gemv_experts(x, gate_up, down, logits, top_k: int, renormalize: bool, residu
         r.stride(0), TOP_K=top_k, KP=kp, SHARED=shared is not None, RESIDUAL=residual is not None,
         BLOCK_N=t.down.block_n, BLOCK_K=t.down.block_k, num_warps=t.down.num_warps, **pdl.launch(x.device),
     )  # fmt: skip
-    return total, weights, ids
+    return total

@@ -303,12 +303,13 @@ def fused_experts(
 
 
 @triton.jit
-def top_k_routing(logits_ptr, NUM_EXPERTS, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
-                  BLOCK_K: tl.constexpr):  # fmt: skip
-    """One token's routing from its logits row: (weights, expert ids) [BLOCK_K], the first TOP_K live. Softmax over
-    the experts in float32, the k largest (equal ones: the lowest expert first), optionally rescaled to sum 1."""
+def _route(logits_ptr, stride, weights_ptr, ids_ptr, NUM_EXPERTS, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+           BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """One token's routing: softmax over its experts in float32, the k largest (equal ones: the lowest expert
+    first), optionally rescaled to sum 1, in the logits' dtype."""
+    row = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
-    x = tl.load(logits_ptr + e, mask=e < NUM_EXPERTS, other=float("-inf")).to(tl.float32)
+    x = tl.load(logits_ptr + row * stride + e, mask=e < NUM_EXPERTS, other=float("-inf")).to(tl.float32)
     p = tl.exp(x - tl.max(x, 0))
     p = p / tl.sum(p, 0)
     left = tl.where(e < NUM_EXPERTS, p, -1.0)  # probabilities are >= 0: a lane past the experts is never taken
@@ -323,16 +324,6 @@ def top_k_routing(logits_ptr, NUM_EXPERTS, TOP_K: tl.constexpr, RENORMALIZE: tl.
         left = tl.where(e == pick, -1.0, left)
     if RENORMALIZE:
         top = top / tl.sum(top, 0)
-    return top, which
-
-
-@triton.jit
-def _route(logits_ptr, stride, weights_ptr, ids_ptr, NUM_EXPERTS, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-           BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    """One token's `top_k_routing`, the weights stored in the logits' dtype."""
-    row = tl.program_id(0).to(tl.int64)
-    top, which = top_k_routing(logits_ptr + row * stride, NUM_EXPERTS, TOP_K, RENORMALIZE, BLOCK_E, BLOCK_K)
-    j = tl.arange(0, BLOCK_K)
     tl.store(weights_ptr + row * TOP_K + j, top.to(weights_ptr.dtype.element_ty), mask=j < TOP_K)
     tl.store(ids_ptr + row * TOP_K + j, which, mask=j < TOP_K)
 

@@ -36,17 +36,11 @@ GRAPH_MAX_TOKENS = 64  # decode batches: the engine replays these from CUDA grap
 def paths(device: str) -> dict:
     out = {"grouped_mm": moe.grouped_experts, "loop": moe.looped_experts}
     if torch.device(device).type == "cuda":
+        from ..layers.moe_gemv import gemv_experts
         from ..layers.moe_kernel import fused_experts
 
-        out = {"triton": fused_experts, "gemv": gemv_routing_too} | out
+        out = {"triton": fused_experts, "gemv": gemv_experts} | out
     return out
-
-
-def gemv_routing_too(x, gate_up, down, weights, ids, *, logits, top_k, renormalize, t=None):
-    """layers.moe_gemv as decode runs it: routed (to weights, ids) from the router `logits` in its first launch."""
-    from ..layers.moe_gemv import gemv_experts
-
-    return gemv_experts(x, gate_up, down, logits, top_k, renormalize, t=t)[0]
 
 
 def in_graph(fn, args):
@@ -89,12 +83,10 @@ def bench_layer(
 
         for name, fn in (("route_torch", moe.route), ("route_triton", route_in_one_launch)):
             row[name] = {"seconds": clock.measure(in_graph(fn, (logits, k, cfg.norm_topk_prob)), repeats, warmup=3)}
-    gemv = functools.partial(gemv_routing_too, logits=logits, top_k=k, renormalize=cfg.norm_topk_prob)
     for name, fn in paths(device).items():
         if name == "gemv" and not decode:
             row[name] = {"error": "decode sizes only"}
             continue
-        fn = gemv if name == "gemv" else fn
         try:
             run = in_graph(fn, args) if decode and name != "loop" else functools.partial(fn, *args)
             seconds = clock.measure(run, repeats, warmup=3)
@@ -111,7 +103,7 @@ def bench_layer(
     if sweep and decode:
         row["sweep"] = sweep_tiles(args, clock, repeats)
     if sweep and decode and n == 1:
-        row["gemv_sweep"] = sweep_gemv_tiles(gemv, args, clock, repeats)
+        row["gemv_sweep"] = sweep_gemv_tiles(args, clock, repeats)
     return row
 
 
@@ -125,13 +117,12 @@ def sweep_tiles(args, clock: Clock, repeats: int) -> list[dict]:
     return sweep_launches(fused_experts, args, base, launches, clock, repeats)
 
 
-def sweep_gemv_tiles(gemv, args, clock: Clock, repeats: int) -> list[dict]:
-    """layers.moe_gemv (`gemv`: gemv_routing_too with its logits) with each projection's launch varied: columns per
-    program, K step, warps."""
-    from ..layers.moe_gemv import Launch, tiles
+def sweep_gemv_tiles(args, clock: Clock, repeats: int) -> list[dict]:
+    """layers.moe_gemv with each projection's launch varied: columns per program, K step, warps."""
+    from ..layers.moe_gemv import Launch, gemv_experts, tiles
 
     launches = [Launch(n, k, w) for n in (1, 2, 4, 8) for k in (64, 128, 256) for w in (4, 8)]
-    return sweep_launches(gemv, args, tiles(args[0].device), launches, clock, repeats)
+    return sweep_launches(gemv_experts, args, tiles(args[0].device), launches, clock, repeats)
 
 
 def sweep_launches(experts, args, base, launches, clock: Clock, repeats: int) -> list[dict]:
