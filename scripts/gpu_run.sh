@@ -175,6 +175,22 @@
 #     same 0.6B b1 profile spread 931-1,043 us inside one call)
 # Still owed: the b1 run-to-run spread (the same profile three times in one call, and on two machines); the 35B-A3B
 # bench with the static peer; the bench at 0.6B, 0.8B and 9B; the seventeenth session's list.
+# Nineteenth session (2026-12-04, one H200, five calls, one taken back before it finished; 186 s of the 30 minutes
+# left): 4-layer MoE profiles at b1 without prefill 15-38 s (35B-A3B's first 64-81 s: compiles), with the 4,096
+# prefill 100 s; tests/test_moe.py on CUDA (-n 4) 75-81 s; the 35B-A3B bench with the static peer 421 s. Calls made:
+#   STEPS="moe fused" MOE_TESTS="-n 4 tests/test_moe.py" MOE_MODELS="" FUSED_TESTS="" FUSED_SWEEP=0 GEMV_SWEEP=0
+#     GEMV_NORM_CHAIN=0 FUSED_MODELS="qwen3-30b-a3b-4-layers qwen3.5-35b-a3b-4-layers qwen3-30b-a3b-4-layers"
+#     FUSED_BATCHES=1 FUSED_PREFILL="" FUSED_MODES="fused_linear=triton,<temporary switch> fused_linear=triton"
+#     BUDGET_S=540                                                   (at 13d025e: routing inside gate_up, reverted)
+#   STEPS=bench MODELS=qwen3.5-35b-a3b PEER_MODES=static BENCH_ARGS="--no-warm --batch-sizes 1,32 --prompt-lens 4096
+#     --peer-batch-sizes 1,32 --skip latency,serving" BENCH_CAP_S=540 BUDGET_S=565
+#   the first call's profiles with FUSED_MODES="fused_linear=triton fused_linear=triton,<temporary switch>
+#     fused_linear=triton,POCKETLAB_PDL=0" BUDGET_S=300, then `python -m pocketlab.tools.profile --model
+#     qwen3.5-35b-a3b-4-layers --batch-sizes 1 --prefill-lens 4096 --steps 5 --engine-option checkpoint_stride=S`
+#     for S = 512, 2048
+#   STEPS=moe MOE_TESTS="-n 4 tests/test_moe.py" MOE_MODELS="" BUDGET_S=200
+# Still owed: the 30B-A3B and 35B-A3B model bench at b1 with the routing kernel under PDL; the bench at 0.6B, 0.8B
+# and 9B with the static peer; the seventeenth session's list (invariant step, STEPS=tp on two GPUs).
 # MoE at real shapes (issue 17), one H200, one call each (the engine runs on the HF peer's own tensors, so the weights
 # are on the GPU once: peak ~86 GiB at 30B-A3B, ~81 GiB at 35B-A3B, most of it the weights and, at 30B, 24 GiB of K/V
 # for 64 slots x 4,097 positions; the JSON's "memory" has the measured peak). Engine warm-up, latency and serving

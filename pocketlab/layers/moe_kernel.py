@@ -23,10 +23,12 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .invariant.dot import dot, precision
 from .invariant.elementwise import sigmoid
 from .invariant.rounding import cast
 from .moe import expert_order
+from .pdl import wait_then_release
 
 
 @dataclass(frozen=True)
@@ -304,9 +306,11 @@ def fused_experts(
 
 @triton.jit
 def _route(logits_ptr, stride, weights_ptr, ids_ptr, NUM_EXPERTS, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-           BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+           BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """One token's routing: softmax over its experts in float32, the k largest (equal ones: the lowest expert
-    first), optionally rescaled to sum 1, in the logits' dtype."""
+    first), optionally rescaled to sum 1, in the logits' dtype. Launched with PDL as the router before it and the
+    experts after it are: without it, it waits for the router's whole end and lets no later kernel start early."""
+    wait_then_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     x = tl.load(logits_ptr + row * stride + e, mask=e < NUM_EXPERTS, other=float("-inf")).to(tl.float32)
@@ -342,5 +346,6 @@ def route_in_one_launch(logits: torch.Tensor, top_k: int, renormalize: bool) -> 
         _route[(N,)](
             logits, logits.stride(0), weights, ids, E, TOP_K=top_k, RENORMALIZE=renormalize,
             BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(top_k),
+            **pdl.launch(logits.device),
         )  # fmt: skip
     return weights, ids
