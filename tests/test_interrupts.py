@@ -40,7 +40,12 @@ OPS = {
     "reset": (lambda e, s: e.reset(1), [1]),
     "release_slot": (lambda e, s: e.release_slot(0), [0]),
 }
-PRESETS = {"dense": "tiny-qwen3", "hybrid": "tiny-qwen3_5", "MTP drafts": "tiny-qwen3_5-mtp"}
+PRESETS = {
+    "dense": "tiny-qwen3",
+    "hybrid": "tiny-qwen3_5",
+    "MTP drafts": "tiny-qwen3_5-mtp",
+    "hybrid MoE": "tiny-qwen3_5_moe",
+}
 STEPS = {"interrupts": 0}  # interrupts injected, for the reliability table
 
 

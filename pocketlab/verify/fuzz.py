@@ -52,6 +52,8 @@ CONFIGS = {
     "hybrid, no prefix cache": ("tiny-qwen3_5", dict(prefix_cache=False)),
     "hybrid + MTP drafts": ("tiny-qwen3_5-mtp", dict(speculative_tokens=2)),
     "hybrid + MTP drafts, no prefix cache": ("tiny-qwen3_5-mtp", dict(speculative_tokens=2, prefix_cache=False)),
+    "MoE": ("tiny-qwen3_moe", {}),
+    "hybrid MoE + MTP drafts": ("tiny-qwen3_5_moe-mtp", dict(speculative_tokens=2)),
 }
 # prompts share prefixes of a few base sequences, so the prefix cache has something to find
 BASES = [torch.randint(0, VOCAB, (MAX_SEQ,), generator=torch.Generator().manual_seed(b)).tolist() for b in range(3)]
