@@ -240,6 +240,9 @@
 #   MOE_MODELS [qwen3.5-35b-a3b qwen3-30b-a3b]  the moe step: MOE_TESTS [tests/test_moe.py] on CUDA, one layer's
 #                    experts per shape (moe_bench: triton vs grouped_mm vs loop, MOE_ARGS [] e.g. --sweep), kernel
 #                    tables for MOE_PROFILE [] (e.g. the *-4-layers presets); bench the models with MODELS=
+#   AB_MODELS []  the ab step (not in the default STEPS): `python -m pocketlab.tools.ab` per model with AB_VARIANTS
+#                    (';'-separated, e.g. ";POCKETLAB_PDL=0"), AB_ARGS [] (e.g. --rounds 7), AB_FILE [switches] names
+#                    the tables, AB_CAP_S [240] per model
 #   REPORT_NOTEBOOKS [01,02,03,04,05,06,07]  the reports step's notebooks, in this order, each a step of its own
 #   TTFT_STRIDES     [512]              checkpoint strides the TTFT table is measured at, comma-separated
 #   PEER_MODES       [eager,static]     HF peers (static = static cache + HF's compiled decode step)
@@ -269,6 +272,11 @@ MOE_MODELS=${MOE_MODELS-qwen3.5-35b-a3b qwen3-30b-a3b}
 MOE_ARGS=${MOE_ARGS:-}
 MOE_PROFILE=${MOE_PROFILE-}
 MOE_TESTS=${MOE_TESTS-tests/test_moe.py}
+AB_MODELS=${AB_MODELS-}
+AB_VARIANTS=${AB_VARIANTS:-}
+AB_ARGS=${AB_ARGS:-}
+AB_FILE=${AB_FILE:-switches}
+AB_CAP_S=${AB_CAP_S:-240}
 TP_MODELS=${TP_MODELS-qwen3-8b qwen3.5-9b}
 TP2_MODELS=${TP2_MODELS-qwen3.5-27b-shape}
 INVARIANT_TESTS=${INVARIANT_TESTS-tests/test_batch_invariant.py tests/test_invariant_kernels.py tests/test_invariant_attention.py tests/test_linear_decode.py}
@@ -486,6 +494,16 @@ if wants moe; then
   for m in $MOE_PROFILE; do
     step "profile $m" 240 "$reserve" bash -o pipefail -c "python3 -m pocketlab.tools.profile --model $m \
       --batch-sizes 1,32 --prefill-lens 4096 --steps 10 --top 25 | tee reports/gpu/profile-$m-h200.txt"
+  done
+fi
+
+# -- 5d'. A/B of environment switches in one process per model (tools.ab: variants alternated round by round,
+#         graphs captured again for each) -> reports/gpu/ab-<AB_FILE>-<model>-h200.txt --
+if wants ab; then
+  mkdir -p reports/gpu
+  for m in $AB_MODELS; do
+    step "A/B $m" "$AB_CAP_S" "$reserve" bash -o pipefail -c "TQDM_DISABLE=1 python3 -m pocketlab.tools.ab --model $m \
+      --variants '$AB_VARIANTS' $AB_ARGS | tee reports/gpu/ab-$AB_FILE-$m-h200.txt"
   done
 fi
 

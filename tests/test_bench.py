@@ -3,6 +3,7 @@
 Timings are never judged here: only that every figure exists, is finite and positive."""
 
 import json
+import os
 import math
 import re
 import time
@@ -244,3 +245,21 @@ def test_serving_peer_for_a_model_hf_continuous_batching_refuses():
     assert "error" in out["hf"] and "error" not in out["hf_batches"], out
     assert positive(out["pocketlab_over_hf_batches"]) and out["hf_batches"]["latency_p50_s"] > 0
     assert out["hf_batches"]["latency_p50_s"] == out["hf_batches"]["latency_p99_s"]  # one batch
+
+
+def test_ab_alternates_variants_and_restores_the_environment(capsys, monkeypatch):
+    """tools.ab: one row per (batch, variant, round), each variant's switch set only during its rounds."""
+    from pocketlab.tools import ab
+
+    seen = []
+    real = ab.timed_steps
+    monkeypatch.setattr(ab, "timed_steps", lambda *a: seen.append(os.environ.get("POCKETLAB_AB_TEST")) or real(*a))
+    monkeypatch.delenv("POCKETLAB_AB_TEST", raising=False)
+    ab.main(["--model", "tiny-qwen3", "--device", "cpu", "--variants", "POCKETLAB_AB_TEST=a;POCKETLAB_AB_TEST=b",
+             "--rounds", "2", "--steps", "2", "--warm", "1"])  # fmt: skip
+    assert seen == ["a", "b", "a", "b"] and "POCKETLAB_AB_TEST" not in os.environ
+    table = capsys.readouterr().out.split("vs_first")[1]
+    assert re.search(r"POCKETLAB_AB_TEST=a\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+1\.000", table)
+    assert "POCKETLAB_AB_TEST=b" in table
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+        ab.parse_variant("no-equals-sign")

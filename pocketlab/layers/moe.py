@@ -135,7 +135,7 @@ class SparseMoE:
         (on one device; split over ranks the partial sums are all-reduced before the residual)."""
         stream = h.reshape(-1, h.shape[-1])
         if self.few_experts and stream.shape[0] <= self.few_tokens:  # decode: each launch reading the norm runs it
-            x, experts = stream, functools.partial(self.few_experts, norm=norm)
+            x, experts = stream, functools.partial(self.few_experts, norm=norm, ids_ready=self.shared)
         else:  # the norm once, as its own kernel: the router, the shared expert and the experts all read it
             x, norm, experts = norm(stream), None, self.experts
         logits = self.linear(x, self.router, norm=norm)

@@ -17,6 +17,7 @@ depend on the other tokens of the batch (and with `dot`'s in-order interpreter p
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -346,6 +347,6 @@ def route_in_one_launch(logits: torch.Tensor, top_k: int, renormalize: bool) -> 
         _route[(N,)](
             logits, logits.stride(0), weights, ids, E, TOP_K=top_k, RENORMALIZE=renormalize,
             BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(top_k),
-            **pdl.launch(logits.device),
+            num_warps=int(os.environ.get("POCKETLAB_ROUTE_WARPS", "4")), **pdl.launch(logits.device),
         )  # fmt: skip
     return weights, ids

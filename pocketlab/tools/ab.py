@@ -1,0 +1,107 @@
+"""Decode-step A/B of environment switches in ONE process: same engine, same weights, the graphs captured again
+for each variant, the variants alternated round by round.
+
+Why: the H200's step time drifts by a few percent between device calls (and within one), more than the effect of
+most kernel changes; alternating variants in one process spreads that drift over all of them alike.
+
+    python -m pocketlab.tools.ab --model qwen3-30b-a3b --variants "POCKETLAB_PDL=1;POCKETLAB_PDL=0" [--rounds 5]
+
+A variant is comma-separated NAME=VALUE pairs (set for its rounds, restored after); the first is the baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from ..graphs import StepGraphs
+from .bench import BenchConfig
+from .bench_engine import build
+from .cli import ints
+from .profile import decode_step
+
+
+def parse_variant(text: str) -> dict[str, str]:
+    """'A=1,B=2' -> {'A': '1', 'B': '2'}; '' is the environment as it is."""
+    pairs = [kv.split("=", 1) for kv in text.split(",") if kv.strip()]
+    if any(len(kv) != 2 or not kv[0].strip() for kv in pairs):
+        raise ValueError(f"a variant is NAME=VALUE pairs separated by commas, got {text!r}")
+    return {k.strip(): v.strip() for k, v in pairs}
+
+
+def timed_steps(engine, batch: int, steps: int, warm: int) -> list[float]:
+    """Seconds of each of `steps` decode steps (graphed on CUDA) after `warm` untimed ones (graphs captured among
+    those), from a fresh prefill so every variant decodes the same positions."""
+    step = decode_step(engine, batch)
+    sync = torch.cuda.synchronize if engine.graphs is not None else (lambda: None)
+    for _ in range(warm):
+        step()
+    sync()
+    seconds = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        step()
+        sync()
+        seconds.append(time.perf_counter() - t)
+    return seconds
+
+
+def run(engine, variants: list[str], batch_sizes, rounds: int, steps: int, warm: int) -> pd.DataFrame:
+    """One row per (batch, variant, round): the median graphed step of that round, in us."""
+    rows = []
+    work = [(b, r, v) for b in batch_sizes for r in range(rounds) for v in variants]
+    for batch, rnd, variant in tqdm(work, desc="A/B rounds"):
+        env = parse_variant(variant)
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            if engine.graphs is not None:  # captured again under this variant
+                engine.graphs = StepGraphs(engine.model, engine.cache, engine.options)
+            seconds = timed_steps(engine, batch, steps, warm)
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        rows.append({"batch": batch, "variant": variant or "(as is)", "round": rnd,
+                     "step_us": pd.Series(seconds).median() * 1e6})  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def summary(df: pd.DataFrame) -> pd.DataFrame:
+    """Per (batch, variant): median, min and max of the round medians, and the median against the baseline's."""
+    order = list(dict.fromkeys(df.variant))
+    out = df.groupby(["batch", "variant"], sort=False).step_us.agg(["median", "min", "max"]).reset_index()
+    base = out[out.variant == order[0]].set_index("batch")["median"]
+    out["vs_first"] = out["median"] / out.batch.map(base)
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m pocketlab.tools.ab", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="qwen3-0.6b")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--variants", required=True, help="';'-separated variants, each NAME=VALUE[,NAME=VALUE]")
+    p.add_argument("--batch-sizes", type=ints, default=(1,))
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warm", type=int, default=5)
+    a = p.parse_args(argv)
+    variants = [v.strip() for v in a.variants.split(";")]
+    for v in variants:
+        parse_variant(v)
+    cfg = BenchConfig(model=a.model, device=a.device, batch_sizes=a.batch_sizes, prompt_lens=(), peer=False,
+                      latency_batch_sizes=a.batch_sizes, latency_steps=0)  # fmt: skip
+    hf, engine = build(cfg)
+    del hf
+    df = run(engine, variants, a.batch_sizes, a.rounds, a.steps, a.warm)
+    print(f"\n{a.model} on {a.device}: decode step, us (median of {a.steps} steps per round, {a.rounds} rounds)")
+    print(df.pivot_table(index=["batch", "round"], columns="variant", values="step_us", sort=False).round(1).to_string())
+    print("\n" + summary(df).to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+
+
+if __name__ == "__main__":
+    main()
