@@ -3,8 +3,8 @@
 Timings are never judged here: only that every figure exists, is finite and positive."""
 
 import json
-import os
 import math
+import os
 import re
 import time
 

@@ -9,8 +9,6 @@ the GPU busy at batch 1; the last split of each (sequence, kv head) to finish me
 split order, in the same launch.
 """
 
-import os
-
 import torch
 
 from .arrivals import arrival_counts
@@ -106,26 +104,16 @@ if triton is not None:
         SPLIT_LEN: tl.constexpr,
         BLOCK_S: tl.constexpr,
         PRECISION: tl.constexpr,
-        EARLY: tl.constexpr,
         PDL: tl.constexpr,
     ):
+        wait_then_release(PDL)
         b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         splits = tl.num_programs(2)
         slot = tl.load(slot_ptr + b).to(tl.int64)
         length = tl.load(len_ptr + b)
         last = length - 1  # the new token: its K/V come from kn/vn, not the cache
-        d = tl.arange(0, D)
-        base = slot * stride_cs + kvh * stride_ch
-        start = split * SPLIT_LEN
-        if EARLY and SPLIT_LEN == BLOCK_N:  # the split's one block of cached keys, before the wait
-            n = start + tl.arange(0, BLOCK_N)
-            k_first = tl.load(k_ptr + base + n[:, None] * stride_ct + d[None, :], mask=(n < last)[:, None], other=0.0)
-            v_first = tl.load(v_ptr + base + n[:, None] * stride_ct + d[None, :], mask=(n < last)[:, None], other=0.0)
-        else:
-            k_first = tl.zeros([BLOCK_N, D], k_ptr.dtype.element_ty)
-            v_first = k_first
-        wait_then_release(PDL)
         g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, D)
         partner = tl.where(d < ROT, (d + ROT // 2) % ROT, d)
         cos = tl.load(cos_ptr + b * stride_rb + d, mask=d < ROT, other=1.0).to(tl.float32)
         sin = tl.load(sin_ptr + b * stride_rb + d, mask=d < ROT, other=0.0).to(tl.float32)
@@ -166,6 +154,8 @@ if triton is not None:
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, D], tl.float32)
+        base = slot * stride_cs + kvh * stride_ch
+        start = split * SPLIT_LEN
         at = last + 0 * d[None, :]  # [1, D] copies of the new token's position: stored by the split holding it
         mine = (at >= start) & (at < start + SPLIT_LEN)
         tl.store(k_ptr + base + last * stride_ct + d[None, :], k_new, mask=mine)
@@ -176,12 +166,9 @@ if triton is not None:
             span = tl.minimum(SPLIT_LEN, length - start)
         for n0 in range(0, span, BLOCK_N):
             n = start + n0 + tl.arange(0, BLOCK_N)
-            if EARLY and SPLIT_LEN == BLOCK_N:
-                k, v = k_first, v_first
-            else:
-                cached = n < last
-                k = tl.load(k_ptr + base + n[:, None] * stride_ct + d[None, :], mask=cached[:, None], other=0.0)
-                v = tl.load(v_ptr + base + n[:, None] * stride_ct + d[None, :], mask=cached[:, None], other=0.0)
+            cached = n < last
+            k = tl.load(k_ptr + base + n[:, None] * stride_ct + d[None, :], mask=cached[:, None], other=0.0)
+            v = tl.load(v_ptr + base + n[:, None] * stride_ct + d[None, :], mask=cached[:, None], other=0.0)
             is_new = (n == last)[:, None]
             k = tl.where(is_new, k_new, k)
             v = tl.where(is_new, v_new, v)
@@ -309,7 +296,6 @@ def decode_attention(
         BLOCK_S=max(triton.next_power_of_2(splits), 2),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_stages=2,
-        EARLY=os.environ.get("POCKETLAB_ATTN_EARLY", "0") == "1",
         **pdl.launch(q.device),
     )
     return out

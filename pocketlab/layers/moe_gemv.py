@@ -14,7 +14,6 @@ keep the block kernels.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -57,8 +56,8 @@ def _gate_up(x_ptr, w_ptr, g_ptr, ids_ptr, h_ptr, eps, H, I, stride_x, stride_we
              IDS_READY: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """h[pair j, n] = silu(x . gate[e_j, n]) * (x . up[e_j, n]) for the token's k pairs and this program's columns:
     float32 lanes [KP, BLOCK_N, BLOCK_K] along H, summed once; NORM (layers.gemv's flavours): x is RMS-normed with
-    weight g first. Weight tiles load a step ahead of their use; the first after the PDL wait (the routing kernel
-    writes the expert ids)."""
+    weight g first. Weight tiles load a step ahead of their use; the first after the PDL wait, as the routing kernel
+    just before writes the expert ids, or before it with IDS_READY (the routing ran two or more launches back)."""
     if not IDS_READY:
         wait_then_release(PDL)
     token = tl.program_id(1).to(tl.int64)
@@ -100,12 +99,10 @@ def _gate_up(x_ptr, w_ptr, g_ptr, ids_ptr, h_ptr, eps, H, I, stride_x, stride_we
 @triton.jit
 def _down_sum(h_ptr, w_ptr, weights_ptr, ids_ptr, out_ptr, shared_ptr, gate_ptr, residual_ptr, H, I, stride_we,
               stride_wn, stride_s, stride_g, stride_r, TOP_K: tl.constexpr, KP: tl.constexpr, SHARED: tl.constexpr,
-              RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EARLY: tl.constexpr,
-              PDL: tl.constexpr):  # fmt: skip
+              RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """out[token, n] for this program's columns: the k products cast(weight_j * (h[pair j] . down[e_j, n])) (float32
-    lanes along I, summed once) added in k order in float32, then finish_token. All reads after the PDL wait."""
-    if not EARLY:
-        wait_then_release(PDL)
+    lanes along I, summed once) added in k order in float32, then finish_token. The expert ids, routing weights and
+    first weight tiles load before the PDL wait (the routing ran two or more launches back); h and the rest after."""
     token = tl.program_id(1).to(tl.int64)
     j = tl.arange(0, KP)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -116,8 +113,7 @@ def _down_sum(h_ptr, w_ptr, weights_ptr, ids_ptr, out_ptr, shared_ptr, gate_ptr,
     k = tl.arange(0, BLOCK_K)
     w = tl.load(rows + k[None, None, :], mask=live & (k < I)[None, None, :], other=0.0)
     routing = tl.load(weights_ptr + pairs, mask=j < TOP_K, other=0.0).to(tl.float32)
-    if EARLY:
-        wait_then_release(PDL)
+    wait_then_release(PDL)
     lanes = tl.zeros((KP, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -140,7 +136,8 @@ def gemv_experts(x, gate_up, down, weights, ids, residual=None, shared=None, sha
     """moe_kernel.fused_experts' contract (x [N, H], gate_up [E, 2I, H], down [E, H, I], weights/ids [N, k]; the
     residual and the gated shared expert added in the last launch), for decode's few tokens; `norm` (a
     layers.norm.RMSNorm of width H): the experts read norm(x), normed in the gate_up launch. t: the launches' tiles
-    (default `tiles(...)`; the bench's sweep passes others)."""
+    (default `tiles(...)`; the bench's sweep passes others). ids_ready: ids and weights were written two or more
+    launches back (the shared expert ran between), so gate_up may read them before its PDL wait."""
     N, top_k = ids.shape
     E, two_i, H = gate_up.shape
     I = two_i // 2  # noqa: E741
@@ -157,13 +154,13 @@ def gemv_experts(x, gate_up, down, weights, ids, residual=None, shared=None, sha
         x, gate_up, x if norm is None else norm.weight, ids, h, 0.0 if norm is None else norm.eps, H, I,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), TOP_K=top_k, NORM=gemv.norm_flavour(norm), KP=kp,
         BLOCK_N=t.gate_up.block_n, BLOCK_K=t.gate_up.block_k, num_warps=t.gate_up.num_warps,
-        IDS_READY=ids_ready and os.environ.get("POCKETLAB_MOE_EARLY", "0") == "1", **pdl.launch(x.device),
+        IDS_READY=ids_ready, **pdl.launch(x.device),
     )  # fmt: skip
     s, g, r = (total if a is None else a for a in (shared, shared_gate, residual))  # absent: a pointer never read
     _down_sum[(triton.cdiv(H, t.down.block_n), N)](
         h, down, weights, ids, total, s, g, r, H, I, down.stride(0), down.stride(1), s.stride(0), g.stride(0),
         r.stride(0), TOP_K=top_k, KP=kp, SHARED=shared is not None, RESIDUAL=residual is not None,
         BLOCK_N=t.down.block_n, BLOCK_K=t.down.block_k, num_warps=t.down.num_warps,
-        EARLY=os.environ.get("POCKETLAB_MOE_EARLY", "0") == "1", **pdl.launch(x.device),
+        **pdl.launch(x.device),
     )  # fmt: skip
     return total

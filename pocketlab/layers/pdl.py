@@ -6,7 +6,8 @@ scheduled as soon as every program of the previous kernel has started; they read
 and then `wait()`: it returns once the previous kernel has finished and its writes are visible, so every read of an
 activation and every write comes after it. Each kernel then calls `release()`, letting the next one launch, but not
 the one after it (one kernel ahead at most). Kernels without PDL (cuBLAS, torch) keep the usual full ordering, and
-the order is transitive: a kernel's end implies its predecessor's.
+the order is transitive: a kernel's end implies its predecessor's. So a kernel may also read before its wait what
+a kernel two or more launches back wrote (the MoE experts' ids when the shared expert runs between).
 
 POCKETLAB_PDL=0 turns it off (to measure it); the interpreter (CPU) never uses it.
 """

@@ -99,7 +99,8 @@ def main(argv=None) -> None:
     del hf
     df = run(engine, variants, a.batch_sizes, a.rounds, a.steps, a.warm)
     print(f"\n{a.model} on {a.device}: decode step, us (median of {a.steps} steps per round, {a.rounds} rounds)")
-    print(df.pivot_table(index=["batch", "round"], columns="variant", values="step_us", sort=False).round(1).to_string())
+    rounds = df.pivot_table(index=["batch", "round"], columns="variant", values="step_us", sort=False)
+    print(rounds.round(1).to_string())
     print("\n" + summary(df).to_string(index=False, float_format=lambda x: f"{x:.3f}"))
 
 
