@@ -302,33 +302,6 @@ def test_route_in_one_launch_equals_torch_route(renormalize):
         route_in_one_launch(torch.zeros(2, 8, device=DEVICE), 9, False)
 
 
-@needs_triton
-@pytest.mark.parametrize("offset", [None, False, True], ids=["no norm", "w*x", "(1+w)*x"])
-def test_router_routes_in_its_own_launch_as_two_launches_do(offset):
-    """route_by_router (the router GEMV whose last program routes) gives the bits of the router GEMV followed by
-    route_in_one_launch: at 1-4 tokens of very different scales (a row routed from another row's logits shows),
-    with the shared expert's gate row beside the experts', k of 1 to all experts, and twice in a row (the arrival
-    count is left at zero for the next launch)."""
-    from pocketlab.layers.gemv import gemv
-    from pocketlab.layers.moe_gemv import route_by_router
-    from pocketlab.layers.moe_kernel import route_in_one_launch
-    from pocketlab.layers.norm import RMSNorm
-
-    gen = torch.Generator().manual_seed(5)
-    H = 70
-    norm = None if offset is None else RMSNorm(torch.randn(H, generator=gen).to(DEVICE), 1e-2, offset)
-    for N, E, k, renormalize in ((1, 8, 3, True), (3, 16, 8, False), (4, 20, 20, True), (2, 8, 1, False)):
-        x = (torch.randn(N, H, generator=gen) * torch.logspace(-1, 1, N)[:, None]).to(DEVICE)
-        router = torch.randn(E + 1, H, generator=gen).to(DEVICE)
-        want = gemv(x, router, norm=norm)
-        want_w, want_ids = route_in_one_launch(want[:, :E], k, renormalize)
-        for _ in range(2):
-            logits, w, ids = route_by_router(x, router, norm, E, k, renormalize)
-            assert torch.equal(logits, want) and torch.equal(ids, want_ids) and torch.equal(w, want_w), (N, E, k)
-    with pytest.raises(ValueError, match="top_k"):
-        route_by_router(x, router, norm, E, E + 1, False)
-
-
 def test_padding_rows_do_not_touch_real_tokens():
     """The torch path too: rows of garbage (NaN, huge) beside real tokens leave the real rows' outputs alone."""
     x, gu, d, w, ids = expert_inputs(7, seed=5)

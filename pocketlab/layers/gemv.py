@@ -80,21 +80,22 @@ def _tile(rows, k, live_n, K):
     return tl.load(rows + k[None, :], mask=live_n[:, None] & (k < K)[None, :], other=0.0)
 
 
-@triton.jit
-def row_sums(x_ptr, w_ptr, g_ptr, eps, rows, N, K, stride_xm, stride_wn, TWO: tl.constexpr, NORM: tl.constexpr,
-             ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AHEAD: tl.constexpr,
-             PDL: tl.constexpr):  # fmt: skip
-    """(x @ W^T, x @ up^T) in float32 for the ROWS rows and this program's BLOCK_N columns, from lanes [ROWS,
-    BLOCK_N, BLOCK_K] along K summed once; TWO: W is [gate | up] (2N rows), else the second is the first. NORM: x
-    is first RMS-normed with weight g (see the module docstring). Each weight tile is loaded AHEAD steps before
-    its use, the first AHEAD before the PDL wait (weights are never written), so the read streams while the
-    previous kernel finishes."""
+@triton.jit(do_not_specialize=["rows"])
+def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, g_ptr, eps, rows, N, K, stride_xm, stride_wn, stride_ym, stride_rm,
+          HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, NORM: tl.constexpr, ROWS: tl.constexpr,
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """y[m, n] for the ROWS rows and this program's BLOCK_N columns: float32 lanes [ROWS, BLOCK_N, BLOCK_K] along
+    K, summed once. NORM: x is first RMS-normed with weight g (see the module docstring). EPILOGUE 1: y = residual +
+    x @ W^T; 2: W is [gate | up] (2N rows), y = silu(x @ gate^T) * (x @ up^T). Each weight tile is loaded AHEAD
+    steps before its use, the first AHEAD before the PDL wait (weights are never written), so the read streams
+    while the previous kernel finishes."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, ROWS)
     live_m, live_n = m < rows, n < N
     x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
     w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
     up_rows = w_rows + N * stride_wn
+    TWO: tl.constexpr = EPILOGUE == 2
     k = tl.arange(0, BLOCK_K)
     w = _tile(w_rows, k, live_n, K)
     up = _tile(up_rows, k, live_n, K) if TWO else w
@@ -128,20 +129,6 @@ def row_sums(x_ptr, w_ptr, g_ptr, eps, rows, N, K, stride_xm, stride_wn, TWO: tl
     if NORM:
         inv_rms = tl.rsqrt(tl.sum(squares, axis=1) / K + eps)[:, None]
         total, total_up = total * inv_rms, total_up * inv_rms
-    return total, total_up
-
-
-@triton.jit(do_not_specialize=["rows"])
-def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, g_ptr, eps, rows, N, K, stride_xm, stride_wn, stride_ym, stride_rm,
-          HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, NORM: tl.constexpr, ROWS: tl.constexpr,
-          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    """y[m, n] for the ROWS rows and this program's BLOCK_N columns (row_sums), then the epilogue: EPILOGUE 1: y =
-    residual + x @ W^T; 2: W is [gate | up] (2N rows), y = silu(x @ gate^T) * (x @ up^T)."""
-    total, total_up = row_sums(x_ptr, w_ptr, g_ptr, eps, rows, N, K, stride_xm, stride_wn, EPILOGUE == 2, NORM, ROWS,
-                               BLOCK_N, BLOCK_K, AHEAD, PDL)  # fmt: skip
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m = tl.arange(0, ROWS)
-    live_m, live_n = m < rows, n < N
     dtype = y_ptr.dtype.element_ty
     y = finish(total, total_up, b_ptr, res_ptr, m, n, live_m, live_n, stride_rm, dtype, HAS_BIAS, EPILOGUE)
     tl.store(y_ptr + m.to(tl.int64)[:, None] * stride_ym + n[None, :], y, mask=live_m[:, None] & live_n[None, :])

@@ -32,7 +32,6 @@ class Kernels:
     moe_experts: Callable = moe.grouped_experts  # (x, gate_up, down, weights, ids, residual, shared, shared_gate)
     moe_few_experts: Callable | None = None  # the same and norm=, for up to moe_few_tokens tokens (layers.moe_gemv)
     moe_few_tokens: int = 0
-    moe_few_router: Callable | None = None  # (x, router, norm, experts, top_k, renormalize) -> (logits, weights, ids)
     # tensor parallelism (pocketlab.parallel): the sum over ranks of row-parallel outputs (None: one device), the
     # vocab-parallel embedding lookup, and the gather of vocab-parallel logits
     all_reduce: Callable | None = None
@@ -96,8 +95,7 @@ def _moe_kernels(options) -> dict:
         return kernels
     from . import moe_gemv  # decode's token streams its experts' rows as the linears do (layers.gemv)
 
-    return kernels | dict(moe_few_experts=moe_gemv.gemv_experts, moe_few_tokens=options.moe_gemv_tokens,
-                          moe_few_router=moe_gemv.route_by_router)
+    return kernels | dict(moe_few_experts=moe_gemv.gemv_experts, moe_few_tokens=options.moe_gemv_tokens)
 
 
 def _kernels_for(options) -> Kernels:

@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
 
-from ..config import GEMV_MAX_ROWS
 from .activations import swiglu
 from .fused import compiled_in_graphs
 
@@ -130,23 +128,18 @@ class SparseMoE:
         self.linear = kernels.linear
         self.route, self.experts = kernels.moe_route, kernels.moe_experts
         self.few_experts, self.few_tokens = kernels.moe_few_experts, kernels.moe_few_tokens
-        self.few_router = kernels.moe_few_router
         self.all_reduce = kernels.all_reduce  # tensor parallelism: each rank computes its slice of every expert
 
     def __call__(self, h: torch.Tensor, norm) -> torch.Tensor:
         """h + moe(norm(h)): the residual add and the shared expert's gate ride on the routed experts' last launch
         (on one device; split over ranks the partial sums are all-reduced before the residual)."""
         stream = h.reshape(-1, h.shape[-1])
-        few = self.few_experts is not None and stream.shape[0] <= self.few_tokens
-        if few:  # decode: each launch reading the norm runs it
+        if self.few_experts and stream.shape[0] <= self.few_tokens:  # decode: each launch reading the norm runs it
             x, experts = stream, functools.partial(self.few_experts, norm=norm, ids_ready=self.shared)
         else:  # the norm once, as its own kernel: the router, the shared expert and the experts all read it
             x, norm, experts = norm(stream), None, self.experts
-        if few and os.environ.get("POCKETLAB_ROUTER_ROUTES") == "1" and stream.shape[0] <= GEMV_MAX_ROWS:
-            logits, weights, ids = self.few_router(x, self.router, norm, self.num_experts, self.top_k, self.renormalize)
-        else:
-            logits = self.linear(x, self.router, norm=norm)
-            weights, ids = self.route(logits[:, : self.num_experts], self.top_k, self.renormalize)
+        logits = self.linear(x, self.router, norm=norm)
+        weights, ids = self.route(logits[:, : self.num_experts], self.top_k, self.renormalize)
         if _recorders:
             _recorders[-1].append(ids)
         shared = gate = None

@@ -21,11 +21,9 @@ import triton
 import triton.language as tl
 
 from . import gemv, pdl
-from .arrivals import arrival_counts
-from .gemv import row_sums
-from .invariant.matmul import as_rows, finish
+from .invariant.matmul import finish
 from .invariant.rounding import cast
-from .moe_kernel import finish_token, route_row
+from .moe_kernel import finish_token
 from .pdl import wait_then_release
 
 
@@ -131,53 +129,6 @@ def _down_sum(h_ptr, w_ptr, weights_ptr, ids_ptr, out_ptr, shared_ptr, gate_ptr,
     y = finish_token(acc, token, n, n < H, shared_ptr, gate_ptr, residual_ptr, stride_s, stride_g, stride_r, dtype,
                      SHARED, RESIDUAL)  # fmt: skip
     tl.store(out_ptr + token * H + n, y, mask=n < H)
-
-
-@triton.jit(do_not_specialize=["rows"])
-def _router(x_ptr, w_ptr, g_ptr, logits_ptr, weights_ptr, ids_ptr, arrived_ptr, eps, rows, N, K, NUM_EXPERTS,
-            stride_xm, stride_wn, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, NORM: tl.constexpr,
-            ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AHEAD: tl.constexpr,
-            BLOCK_E: tl.constexpr, BLOCK_TOP: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    """The router's logits for this program's columns (layers.gemv's row_sums, rounded as its plain epilogue); the
-    last program to finish then routes every row from the stored logits (route_row), so no routing launch
-    follows and the bits are those of the router GEMV + route_in_one_launch."""
-    total, _ = row_sums(x_ptr, w_ptr, g_ptr, eps, rows, N, K, stride_xm, stride_wn, False, NORM, ROWS, BLOCK_N,
-                        BLOCK_K, AHEAD, PDL)  # fmt: skip
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m = tl.arange(0, ROWS)
-    live_m, live_n = m < rows, n < N
-    y = finish(total, total, logits_ptr, logits_ptr, m, n, live_m, live_n, 0, logits_ptr.dtype.element_ty, False, 0)
-    tl.store(logits_ptr + m.to(tl.int64)[:, None] * N + n[None, :], y, mask=live_m[:, None] & live_n[None, :])
-    tl.debug_barrier()  # every thread's stores before the one thread's release
-    if tl.atomic_add(arrived_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-        for r in range(rows):
-            route_row(logits_ptr + r * N, weights_ptr + r * TOP_K, ids_ptr + r * TOP_K, NUM_EXPERTS, TOP_K,
-                      RENORMALIZE, BLOCK_E, BLOCK_TOP, True)  # fmt: skip
-        tl.atomic_xchg(arrived_ptr, 0)  # ready for the next launch
-
-
-def route_by_router(x: torch.Tensor, router: torch.Tensor, norm, num_experts: int, top_k: int, renormalize: bool):
-    """(logits [N, R], weights [N, k], ids [N, k]) of up to gemv.MAX_ROWS tokens in ONE launch: the router's
-    projection (router [R, H], its first num_experts rows the experts', `norm` folded in as layers.gemv folds it)
-    and, in its last program, moe_kernel.route_in_one_launch's routing of those logits, bit for bit."""
-    R, H = router.shape
-    if not 0 < top_k <= num_experts <= R:
-        raise ValueError(f"route_by_router: need 0 < top_k ({top_k}) <= experts ({num_experts}) <= rows ({R})")
-    x2 = as_rows(x, H)
-    M = x2.shape[0]
-    t = gemv.launch_for(M, R, H, x.device, normed=norm is not None)
-    logits = torch.empty(M, R, dtype=x.dtype, device=x.device)
-    weights = torch.empty(M, top_k, dtype=x.dtype, device=x.device)
-    ids = torch.empty(M, top_k, dtype=torch.int64, device=x.device)
-    if M:
-        _router[(triton.cdiv(R, t.block_n),)](
-            x2, router, x2 if norm is None else norm.weight, logits, weights, ids, arrival_counts(x.device, 1),
-            0.0 if norm is None else norm.eps, M, R, H, num_experts, x2.stride(0), router.stride(0), TOP_K=top_k,
-            RENORMALIZE=renormalize, NORM=gemv.norm_flavour(norm), ROWS=t.rows, BLOCK_N=t.block_n,
-            BLOCK_K=t.block_k, AHEAD=t.ahead, BLOCK_E=triton.next_power_of_2(num_experts),
-            BLOCK_TOP=triton.next_power_of_2(top_k), num_warps=t.num_warps, **pdl.launch(x.device),
-        )  # fmt: skip
-    return logits, weights, ids
 
 
 def gemv_experts(x, gate_up, down, weights, ids, residual=None, shared=None, shared_gate=None, norm=None,

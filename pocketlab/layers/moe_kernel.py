@@ -305,13 +305,16 @@ def fused_experts(
 
 
 @triton.jit
-def route_row(logits_ptr, weights_ptr, ids_ptr, NUM_EXPERTS, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-              BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, VOLATILE: tl.constexpr):  # fmt: skip
+def _route(logits_ptr, stride, weights_ptr, ids_ptr, NUM_EXPERTS, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+           BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """One token's routing: softmax over its experts in float32, the k largest (equal ones: the lowest expert
-    first), optionally rescaled to sum 1, stored in the weights' dtype. VOLATILE: the logits were just stored by
-    other programs of the same launch (layers.gemv's router epilogue)."""
+    first), optionally rescaled to sum 1, in the logits' dtype. Launched with PDL as the router before it and the
+    experts after it are: without it, it waits for the router's whole end and lets no later kernel start early.
+    One warp: its 2k + 2 reductions stay warp shuffles (2% of a 30B-A3B step, reports/gpu/ab-early-loads-*)."""
+    wait_then_release(PDL)
+    row = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
-    x = tl.load(logits_ptr + e, mask=e < NUM_EXPERTS, other=float("-inf"), volatile=VOLATILE).to(tl.float32)
+    x = tl.load(logits_ptr + row * stride + e, mask=e < NUM_EXPERTS, other=float("-inf")).to(tl.float32)
     p = tl.exp(x - tl.max(x, 0))
     p = p / tl.sum(p, 0)
     left = tl.where(e < NUM_EXPERTS, p, -1.0)  # probabilities are >= 0: a lane past the experts is never taken
@@ -326,20 +329,8 @@ def route_row(logits_ptr, weights_ptr, ids_ptr, NUM_EXPERTS, TOP_K: tl.constexpr
         left = tl.where(e == pick, -1.0, left)
     if RENORMALIZE:
         top = top / tl.sum(top, 0)
-    tl.store(weights_ptr + j, top.to(weights_ptr.dtype.element_ty), mask=j < TOP_K)
-    tl.store(ids_ptr + j, which, mask=j < TOP_K)
-
-
-@triton.jit
-def _route(logits_ptr, stride, weights_ptr, ids_ptr, NUM_EXPERTS, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-           BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    """route_row for each token, a program each. Launched with PDL as the router before it and the experts after it
-    are: without it, it waits for the router's whole end and lets no later kernel start early. One warp: its
-    2k + 2 reductions stay warp shuffles (2% of a 30B-A3B step, reports/gpu/ab-early-loads-*)."""
-    wait_then_release(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    route_row(logits_ptr + row * stride, weights_ptr + row * TOP_K, ids_ptr + row * TOP_K, NUM_EXPERTS, TOP_K,
-              RENORMALIZE, BLOCK_E, BLOCK_K, False)  # fmt: skip
+    tl.store(weights_ptr + row * TOP_K + j, top.to(weights_ptr.dtype.element_ty), mask=j < TOP_K)
+    tl.store(ids_ptr + row * TOP_K + j, which, mask=j < TOP_K)
 
 
 def route_in_one_launch(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -355,7 +346,7 @@ def route_in_one_launch(logits: torch.Tensor, top_k: int, renormalize: bool) -> 
     if N:
         _route[(N,)](
             logits, logits.stride(0), weights, ids, E, TOP_K=top_k, RENORMALIZE=renormalize,
-            BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(top_k), num_warps=1,
-            **pdl.launch(logits.device),
+            BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(top_k),
+            num_warps=1, **pdl.launch(logits.device),
         )  # fmt: skip
     return weights, ids
