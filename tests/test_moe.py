@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 from conftest import DEVICE, DTYPE, KERNELS, LOGIT_TOL, greedy_run, random_prompt
 from safetensors.torch import load_file, save_file
@@ -15,6 +16,7 @@ from test_parity import assert_matches_reference, check_parity, hf_incremental_l
 
 from pocketlab import BatchedRequest, EngineOptions, ModelConfig, QwenEngine
 from pocketlab.layers import moe
+from pocketlab.layers.activations import swiglu
 from pocketlab.layers.gated_delta import backend_name
 from pocketlab.verify import mtp_runs
 from pocketlab.verify.drafters import OracleDrafter
@@ -233,8 +235,9 @@ def test_fused_experts_rows_do_not_depend_on_the_batch():
 def test_gemv_experts_equal_the_torch_path(offset):
     """Decode's few tokens through layers.moe_gemv (each program streams rows of all k experts, the block's RMSNorm in
     the gate_up launch; the k products, gated shared expert and residual added in the down launch)
-    against the reference loop on the float32 norm of x, at 1-4 tokens and with each part left out. Rows of very
-    different scales and a large eps, so a norm over part of H, a lost routing weight or pair shows."""
+    against the reference loop on the float32 norm of x, at 1-4 tokens and with each part left out; the shared
+    expert given as an output or as weights run in the same launches. Rows of very different scales and a large
+    eps, so a norm over part of H, a lost routing weight or pair, or another token's shared row shows."""
     from pocketlab.layers.moe_gemv import gemv_experts
     from pocketlab.layers.norm import RMSNorm
 
@@ -250,6 +253,15 @@ def test_gemv_experts_equal_the_torch_path(offset):
                 want = moe.looped_experts(normed, gu, d, w, ids, **extra)
                 got = gemv_experts(x, gu, d, w, ids, norm=norm, **extra)
                 torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+            # the shared expert's own weights (as wide as an expert) run in the same two launches
+            shared_gu, shared_d = gu[N % 8] * 2, d[(N + 1) % 8] * 2  # unlike any routed pair's
+            own = F.linear(swiglu(F.linear(normed, shared_gu)), shared_d)
+            for extra in (dict(shared_gate=logits[:, 8:]), dict(shared_gate=logits[:, 8:], residual=residual)):
+                want = moe.looped_experts(normed, gu, d, w, ids, shared=own, **extra)
+                got = gemv_experts(x, gu, d, w, ids, norm=norm, shared_weights=(shared_gu, shared_d), **extra)
+                torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="not as wide as an expert"):
+        gemv_experts(x, gu, d, w, ids, shared_gate=logits[:, 8:], shared_weights=(gu[0, :8], d[0]))
 
 
 @needs_triton

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -134,8 +135,9 @@ class SparseMoE:
         """h + moe(norm(h)): the residual add and the shared expert's gate ride on the routed experts' last launch
         (on one device; split over ranks the partial sums are all-reduced before the residual)."""
         stream = h.reshape(-1, h.shape[-1])
-        if self.few_experts and stream.shape[0] <= self.few_tokens:  # decode: each launch reading the norm runs it
-            x, experts = stream, functools.partial(self.few_experts, norm=norm, ids_ready=self.shared)
+        few = self.few_experts is not None and stream.shape[0] <= self.few_tokens
+        if few:  # decode: each launch reading the norm runs it
+            x, experts = stream, functools.partial(self.few_experts, norm=norm)
         else:  # the norm once, as its own kernel: the router, the shared expert and the experts all read it
             x, norm, experts = norm(stream), None, self.experts
         logits = self.linear(x, self.router, norm=norm)
@@ -144,8 +146,14 @@ class SparseMoE:
             _recorders[-1].append(ids)
         shared = gate = None
         if self.shared:
-            shared = self.linear(self.linear(x, self.shared_gate_up, swiglu=True, norm=norm), self.shared_down)
             gate = logits[:, self.num_experts :]
+            inside = os.environ.get("POCKETLAB_SHARED_INSIDE") == "1"
+            if few and inside and self.shared_down.shape[1] == self.down.shape[2]:  # as wide as one: in its launches
+                experts = functools.partial(experts, shared_weights=(self.shared_gate_up, self.shared_down))
+            else:
+                shared = self.linear(self.linear(x, self.shared_gate_up, swiglu=True, norm=norm), self.shared_down)
+                if few:  # the routing ran two launches back: its ids may load before the PDL wait
+                    experts = functools.partial(experts, ids_ready=True)
         residual = stream if self.all_reduce is None else None
         y = experts(x, self.gate_up, self.down, weights, ids, residual, shared, gate)
         if self.all_reduce is not None:

@@ -51,35 +51,48 @@ def tiles(device: torch.device) -> Tiles:
 
 
 @triton.jit
-def _gate_up(x_ptr, w_ptr, g_ptr, ids_ptr, h_ptr, eps, H, I, stride_x, stride_we, stride_wn, TOP_K: tl.constexpr,
-             NORM: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             IDS_READY: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+def _gate_up(x_ptr, w_ptr, sw_ptr, g_ptr, ids_ptr, h_ptr, eps, H, I, stride_x, stride_we, stride_wn, stride_sn,
+             TOP_K: tl.constexpr, NORM: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             SHARED: tl.constexpr, IDS_READY: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """h[pair j, n] = silu(x . gate[e_j, n]) * (x . up[e_j, n]) for the token's k pairs and this program's columns:
     float32 lanes [KP, BLOCK_N, BLOCK_K] along H, summed once; NORM (layers.gemv's flavours): x is RMS-normed with
-    weight g first. Weight tiles load a step ahead of their use; the first after the PDL wait, as the routing kernel
-    just before writes the expert ids, or before it with IDS_READY (the routing ran two or more launches back)."""
+    weight g first. SHARED: the shared expert's [gate | up] (sw, as wide as an expert) too, into h's row N * k +
+    token. Weight tiles load a step ahead of their use; the shared expert's first before the PDL wait, the routed
+    experts' first after it, as the routing kernel just before writes the expert ids, or before it with IDS_READY
+    (the routing ran two or more launches back)."""
+    token = tl.program_id(1).to(tl.int64)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    shared_gate_rows = sw_ptr + n.to(tl.int64)[:, None] * stride_sn
+    shared_up_rows = shared_gate_rows + I * stride_sn
+    if SHARED:
+        shared_gate_w = tl.load(shared_gate_rows + k[None, :], mask=(n < I)[:, None] & (k < H)[None, :], other=0.0)
+        shared_up_w = tl.load(shared_up_rows + k[None, :], mask=(n < I)[:, None] & (k < H)[None, :], other=0.0)
     if not IDS_READY:
         wait_then_release(PDL)
-    token = tl.program_id(1).to(tl.int64)
     j = tl.arange(0, KP)
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     live = (j < TOP_K)[:, None, None] & (n < I)[None, :, None]
     e = tl.load(ids_ptr + token * TOP_K + j, mask=j < TOP_K, other=0).to(tl.int64)
     gate_rows = w_ptr + e[:, None, None] * stride_we + n.to(tl.int64)[None, :, None] * stride_wn
     up_rows = gate_rows + I * stride_wn
-    k = tl.arange(0, BLOCK_K)
     gate_w = tl.load(gate_rows + k[None, None, :], mask=live & (k < H)[None, None, :], other=0.0)
     up_w = tl.load(up_rows + k[None, None, :], mask=live & (k < H)[None, None, :], other=0.0)
     if IDS_READY:
         wait_then_release(PDL)
     lanes_gate = tl.zeros((KP, BLOCK_N, BLOCK_K), dtype=tl.float32)
     lanes_up = tl.zeros((KP, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    shared_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    shared_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         ahead = live & (k + BLOCK_K < H)[None, None, :]
         gate_next = tl.load(gate_rows + (k + BLOCK_K)[None, None, :], mask=ahead, other=0.0)
         up_next = tl.load(up_rows + (k + BLOCK_K)[None, None, :], mask=ahead, other=0.0)
+        if SHARED:
+            shared_ahead = (n < I)[:, None] & (k + BLOCK_K < H)[None, :]
+            shared_gate_next = tl.load(shared_gate_rows + (k + BLOCK_K)[None, :], mask=shared_ahead, other=0.0)
+            shared_up_next = tl.load(shared_up_rows + (k + BLOCK_K)[None, :], mask=shared_ahead, other=0.0)
         x = tl.load(x_ptr + token * stride_x + k, mask=k < H, other=0.0).to(tl.float32)
         if NORM:
             squares += x * x
@@ -87,22 +100,35 @@ def _gate_up(x_ptr, w_ptr, g_ptr, ids_ptr, h_ptr, eps, H, I, stride_x, stride_we
         lanes_gate += x[None, None, :] * gate_w.to(tl.float32)
         lanes_up += x[None, None, :] * up_w.to(tl.float32)
         gate_w, up_w = gate_next, up_next
+        if SHARED:
+            shared_gate += x[None, :] * shared_gate_w.to(tl.float32)
+            shared_up += x[None, :] * shared_up_w.to(tl.float32)
+            shared_gate_w, shared_up_w = shared_gate_next, shared_up_next
     gate, up = tl.sum(lanes_gate, axis=2), tl.sum(lanes_up, axis=2)
-    if NORM:
-        inv_rms = tl.rsqrt(tl.sum(squares, axis=0) / H + eps)
-        gate, up = gate * inv_rms, up * inv_rms
-    y = finish(gate, up, h_ptr, h_ptr, j, n, j < TOP_K, n < I, 0, h_ptr.dtype.element_ty, False, 2)  # SwiGLU
+    inv_rms = tl.rsqrt(tl.sum(squares, axis=0) / H + eps) if NORM else 1.0
+    dtype = h_ptr.dtype.element_ty
+    y = finish(gate * inv_rms, up * inv_rms, h_ptr, h_ptr, j, n, j < TOP_K, n < I, 0, dtype, False, 2)  # SwiGLU
     pairs = token * TOP_K + j
     tl.store(h_ptr + pairs[:, None] * I + n[None, :], y, mask=(j < TOP_K)[:, None] & (n < I)[None, :])
+    if SHARED:
+        one = tl.arange(0, 1)
+        shared_gate = tl.sum(shared_gate, axis=1)[None, :] * inv_rms
+        shared_up = tl.sum(shared_up, axis=1)[None, :] * inv_rms
+        y = finish(shared_gate, shared_up, h_ptr, h_ptr, one, n, one < 1, n < I, 0, dtype, False, 2)
+        row = tl.num_programs(1) * TOP_K + token
+        tl.store(h_ptr + row * I + n[None, :], y, mask=(n < I)[None, :])
 
 
 @triton.jit
-def _down_sum(h_ptr, w_ptr, weights_ptr, ids_ptr, out_ptr, shared_ptr, gate_ptr, residual_ptr, H, I, stride_we,
-              stride_wn, stride_s, stride_g, stride_r, TOP_K: tl.constexpr, KP: tl.constexpr, SHARED: tl.constexpr,
-              RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+def _down_sum(h_ptr, w_ptr, sw_ptr, weights_ptr, ids_ptr, out_ptr, shared_ptr, gate_ptr, residual_ptr, H, I,
+              stride_we, stride_wn, stride_sn, stride_s, stride_g, stride_r, TOP_K: tl.constexpr, KP: tl.constexpr,
+              SHARED: tl.constexpr, SHARED_W: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """out[token, n] for this program's columns: the k products cast(weight_j * (h[pair j] . down[e_j, n])) (float32
-    lanes along I, summed once) added in k order in float32, then finish_token. The expert ids, routing weights and
-    first weight tiles load before the PDL wait (the routing ran two or more launches back); h and the rest after."""
+    lanes along I, summed once) added in k order in float32, then finish_token with the shared expert's output:
+    read from `shared` (SHARED), or SHARED_W: its down product (sw, on h's row N * k + token) in this launch,
+    rounded once as the plain GEMV rounds it. The expert ids, routing weights and first weight tiles load before
+    the PDL wait (the routing ran two or more launches back); h and the rest after."""
     token = tl.program_id(1).to(tl.int64)
     j = tl.arange(0, KP)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -110,57 +136,84 @@ def _down_sum(h_ptr, w_ptr, weights_ptr, ids_ptr, out_ptr, shared_ptr, gate_ptr,
     pairs = token * TOP_K + j
     e = tl.load(ids_ptr + pairs, mask=j < TOP_K, other=0).to(tl.int64)
     rows = w_ptr + e[:, None, None] * stride_we + n.to(tl.int64)[None, :, None] * stride_wn
+    shared_rows = sw_ptr + n.to(tl.int64)[:, None] * stride_sn
     k = tl.arange(0, BLOCK_K)
     w = tl.load(rows + k[None, None, :], mask=live & (k < I)[None, None, :], other=0.0)
+    if SHARED_W:
+        shared_w = tl.load(shared_rows + k[None, :], mask=(n < H)[:, None] & (k < I)[None, :], other=0.0)
     routing = tl.load(weights_ptr + pairs, mask=j < TOP_K, other=0.0).to(tl.float32)
     wait_then_release(PDL)
     lanes = tl.zeros((KP, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    shared_lanes = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    shared_row = tl.num_programs(1) * TOP_K + token
     for k0 in range(0, I, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         w_next = tl.load(rows + (k + BLOCK_K)[None, None, :], mask=live & (k + BLOCK_K < I)[None, None, :], other=0.0)
         h = tl.load(h_ptr + pairs[:, None] * I + k[None, :], mask=(j < TOP_K)[:, None] & (k < I)[None, :], other=0.0)
         lanes += h.to(tl.float32)[:, None, :] * w.to(tl.float32)
         w = w_next
+        if SHARED_W:
+            shared_ahead = (n < H)[:, None] & (k + BLOCK_K < I)[None, :]
+            shared_next = tl.load(shared_rows + (k + BLOCK_K)[None, :], mask=shared_ahead, other=0.0)
+            shared_h = tl.load(h_ptr + shared_row * I + k, mask=k < I, other=0.0).to(tl.float32)
+            shared_lanes += shared_h[None, :] * shared_w.to(tl.float32)
+            shared_w = shared_next
     dtype = out_ptr.dtype.element_ty
     products = cast(tl.sum(lanes, axis=2) * routing[:, None], dtype).to(tl.float32)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for i in tl.static_range(TOP_K):  # k order: adding the zeros of the other pairs is exact
         acc += tl.sum(tl.where((j == i)[:, None], products, 0.0), axis=0)
-    y = finish_token(acc, token, n, n < H, shared_ptr, gate_ptr, residual_ptr, stride_s, stride_g, stride_r, dtype,
-                     SHARED, RESIDUAL)  # fmt: skip
+    if SHARED_W:
+        shared = cast(tl.sum(shared_lanes, axis=1), dtype).to(tl.float32)
+    elif SHARED:
+        shared = tl.load(shared_ptr + token * stride_s + n, mask=n < H, other=0.0).to(tl.float32)
+    else:
+        shared = acc
+    y = finish_token(acc, token, n, n < H, shared, gate_ptr, residual_ptr, stride_g, stride_r, dtype,
+                     SHARED or SHARED_W, RESIDUAL)  # fmt: skip
     tl.store(out_ptr + token * H + n, y, mask=n < H)
 
 
 def gemv_experts(x, gate_up, down, weights, ids, residual=None, shared=None, shared_gate=None, norm=None,
-                 t: Tiles | None = None, ids_ready: bool = False):  # fmt: skip
+                 t: Tiles | None = None, ids_ready: bool = False, shared_weights=None):  # fmt: skip
     """moe_kernel.fused_experts' contract (x [N, H], gate_up [E, 2I, H], down [E, H, I], weights/ids [N, k]; the
     residual and the gated shared expert added in the last launch), for decode's few tokens; `norm` (a
     layers.norm.RMSNorm of width H): the experts read norm(x), normed in the gate_up launch. t: the launches' tiles
     (default `tiles(...)`; the bench's sweep passes others). ids_ready: ids and weights were written two or more
-    launches back (the shared expert ran between), so gate_up may read them before its PDL wait."""
+    launches back (the shared expert ran between), so gate_up may read them before its PDL wait. shared_weights
+    (the shared expert's [gate | up] [2I, H] and down [H, I], as wide as an expert) in place of `shared`: the shared
+    expert runs in the same two launches."""
     N, top_k = ids.shape
     E, two_i, H = gate_up.shape
     I = two_i // 2  # noqa: E741
     if gate_up.stride(2) != 1 or down.stride(2) != 1:
         raise ValueError("gemv_experts needs expert weights contiguous along their input dimension")
+    if shared_weights is not None:
+        if shared is not None or shared_gate is None:
+            raise ValueError("gemv_experts: shared_weights replace `shared` and need `shared_gate`")
+        shapes = tuple(tuple(w.shape) for w in shared_weights)
+        if shapes != ((two_i, H), (H, I)):
+            raise ValueError(f"gemv_experts: shared expert {shapes} is not as wide as an expert {((two_i, H), (H, I))}")
     x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
-    h = torch.empty(N * top_k, I, dtype=x.dtype, device=x.device)
+    h = torch.empty(N * top_k + (N if shared_weights is not None else 0), I, dtype=x.dtype, device=x.device)
     total = torch.empty(N, H, dtype=x.dtype, device=x.device)
     if not N:
         return total
     t = t or tiles(x.device)
     kp = triton.next_power_of_2(top_k)
+    shared_gu, shared_down = shared_weights if shared_weights is not None else (gate_up[0], down[0])
     _gate_up[(triton.cdiv(I, t.gate_up.block_n), N)](
-        x, gate_up, x if norm is None else norm.weight, ids, h, 0.0 if norm is None else norm.eps, H, I,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), TOP_K=top_k, NORM=gemv.norm_flavour(norm), KP=kp,
-        BLOCK_N=t.gate_up.block_n, BLOCK_K=t.gate_up.block_k, num_warps=t.gate_up.num_warps,
-        IDS_READY=ids_ready, **pdl.launch(x.device),
+        x, gate_up, shared_gu, x if norm is None else norm.weight, ids, h, 0.0 if norm is None else norm.eps, H, I,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), shared_gu.stride(0), TOP_K=top_k,
+        NORM=gemv.norm_flavour(norm), KP=kp, BLOCK_N=t.gate_up.block_n, BLOCK_K=t.gate_up.block_k,
+        SHARED=shared_weights is not None, IDS_READY=ids_ready, num_warps=t.gate_up.num_warps,
+        **pdl.launch(x.device),
     )  # fmt: skip
     s, g, r = (total if a is None else a for a in (shared, shared_gate, residual))  # absent: a pointer never read
     _down_sum[(triton.cdiv(H, t.down.block_n), N)](
-        h, down, weights, ids, total, s, g, r, H, I, down.stride(0), down.stride(1), s.stride(0), g.stride(0),
-        r.stride(0), TOP_K=top_k, KP=kp, SHARED=shared is not None, RESIDUAL=residual is not None,
-        BLOCK_N=t.down.block_n, BLOCK_K=t.down.block_k, num_warps=t.down.num_warps,
-        **pdl.launch(x.device),
+        h, down, shared_down, weights, ids, total, s, g, r, H, I, down.stride(0), down.stride(1),
+        shared_down.stride(0), s.stride(0), g.stride(0), r.stride(0), TOP_K=top_k, KP=kp, SHARED=shared is not None,
+        SHARED_W=shared_weights is not None, RESIDUAL=residual is not None, BLOCK_N=t.down.block_n,
+        BLOCK_K=t.down.block_k, num_warps=t.down.num_warps, **pdl.launch(x.device),
     )  # fmt: skip
     return total

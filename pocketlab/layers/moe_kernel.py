@@ -239,19 +239,20 @@ def _combine(pairs_ptr, out_ptr, shared_ptr, gate_ptr, residual_ptr, H, stride_s
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         acc += tl.load(pairs_ptr + (token * TOP_K + j) * H + n, mask=live, other=0.0).to(tl.float32)
-    y = finish_token(acc, token, n, live, shared_ptr, gate_ptr, residual_ptr, stride_s, stride_g, stride_r,
+    shared = tl.load(shared_ptr + token * stride_s + n, mask=live, other=0.0).to(tl.float32) if SHARED else acc
+    y = finish_token(acc, token, n, live, shared, gate_ptr, residual_ptr, stride_g, stride_r,
                      out_ptr.dtype.element_ty, SHARED, RESIDUAL)  # fmt: skip
     tl.store(out_ptr + token * H + n, y, mask=live)
 
 
 @triton.jit
-def finish_token(acc, token, n, live, shared_ptr, gate_ptr, residual_ptr, stride_s, stride_g, stride_r,
-                 dtype: tl.constexpr, SHARED: tl.constexpr, RESIDUAL: tl.constexpr):  # fmt: skip
-    """A token's float32 sum of its k routed outputs (columns n) -> [residual +] (sum [+ shared * sigmoid(gate)]) in
-    `dtype`, each step rounded where moe.combine's torch ops round."""
+def finish_token(acc, token, n, live, s, gate_ptr, residual_ptr, stride_g, stride_r, dtype: tl.constexpr,
+                 SHARED: tl.constexpr, RESIDUAL: tl.constexpr):  # fmt: skip
+    """A token's float32 sum of its k routed outputs (columns n) -> [residual +] (sum [+ s * sigmoid(gate)]) in
+    `dtype`, each step rounded where moe.combine's torch ops round; s: the shared expert's output (float32 holding
+    dtype values), read with SHARED only."""
     y = cast(acc, dtype).to(tl.float32)
     if SHARED:
-        s = tl.load(shared_ptr + token * stride_s + n, mask=live, other=0.0).to(tl.float32)
         g = cast(sigmoid(tl.load(gate_ptr + token * stride_g).to(tl.float32)), dtype).to(tl.float32)
         y = cast(y + cast(s * g, dtype).to(tl.float32), dtype).to(tl.float32)
     if RESIDUAL:
