@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
@@ -147,8 +146,7 @@ class SparseMoE:
         shared = gate = None
         if self.shared:
             gate = logits[:, self.num_experts :]
-            inside = os.environ.get("POCKETLAB_SHARED_INSIDE") == "1"
-            if few and inside and self.shared_down.shape[1] == self.down.shape[2]:  # as wide as one: in its launches
+            if few and self.shared_down.shape[1] == self.down.shape[2]:  # as wide as an expert: in their launches
                 experts = functools.partial(experts, shared_weights=(self.shared_gate_up, self.shared_down))
             else:
                 shared = self.linear(self.linear(x, self.shared_gate_up, swiglu=True, norm=norm), self.shared_down)
