@@ -191,6 +191,23 @@
 #   STEPS=moe MOE_TESTS="-n 4 tests/test_moe.py" MOE_MODELS="" BUDGET_S=200
 # Still owed: the 30B-A3B and 35B-A3B model bench at b1 with the routing kernel under PDL; the bench at 0.6B, 0.8B
 # and 9B with the static peer; the seventeenth session's list (invariant step, STEPS=tp on two GPUs).
+# Twentieth session (2026-12-04, one H200, four calls, the device time used to the last 263 s): tests/test_moe.py on
+# CUDA (-n 4) 75-112 s; `tools.ab` (variants alternated in one process) 27 s at 30B-A3B for 5 variants x 4 rounds,
+# 75-108 s at 35B-A3B (compiles), 20 s at 0.6B; the MoE model bench without the peer 63 s (30B) and 82 s (35B); a
+# 4-layer 35B profile with prefill 106 s in a fresh machine's first process. Calls made:
+#   POCKETLAB_MOE_EARLY=1 POCKETLAB_ATTN_EARLY=1 POCKETLAB_ROUTE_WARPS=1 STEPS=tests TESTS="-x tests/test_moe.py
+#     tests/test_decode_attention.py" BUDGET_S=150, then STEPS=ab AB_MODELS="qwen3-30b-a3b qwen3.5-35b-a3b qwen3-0.6b"
+#     AB_VARIANTS="<each switch alone; all three>" AB_ARGS="--rounds 4 --steps 30" AB_FILE=early-loads BUDGET_S=400
+#     (switches of commit 0fa0aab)
+#   the same for POCKETLAB_ROUTER_ROUTES=1 (41242c2, reverted) and POCKETLAB_SHARED_INSIDE=1 (d2d2d5d), then
+#     STEPS=bench MODELS="qwen3-30b-a3b qwen3.5-35b-a3b" BENCH_ARGS="--no-peer --no-warm --batch-sizes 1,32
+#     --prompt-lens 4096 --skip latency,serving" BENCH_CAP_S=150
+#   STEPS=fused FUSED_MODELS=qwen3.5-35b-a3b-4-layers FUSED_MODES=fused_linear=triton FUSED_BATCHES=1
+#     FUSED_PREFILL=4096, then the session-start tree (git archive b5ecd25 into .oldtree, carried as an untracked
+#     folder) through `python -m pocketlab.tools.profile` with the same arguments
+# Still owed: that pair again in the other order with --host 12 (the 35B-A3B prefill's host time, README); the MoE
+# bench at b1/b32 with the static peer after this session's changes; the eighteenth/nineteenth lists (the bench at
+# 0.6B, 0.8B and 9B with the static peer, the invariant step, STEPS=tp on two GPUs).
 # MoE at real shapes (issue 17), one H200, one call each (the engine runs on the HF peer's own tensors, so the weights
 # are on the GPU once: peak ~86 GiB at 30B-A3B, ~81 GiB at 35B-A3B, most of it the weights and, at 30B, 24 GiB of K/V
 # for 64 slots x 4,097 positions; the JSON's "memory" has the measured peak). Engine warm-up, latency and serving
