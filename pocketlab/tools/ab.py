@@ -65,7 +65,10 @@ def run(engine, variants: list[str], batch_sizes, rounds: int, steps: int, warm:
             seconds = timed_steps(engine, batch, steps, warm)
         finally:
             for k, v in saved.items():
-                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+                if v is None:
+                    del os.environ[k]
+                else:
+                    os.environ[k] = v
         rows.append({"batch": batch, "variant": variant or "(as is)", "round": rnd,
                      "step_us": pd.Series(seconds).median() * 1e6})  # fmt: skip
     return pd.DataFrame(rows)
