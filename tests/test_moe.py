@@ -325,29 +325,32 @@ def test_padding_rows_do_not_touch_real_tokens():
 
 
 @needs_triton
-@pytest.mark.parametrize("fused_linear", ["torch", "triton"])
-def test_engine_with_the_triton_experts_matches_the_torch_path(fused_linear, checkpoint, monkeypatch):
+@pytest.mark.parametrize("fused_linear, shared_width", [("torch", 32), ("triton", 32), ("triton", 48)])
+def test_engine_with_the_triton_experts_matches_the_torch_path(fused_linear, shared_width, checkpoint, monkeypatch):
     """The Triton experts in the engine; with the fused linears, decode's one token takes layers.moe_gemv (the
-    norm folded into the router, shared expert and experts) and prefill the block kernels."""
+    norm folded into the router, shared expert and experts) and prefill the block kernels. A shared expert as wide
+    as a routed one (32) runs inside moe_gemv's launches; another width keeps its own GEMVs, and then the routing
+    ran two launches before the experts (ids_ready)."""
     from pocketlab.layers import moe_gemv
 
-    real, tokens = moe_gemv.gemv_experts, []
+    real, calls = moe_gemv.gemv_experts, []
 
     def counted(x, *args, **kwargs):
-        tokens.append(x.shape[0])
+        calls.append((x.shape[0], kwargs.get("shared_weights") is not None, kwargs.get("ids_ready", False)))
         return real(x, *args, **kwargs)
 
     monkeypatch.setattr(moe_gemv, "gemv_experts", counted)
-    path = checkpoint("tiny-qwen3_5_moe")
+    path = checkpoint("tiny-qwen3_5_moe", **({"shared_expert_intermediate_size": 48} if shared_width == 48 else {}))
     prompt = random_prompt(20, seed=3)
     want = greedy_run(engine(path, moe_kernel="torch"), prompt, 4)
     eng = engine(path, moe_kernel="triton", fused_linear=fused_linear)
     got = greedy_run(eng, prompt, 4)
     assert got[0] == want[0] and close(got[1], want[1])
     if fused_linear == "triton":  # every layer of a decode step (CUDA graph replays run no Python: fewer there)
-        assert set(tokens) == {1} and len(tokens) >= eng.cfg.num_hidden_layers
+        inside = shared_width == 32
+        assert set(calls) == {(1, inside, not inside)} and len(calls) >= eng.cfg.num_hidden_layers
     else:
-        assert tokens == []
+        assert calls == []
 
 
 # -- engine guarantees on the MoE presets ---------------------------------------------------------
