@@ -63,9 +63,11 @@ def _gate_up(x_ptr, w_ptr, sw_ptr, g_ptr, ids_ptr, h_ptr, eps, H, I, stride_x, s
     token = tl.program_id(1).to(tl.int64)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
-    shared_gate_rows = sw_ptr + n.to(tl.int64)[:, None] * stride_sn
-    shared_up_rows = shared_gate_rows + I * stride_sn
     if SHARED:
+        shared_gate_rows = sw_ptr + n.to(tl.int64)[:, None] * stride_sn
+        shared_up_rows = shared_gate_rows + I * stride_sn
+        shared_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        shared_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         shared_gate_w = tl.load(shared_gate_rows + k[None, :], mask=(n < I)[:, None] & (k < H)[None, :], other=0.0)
         shared_up_w = tl.load(shared_up_rows + k[None, :], mask=(n < I)[:, None] & (k < H)[None, :], other=0.0)
     if not IDS_READY:
@@ -81,8 +83,6 @@ def _gate_up(x_ptr, w_ptr, sw_ptr, g_ptr, ids_ptr, h_ptr, eps, H, I, stride_x, s
         wait_then_release(PDL)
     lanes_gate = tl.zeros((KP, BLOCK_N, BLOCK_K), dtype=tl.float32)
     lanes_up = tl.zeros((KP, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    shared_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    shared_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -136,16 +136,16 @@ def _down_sum(h_ptr, w_ptr, sw_ptr, weights_ptr, ids_ptr, out_ptr, shared_ptr, g
     pairs = token * TOP_K + j
     e = tl.load(ids_ptr + pairs, mask=j < TOP_K, other=0).to(tl.int64)
     rows = w_ptr + e[:, None, None] * stride_we + n.to(tl.int64)[None, :, None] * stride_wn
-    shared_rows = sw_ptr + n.to(tl.int64)[:, None] * stride_sn
     k = tl.arange(0, BLOCK_K)
     w = tl.load(rows + k[None, None, :], mask=live & (k < I)[None, None, :], other=0.0)
     if SHARED_W:
+        shared_rows = sw_ptr + n.to(tl.int64)[:, None] * stride_sn
+        shared_row = tl.num_programs(1) * TOP_K + token  # its h row
+        shared_lanes = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         shared_w = tl.load(shared_rows + k[None, :], mask=(n < H)[:, None] & (k < I)[None, :], other=0.0)
     routing = tl.load(weights_ptr + pairs, mask=j < TOP_K, other=0.0).to(tl.float32)
     wait_then_release(PDL)
     lanes = tl.zeros((KP, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    shared_lanes = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    shared_row = tl.num_programs(1) * TOP_K + token
     for k0 in range(0, I, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         w_next = tl.load(rows + (k + BLOCK_K)[None, None, :], mask=live & (k + BLOCK_K < I)[None, None, :], other=0.0)
