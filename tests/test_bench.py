@@ -252,8 +252,8 @@ def test_ab_alternates_variants_and_restores_the_environment(capsys, monkeypatch
     from pocketlab.tools import ab
 
     seen = []
-    real = ab.timed_steps
-    monkeypatch.setattr(ab, "timed_steps", lambda *a: seen.append(os.environ.get("POCKETLAB_AB_TEST")) or real(*a))
+    real = ab.median_step
+    monkeypatch.setattr(ab, "median_step", lambda *a: seen.append(os.environ.get("POCKETLAB_AB_TEST")) or real(*a))
     monkeypatch.delenv("POCKETLAB_AB_TEST", raising=False)
     ab.main(["--model", "tiny-qwen3", "--device", "cpu", "--variants", "POCKETLAB_AB_TEST=a;POCKETLAB_AB_TEST=b",
              "--rounds", "2", "--steps", "2", "--warm", "1"])  # fmt: skip

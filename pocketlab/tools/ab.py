@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import pandas as pd
-import torch
 from tqdm.auto import tqdm
 
 from ..graphs import StepGraphs
@@ -24,6 +22,7 @@ from .bench import BenchConfig
 from .bench_engine import build
 from .cli import ints
 from .profile import decode_step
+from .timing import Clock
 
 
 def parse_variant(text: str) -> dict[str, str]:
@@ -34,21 +33,10 @@ def parse_variant(text: str) -> dict[str, str]:
     return {k.strip(): v.strip() for k, v in pairs}
 
 
-def timed_steps(engine, batch: int, steps: int, warm: int) -> list[float]:
-    """Seconds of each of `steps` decode steps (graphed on CUDA) after `warm` untimed ones (graphs captured among
-    those), from a fresh prefill so every variant decodes the same positions."""
-    step = decode_step(engine, batch)
-    sync = torch.cuda.synchronize if engine.graphs is not None else (lambda: None)
-    for _ in range(warm):
-        step()
-    sync()
-    seconds = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        step()
-        sync()
-        seconds.append(time.perf_counter() - t)
-    return seconds
+def median_step(engine, batch: int, steps: int, warm: int) -> float:
+    """Seconds of the median of `steps` decode steps (graphed on CUDA, tools.timing's Clock) after `warm` untimed
+    ones (graphs captured among those), from a fresh prefill so every variant decodes the same positions."""
+    return Clock(str(engine.options.device)).measure(decode_step(engine, batch), steps, warm)
 
 
 def run(engine, variants: list[str], batch_sizes, rounds: int, steps: int, warm: int) -> pd.DataFrame:
@@ -62,7 +50,7 @@ def run(engine, variants: list[str], batch_sizes, rounds: int, steps: int, warm:
         try:
             if engine.graphs is not None:  # captured again under this variant
                 engine.graphs = StepGraphs(engine.model, engine.cache, engine.options)
-            seconds = timed_steps(engine, batch, steps, warm)
+            step_s = median_step(engine, batch, steps, warm)
         finally:
             for k, v in saved.items():
                 if v is None:
@@ -70,7 +58,7 @@ def run(engine, variants: list[str], batch_sizes, rounds: int, steps: int, warm:
                 else:
                     os.environ[k] = v
         rows.append({"batch": batch, "variant": variant or "(as is)", "round": rnd,
-                     "step_us": pd.Series(seconds).median() * 1e6})  # fmt: skip
+                     "step_us": step_s * 1e6})  # fmt: skip
     return pd.DataFrame(rows)
 
 
