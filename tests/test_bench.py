@@ -252,8 +252,8 @@ def test_ab_alternates_variants_and_restores_the_environment(capsys, monkeypatch
     from pocketlab.tools import ab
 
     seen = []
-    real = ab.median_step
-    monkeypatch.setattr(ab, "median_step", lambda *a: seen.append(os.environ.get("POCKETLAB_AB_TEST")) or real(*a))
+    real = ab.median_call
+    monkeypatch.setattr(ab, "median_call", lambda *a: seen.append(os.environ.get("POCKETLAB_AB_TEST")) or real(*a))
     monkeypatch.delenv("POCKETLAB_AB_TEST", raising=False)
     ab.main(["--model", "tiny-qwen3", "--device", "cpu", "--variants", "POCKETLAB_AB_TEST=a;POCKETLAB_AB_TEST=b",
              "--rounds", "2", "--steps", "2", "--warm", "1"])  # fmt: skip
@@ -261,5 +261,9 @@ def test_ab_alternates_variants_and_restores_the_environment(capsys, monkeypatch
     table = capsys.readouterr().out.split("vs_first")[1]
     assert re.search(r"POCKETLAB_AB_TEST=a\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+1\.000", table)
     assert "POCKETLAB_AB_TEST=b" in table
+    seen.clear()
+    ab.main(["--model", "tiny-qwen3_5", "--device", "cpu", "--variants", ";POCKETLAB_AB_TEST=b", "--rounds", "1",
+             "--steps", "1", "--warm", "0", "--prefill", "40"])  # fmt: skip
+    assert seen == [None, "b"] and "prefill of 40 tokens" in capsys.readouterr().out
     with pytest.raises(ValueError, match="NAME=VALUE"):
         ab.parse_variant("no-equals-sign")

@@ -3,6 +3,7 @@
 fp32 everywhere unless a test says otherwise; agreement bound 1e-5 (max abs diff)."""
 
 import math
+from itertools import accumulate, pairwise
 
 import pytest
 import torch
@@ -272,6 +273,102 @@ def test_fla_call_contract(monkeypatch, l2norm_rows):
     assert maxdiff(s16, s_ref) <= 2e-2 * s_ref.abs().max()
     o1_ref, s1_ref = recurrent_gated_delta_rule(q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], s0)
     assert maxdiff(o1, o1_ref) <= TOL and maxdiff(s1, s1_ref) <= TOL
+
+
+class FlaPartsStandIn:
+    """fla's chunk forward in pieces, as `_fla_segments` composes them, with what each piece means computed by our
+    token-by-token rule: `states` hands the state entering every chunk of every sequence (h) and leaving each
+    sequence, `outputs` runs each chunk from its h. The WY solve passes v and beta through (in u), the cumsum
+    passes g through. Each piece checks the packing arguments it is given."""
+
+    log2e = 0.5
+
+    @staticmethod
+    def l2norm(x):
+        return x, None  # the stand-ins' rule normalises q and k itself
+
+    def cumsum(self, g, chunk_size, scale, cu_seqlens, chunk_indices):
+        assert scale == self.log2e and chunk_size == gd.FLA_CHUNK
+        self.check(cu_seqlens, chunk_indices)
+        return g
+
+    def intra(self, k, v, g, beta, cu_seqlens, chunk_indices, chunk_size):
+        return k, torch.cat([v, beta[..., None].to(v.dtype)], dim=-1), None
+
+    def chunks(self, cu_seqlens, chunk_indices):
+        """[(first, end)) token range of each listed chunk."""
+        cu = cu_seqlens.tolist()
+        return [
+            (cu[i] + c * gd.FLA_CHUNK, min(cu[i] + (c + 1) * gd.FLA_CHUNK, cu[i + 1]))
+            for i, c in chunk_indices.tolist()
+        ]
+
+    def check(self, cu_seqlens, chunk_indices):
+        lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+        assert chunk_indices.tolist() == [[i, c] for i, n in enumerate(lens) for c in range(-(-n // gd.FLA_CHUNK))]
+
+    def run(self, q, k, u, g, state, lo, hi):
+        v, beta = u[:, lo:hi, :, :-1], u[:, lo:hi, :, -1].float()
+        return recurrent_gated_delta_rule(q[:, lo:hi], k[:, lo:hi], v, g[:, lo:hi], beta, state[None])
+
+    def states(self, k, w, u, g, initial_state, output_final_state, cu_seqlens, chunk_indices, chunk_offsets,
+               chunk_size):  # fmt: skip
+        self.check(cu_seqlens, chunk_indices)
+        lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+        assert chunk_offsets.tolist() == [0, *accumulate(-(-n // gd.FLA_CHUNK) for n in lens)]
+        assert output_final_state and initial_state.shape[0] == len(lens) and torch.equal(w, k)
+        h, final = [], initial_state.clone()
+        for (lo, hi), (i, _) in zip(self.chunks(cu_seqlens, chunk_indices), chunk_indices.tolist(), strict=True):
+            h.append(final[i].clone())
+            final[i] = self.run(k, k, u, g, final[i], lo, hi)[1][0]
+        return torch.stack(h)[None], u, final
+
+    def outputs(self, q, k, v, h, g, scale, cu_seqlens, chunk_indices, chunk_size):
+        self.check(cu_seqlens, chunk_indices)
+        assert math.isclose(scale, q.shape[-1] ** -0.5) and h.shape[1] == len(chunk_indices)
+        o = torch.full_like(v[..., :-1], float("nan"))
+        for j, (lo, hi) in enumerate(self.chunks(cu_seqlens, chunk_indices)):
+            o[:, lo:hi] = self.run(q, k, v, g, h[0, j], lo, hi)[0]
+        return o
+
+
+@pytest.mark.parametrize("ends", [[150], [64, 150], [1, 70, 128, 129, 150]])
+def test_fla_segments_compose_fla_parts(monkeypatch, ends):
+    """The one-pass segments (`_fla_segments`, the packing, the per-segment state recurrence, the outputs put back
+    in rows) on CPU with stand-ins for fla's pieces: bf16 outputs and every segment's end state equal the rule
+    run token by token over whole rows, padding rows included."""
+    monkeypatch.setattr(gd, "_fla_ops", lambda device: ("chunk", "recurrent"))
+    monkeypatch.setattr(gd, "_fla_parts", FlaPartsStandIn)
+    T = ends[-1]
+    q, k, v, g, beta, s0 = make_inputs(B, T, seed=3, dtype=torch.bfloat16)
+    lengths = torch.tensor([T, 100])
+    inputs = [with_garbage(x, lengths) for x in (q, k, v, g, beta)]
+    o, states = gd.gated_delta_rule_segments(*inputs, s0, lengths, ends)
+    assert o.dtype == torch.bfloat16 and len(states) == len(ends)
+    for b, n in enumerate(lengths.tolist()):
+        row = [x[b : b + 1, :n] for x in (q, k, v, g, beta)]
+        o_ref = recurrent_gated_delta_rule(*row, s0[b : b + 1])[0]
+        assert torch.equal(o[b, :n], o_ref[0]), b
+        for end, state in zip(ends, states, strict=True):
+            at = [x[:, : min(end, n)] for x in row]
+            assert torch.equal(state[b], recurrent_gated_delta_rule(*at, s0[b : b + 1])[1][0]), (b, end)
+
+
+@pytest.mark.skipif(backend_name("cuda") != "fla" or gd._fla_parts() is None, reason="needs CUDA and fla 0.6's parts")
+@pytest.mark.parametrize("ends", [[300], [64, 128, 300], [1, 70, 256, 257, 300]])
+def test_fla_segments_equal_one_fla_call_each(ends):
+    """On the GPU the one pass gives the bits of one call of fla's chunk entry point per segment: every output and
+    every segment's end state, with a padding row."""
+    q, k, v, g, beta, s0 = (x.cuda() for x in make_inputs(B, ends[-1], seed=5, dtype=torch.bfloat16))
+    lengths = torch.tensor([ends[-1], 100], device="cuda")
+    o, states = gd.gated_delta_rule_segments(q, k, v, g, beta, s0, lengths, ends)
+    state = s0
+    for lo, hi in pairwise([0, *ends]):
+        seg = (lengths - lo).clamp(0, hi - lo)
+        args = gd._fla_inputs(*(x[:, lo:hi] for x in (q, k, v, g, beta)), state, seg)
+        o_ref, state = gd._fla_chunk_packed(gd._fla_ops("cuda")[0], *args, DK**-0.5)
+        assert torch.equal(o[:, lo:hi], o_ref), (lo, hi)
+        assert torch.equal(states[ends.index(hi)], state), hi
 
 
 # ------------------------------------------------------------------------------------------------ causal conv1d

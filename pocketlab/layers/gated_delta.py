@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import functools
 import os
+from itertools import accumulate, pairwise
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -281,30 +283,52 @@ def gated_delta_rule(
         if T == 1:
             return recurrent_gated_delta_rule(q, k, v, g, beta, initial_state, lengths)
         return chunk_gated_delta_rule(q, k, v, g, beta, initial_state, lengths)
-
-    B, _, H, dk = q.shape
-    dv = v.shape[-1]
-    mask = _valid_mask(lengths, B, T, q.device)
-    q, k, v, g, beta = _mask_padding(mask, q, k, v, g, beta)
-    kv_dtype = v.dtype
-    q, k = q.to(kv_dtype), k.to(kv_dtype)
-    if initial_state is None:
-        state = torch.zeros(B, H, dk, dv, dtype=torch.float32, device=q.device)
-    else:  # fla only reads h0 and writes the final state to a fresh tensor: no defensive copy needed
-        state = initial_state.to(torch.float32).contiguous()
+    q, k, v, g, beta, state = _fla_inputs(q, k, v, g, beta, initial_state, lengths)
     fla_chunk, fla_recurrent = ops
-    g, scale = g.float(), dk**-0.5
     if T > 1:
-        o, final_state = _fla_chunk_packed(fla_chunk, q, k, v, g, beta, state, scale)
+        o, final_state = _fla_chunk_packed(fla_chunk, q, k, v, g, beta, state, q.shape[-1] ** -0.5)
     else:
         o, final_state = fla_recurrent(
             **{name: x.contiguous() for name, x in dict(q=q, k=k, v=v, g=g, beta=beta).items()},
-            scale=scale,
+            scale=q.shape[-1] ** -0.5,
             initial_state=state,
             output_final_state=True,
             use_qk_l2norm_in_kernel=True,
         )
-    return o.to(kv_dtype), final_state.float()
+    return o.to(v.dtype), final_state.float()
+
+
+def gated_delta_rule_segments(q, k, v, g, beta, initial_state, lengths, ends, rule=gated_delta_rule):
+    """`rule` over the T tokens cut at `ends` (ascending, the last T), each segment a call of its own from the
+    state the one before ended in: (outputs [B, T, H, dv], the state after each end). Prefill hands those states
+    to the prefix cache, and a prompt resumed from one continues as this forward did. With fla, bf16 and the
+    default rule, one pass (`_fla_segments`) gives the bits of the per-segment chunk calls."""
+    parts = _fla_parts() if rule is gated_delta_rule and _fla_ops(q.device) is not None else None
+    if os.environ.get("POCKETLAB_FLA_SEGMENTS") == "0":  # experiment switch (A/B): one call per segment
+        parts = None
+    if parts is not None and v.dtype != torch.float32:
+        q, k, v, g, beta, state = _fla_inputs(q, k, v, g, beta, initial_state, lengths)
+        o, states = _fla_segments(parts, q, k, v, g, beta, state, ends)
+        return o.to(v.dtype), states
+    outs, states, state = [], [], initial_state
+    for lo, hi in pairwise([0, *ends]):
+        seg = None if lengths is None else (lengths - lo).clamp(0, hi - lo)  # rows that ended stay unchanged
+        o, state = rule(*(x[:, lo:hi] for x in (q, k, v, g, beta)), state, seg)
+        outs.append(o)
+        states.append(state)
+    return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0], states
+
+
+def _fla_inputs(q, k, v, g, beta, initial_state, lengths):
+    """What fla's kernels take: padding zeroed, q/k in v's dtype, g float32, the state a float32 [B, H, dk, dv]
+    (fla only reads h0 and writes the final state to a fresh tensor: no defensive copy needed)."""
+    B, T, H, dk = q.shape
+    q, k, v, g, beta = _mask_padding(_valid_mask(lengths, B, T, q.device), q, k, v, g, beta)
+    if initial_state is None:
+        state = torch.zeros(B, H, dk, v.shape[-1], dtype=torch.float32, device=q.device)
+    else:
+        state = initial_state.to(torch.float32).contiguous()
+    return q.to(v.dtype), k.to(v.dtype), v, g.float(), beta, state
 
 
 FLA_CHUNK = 64  # the delta rule's chunk length in fla (its default), which the chunk indices count in
@@ -337,6 +361,97 @@ def _fla_chunk_packed(fla_chunk, q, k, v, g, beta, state, scale) -> tuple[torch.
         chunk_size=FLA_CHUNK,
     )
     return o.reshape(B, T, *o.shape[2:]), final_state
+
+
+@functools.lru_cache(maxsize=1)
+def _fla_parts() -> SimpleNamespace | None:
+    """fla's chunk forward in its pieces (the q/k norm, the chunk-local decay cumsum, the intra-chunk WY solve, the
+    state recurrence, the outputs), as fla 0.6 composes them inside its chunk entry point; None where this fla
+    has no such pieces (then segments run as calls of their own)."""
+    if _load_fla() is None:
+        return None
+    try:
+        from fla.modules.norm.l2norm import l2norm_fwd
+        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+        from fla.ops.common.chunk_o import chunk_fwd_o
+        from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+        from fla.ops.utils import chunk_local_cumsum
+        from fla.ops.utils.constant import RCP_LN2
+    except Exception:
+        return None
+    return SimpleNamespace(
+        l2norm=l2norm_fwd,
+        cumsum=chunk_local_cumsum,
+        intra=chunk_gated_delta_rule_fwd_intra,
+        states=chunk_gated_delta_rule_fwd_h,
+        outputs=chunk_fwd_o,
+        log2e=RCP_LN2,
+    )
+
+
+def _segment_packing(B: int, lengths: list[int], device) -> tuple:
+    """Index tensors (one host-to-device copy) for B rows cut into segments of `lengths` tokens, packed
+    segment-major (sequence s * B + b: row b's tokens of segment s): the whole packing's (cu_seqlens,
+    chunk_indices), then per segment the (cu_seqlens, chunk_indices, chunk_offsets) of its B sequences alone.
+    chunk_indices are (sequence, chunk) pairs."""
+    chunks = [-(-n // FLA_CHUNK) for n in lengths]
+    lists = [
+        list(accumulate((n for n in lengths for _ in range(B)), initial=0)),
+        [(s * B + b, c) for s, n in enumerate(chunks) for b in range(B) for c in range(n)],
+    ]
+    for n, c in zip(lengths, chunks, strict=True):
+        lists += [
+            [n * b for b in range(B + 1)],
+            [(b, i) for b in range(B) for i in range(c)],
+            [c * b for b in range(B + 1)],
+        ]
+    flat = torch.tensor([y for values in lists for x in values for y in (x if isinstance(x, tuple) else (x,))],
+                        device=device)  # fmt: skip
+    views, at = [], 0
+    for values in lists:
+        pairs = bool(values) and isinstance(values[0], tuple)
+        n = len(values) * (2 if pairs else 1)
+        views.append(flat[at : at + n].view(-1, 2) if pairs else flat[at : at + n])
+        at += n
+    return tuple(views[:2]), [tuple(views[i : i + 3]) for i in range(2, len(views), 3)]
+
+
+def _fla_segments(parts, q, k, v, g, beta, state, ends) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The per-segment calls of `_fla_chunk_packed` in one pass. Packed segment-major, all segments' chunk-local
+    work (q/k norm, decay cumsum, WY solve, outputs) is one launch each; only the state recurrence, the one part
+    that crosses chunks, runs per segment, from the state the segment before ended in. Every chunk sees what its
+    own call would, so the bits are those calls' (q/k are normed in fla's kernel or by us by the row count of the
+    whole pass, not of each segment)."""
+    B, T, H = q.shape[:3]
+    bounds = list(pairwise([0, *ends]))
+    (cu, chunks), per_segment = _segment_packing(B, [hi - lo for lo, hi in bounds], q.device)
+
+    def packed(x):  # [B, T, ...] -> [1, B * T, ...], segment-major
+        pieces = [x[:, lo:hi].reshape(B * (hi - lo), *x.shape[2:]) for lo, hi in bounds]
+        return (torch.cat(pieces) if len(pieces) > 1 else pieces[0].contiguous())[None]
+
+    q, k, v, g, beta = (packed(x) for x in (q, k, v, g, beta))
+    if B * T * H <= FLA_L2NORM_ROWS:
+        q, k = parts.l2norm(q)[0], parts.l2norm(k)[0]
+    else:
+        q, k = _l2norm_as(q), _l2norm_as(k)
+    index = dict(cu_seqlens=cu, chunk_indices=chunks, chunk_size=FLA_CHUNK)
+    g = parts.cumsum(g, chunk_size=FLA_CHUNK, scale=parts.log2e, cu_seqlens=cu, chunk_indices=chunks)
+    w, u, _ = parts.intra(k=k, v=v, g=g, beta=beta, **index)
+    hs, vs, states = [], [], []
+    for (lo, hi), (cu_s, chunks_s, offsets_s) in zip(bounds, per_segment, strict=True):
+        at = slice(B * lo, B * hi)
+        h, v_new, state = parts.states(
+            k=k[:, at], w=w[:, at], u=u[:, at], g=g[:, at], initial_state=state, output_final_state=True,
+            cu_seqlens=cu_s, chunk_indices=chunks_s, chunk_offsets=offsets_s, chunk_size=FLA_CHUNK,
+        )  # fmt: skip
+        hs.append(h)
+        vs.append(v_new)
+        states.append(state)
+    h, v_new = (torch.cat(x, dim=1) if len(x) > 1 else x[0] for x in (hs, vs))
+    o = parts.outputs(q=q, k=k, v=v_new, h=h, g=g, scale=q.shape[-1] ** -0.5, **index)
+    o = [o[0, B * lo : B * hi].view(B, hi - lo, *o.shape[2:]) for lo, hi in bounds]
+    return torch.cat(o, dim=1) if len(o) > 1 else o[0], states
 
 
 @fused.compiled_in_graphs

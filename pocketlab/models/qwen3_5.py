@@ -10,7 +10,14 @@ from ..cache import SlotCache
 from ..config import ModelConfig
 from ..forward import ForwardContext
 from ..layers.decode_attention import available as triton_available
-from ..layers.gated_delta import L2_EPS, backend_name, causal_conv1d, conv_inputs, gated_delta_rule
+from ..layers.gated_delta import (
+    L2_EPS,
+    backend_name,
+    causal_conv1d,
+    conv_inputs,
+    gated_delta_rule,
+    gated_delta_rule_segments,
+)
 from ..layers.kernels import Kernels
 from ..layers.linear_decode import conv_step, conv_steps, recurrent_step, recurrent_steps
 from .qwen3 import Attention, DecoderModel
@@ -124,16 +131,12 @@ class GatedDeltaNet:
         """The delta rule in segments ending at each requested offset, handing back the state there (prefix-cache
         checkpoints without cutting the forward) in ctx.checkpoint_states. full: gated_delta.conv_inputs of this
         forward."""
-        T = inputs[0].shape[1]
-        outs, states = [], {}
-        for lo, hi in checkpoint_segments(ctx, T):
-            seg = None if lengths is None else (lengths - lo).clamp(0, hi - lo)  # rows that ended stay unchanged
-            o, state = rule(*(x[:, lo:hi] for x in inputs), state, seg)
-            outs.append(o)
-            states[hi] = state
+        ends = [hi for _, hi in checkpoint_segments(ctx, inputs[0].shape[1])]
+        o, ended = gated_delta_rule_segments(*inputs, state, lengths, ends, rule)
+        states = dict(zip(ends, ended, strict=True))
         for row, t in ctx.checkpoints:
-            self._keep_checkpoint(ctx, row, t, full, T, conv_dtype, states[t][row])
-        return torch.cat(outs, dim=1), state
+            self._keep_checkpoint(ctx, row, t, full, inputs[0].shape[1], conv_dtype, states[t][row])
+        return o, ended[-1]
 
     def _keep_checkpoint(self, ctx: ForwardContext, row: int, t: int, full, T: int, conv_dtype, state) -> None:
         """Copy row's conv window and recurrent state after its first t tokens into ctx.checkpoint_states.

@@ -1,10 +1,11 @@
-"""Decode-step A/B of environment switches in ONE process: same engine, same weights, the graphs captured again
-for each variant, the variants alternated round by round.
+"""Decode-step (or prefill) A/B of environment switches in ONE process: same engine, same weights, the graphs
+captured again for each variant, the variants alternated round by round.
 
 Why: the H200's step time drifts by a few percent between device calls (and within one), more than the effect of
 most kernel changes; alternating variants in one process spreads that drift over all of them alike.
 
     python -m pocketlab.tools.ab --model qwen3-30b-a3b --variants "POCKETLAB_PDL=1;POCKETLAB_PDL=0" [--rounds 5]
+    python -m pocketlab.tools.ab --model qwen3.5-0.8b --variants ";A=0" --prefill 4096 --steps 3
 
 A variant is comma-separated NAME=VALUE pairs (set for its rounds, restored after); the first is the baseline.
 """
@@ -21,7 +22,7 @@ from ..graphs import StepGraphs
 from .bench import BenchConfig
 from .bench_engine import build
 from .cli import ints
-from .profile import decode_step
+from .profile import decode_step, prefill_call
 from .timing import Clock
 
 
@@ -33,14 +34,18 @@ def parse_variant(text: str) -> dict[str, str]:
     return {k.strip(): v.strip() for k, v in pairs}
 
 
-def median_step(engine, batch: int, steps: int, warm: int) -> float:
+def median_call(engine, batch: int, steps: int, warm: int, prefill: int = 0) -> float:
     """Seconds of the median of `steps` decode steps (graphed on CUDA, tools.timing's Clock) after `warm` untimed
-    ones (graphs captured among those), from a fresh prefill so every variant decodes the same positions."""
-    return Clock(str(engine.options.device)).measure(decode_step(engine, batch), steps, warm)
+    ones (graphs captured among those), from a fresh prefill so every variant decodes the same positions; or with
+    `prefill`, of that many tokens prefilled into slot 0 from empty (its default checkpoints taken)."""
+    clock = Clock(str(engine.options.device))
+    if prefill:
+        return clock.measure(prefill_call(engine, prefill), steps, warm, setup=lambda: engine.reset(0))
+    return clock.measure(decode_step(engine, batch), steps, warm)
 
 
-def run(engine, variants: list[str], batch_sizes, rounds: int, steps: int, warm: int) -> pd.DataFrame:
-    """One row per (batch, variant, round): the median graphed step of that round, in us."""
+def run(engine, variants: list[str], batch_sizes, rounds: int, steps: int, warm: int, prefill: int = 0) -> pd.DataFrame:
+    """One row per (batch, variant, round): the median graphed step (or prefill) of that round, in us."""
     rows = []
     work = [(b, r, v) for b in batch_sizes for r in range(rounds) for v in variants]
     for batch, rnd, variant in tqdm(work, desc="A/B rounds"):
@@ -50,7 +55,7 @@ def run(engine, variants: list[str], batch_sizes, rounds: int, steps: int, warm:
         try:
             if engine.graphs is not None:  # captured again under this variant
                 engine.graphs = StepGraphs(engine.model, engine.cache, engine.options)
-            step_s = median_step(engine, batch, steps, warm)
+            step_s = median_call(engine, batch, steps, warm, prefill)
         finally:
             for k, v in saved.items():
                 if v is None:
@@ -80,16 +85,19 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warm", type=int, default=5)
+    p.add_argument("--prefill", type=int, default=0, help="N: time N-token prefills instead of decode steps")
     a = p.parse_args(argv)
     variants = [v.strip() for v in a.variants.split(";")]
     for v in variants:
         parse_variant(v)
-    cfg = BenchConfig(model=a.model, device=a.device, batch_sizes=a.batch_sizes, prompt_lens=(), peer=False,
-                      latency_batch_sizes=a.batch_sizes, latency_steps=0)  # fmt: skip
+    cfg = BenchConfig(model=a.model, device=a.device, batch_sizes=a.batch_sizes, peer=False,
+                      prompt_lens=(a.prefill,) if a.prefill else (), latency_batch_sizes=a.batch_sizes,
+                      latency_steps=0)  # fmt: skip
     hf, engine = build(cfg)
     del hf
-    df = run(engine, variants, a.batch_sizes, a.rounds, a.steps, a.warm)
-    print(f"\n{a.model} on {a.device}: decode step, us (median of {a.steps} steps per round, {a.rounds} rounds)")
+    df = run(engine, variants, (1,) if a.prefill else a.batch_sizes, a.rounds, a.steps, a.warm, a.prefill)
+    what = f"prefill of {a.prefill} tokens" if a.prefill else "decode step"
+    print(f"\n{a.model} on {a.device}: {what}, us (median of {a.steps} per round, {a.rounds} rounds)")
     rounds = df.pivot_table(index=["batch", "round"], columns="variant", values="step_us", sort=False)
     print(rounds.round(1).to_string())
     print("\n" + summary(df).to_string(index=False, float_format=lambda x: f"{x:.3f}"))
