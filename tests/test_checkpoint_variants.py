@@ -14,12 +14,18 @@ from safetensors.torch import load_file, save_file
 from test_parity import assert_matches_reference, check_parity, hf_incremental_logits
 
 from pocketlab import EngineOptions, ModelConfig, QwenEngine
+from pocketlab.layers.gated_delta import backend_name
 from pocketlab.tools.synthetic import write_checkpoint
 
 
 def engine(path, **options):
     opts = dict(max_slots=1, max_seq_len=256, prefill_chunk=16, device=DEVICE, dtype=DTYPE) | options
     return QwenEngine.from_pretrained(path, EngineOptions(**opts))
+
+
+def skip_hybrid_where_hf_is_tf32(preset: str) -> None:
+    if preset.startswith("tiny-qwen3_5") and DTYPE == "float32" and backend_name(DEVICE) == "fla":
+        pytest.skip("HF's float32 Qwen3.5 runs fla's TF32 chunk kernels on CUDA; the 1e-4 check runs on the CPU")
 
 
 def edit_config(path, **changes):
@@ -55,7 +61,9 @@ def test_yarn_matches_transformers(preset, spelling, tmp_path):
     ref = hf_incremental_logits(hf, prompt, tokens[:-1])
     assert_matches_reference(ref, logits, tokens)
     plain = hf_incremental_logits(
-        transformers.AutoModelForCausalLM.from_pretrained(write_checkpoint(preset, tmp_path / "plain", seed=0)),
+        transformers.AutoModelForCausalLM.from_pretrained(write_checkpoint(preset, tmp_path / "plain", seed=0)).to(
+            DEVICE
+        ),
         prompt,
         tokens[:-1],
     )
@@ -108,6 +116,7 @@ def quantize_blocks(w, block):
     [("tiny-qwen3", [128, 128]), ("tiny-qwen3", [48, 32]), ("tiny-qwen3_5", [48, 32])],
 )  # the real block; several and partial edge blocks; a hybrid model
 def test_block_fp8_checkpoint_matches_transformers_on_its_dequantized_weights(checkpoint, tmp_path, preset, block):
+    skip_hybrid_where_hf_is_tf32(preset)
     src = checkpoint(preset)
     path = tmp_path / "fp8"
     shutil.copytree(src, path)
@@ -165,6 +174,7 @@ def test_fp8_scales_without_a_quantization_config_are_refused(checkpoint, tmp_pa
 
 # -- MTP head declared, tensors dropped -----------------------------------------------------------
 def test_mtp_head_is_optional_unless_speculation_is_asked_for(checkpoint, tmp_path):
+    skip_hybrid_where_hf_is_tf32("tiny-qwen3_5-mtp")
     path = tmp_path / "resaved"
     shutil.copytree(checkpoint("tiny-qwen3_5-mtp"), path)
     tensors = load_file(path / "model.safetensors")

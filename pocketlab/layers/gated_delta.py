@@ -304,8 +304,6 @@ def gated_delta_rule_segments(q, k, v, g, beta, initial_state, lengths, ends, ru
     to the prefix cache, and a prompt resumed from one continues as this forward did. With fla, bf16 and the
     default rule, one pass (`_fla_segments`) gives the bits of the per-segment chunk calls."""
     parts = _fla_parts() if rule is gated_delta_rule and _fla_ops(q.device) is not None else None
-    if os.environ.get("POCKETLAB_FLA_SEGMENTS") == "0":  # experiment switch (A/B): one call per segment
-        parts = None
     if parts is not None and v.dtype != torch.float32:
         q, k, v, g, beta, state = _fla_inputs(q, k, v, g, beta, initial_state, lengths)
         o, states = _fla_segments(parts, q, k, v, g, beta, state, ends)
