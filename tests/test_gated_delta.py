@@ -332,16 +332,17 @@ class FlaPartsStandIn:
         return o
 
 
+@pytest.mark.parametrize("rows", [1, B])
 @pytest.mark.parametrize("ends", [[150], [64, 150], [1, 70, 128, 129, 150]])
-def test_fla_segments_compose_fla_parts(monkeypatch, ends):
+def test_fla_segments_compose_fla_parts(monkeypatch, ends, rows):
     """The one-pass segments (`_fla_segments`, the packing, the per-segment state recurrence, the outputs put back
     in rows) on CPU with stand-ins for fla's pieces: bf16 outputs and every segment's end state equal the rule
     run token by token over whole rows, padding rows included."""
     monkeypatch.setattr(gd, "_fla_ops", lambda device: ("chunk", "recurrent"))
     monkeypatch.setattr(gd, "_fla_parts", FlaPartsStandIn)
     T = ends[-1]
-    q, k, v, g, beta, s0 = make_inputs(B, T, seed=3, dtype=torch.bfloat16)
-    lengths = torch.tensor([T, 100])
+    q, k, v, g, beta, s0 = make_inputs(rows, T, seed=3, dtype=torch.bfloat16)
+    lengths = torch.tensor([T, 100][:rows])
     inputs = [with_garbage(x, lengths) for x in (q, k, v, g, beta)]
     o, states = gd.gated_delta_rule_segments(*inputs, s0, lengths, ends)
     assert o.dtype == torch.bfloat16 and len(states) == len(ends)
@@ -355,12 +356,13 @@ def test_fla_segments_compose_fla_parts(monkeypatch, ends):
 
 
 @pytest.mark.skipif(backend_name("cuda") != "fla" or gd._fla_parts() is None, reason="needs CUDA and fla 0.6's parts")
+@pytest.mark.parametrize("rows", [1, B])
 @pytest.mark.parametrize("ends", [[300], [64, 128, 300], [1, 70, 256, 257, 300]])
-def test_fla_segments_equal_one_fla_call_each(ends):
+def test_fla_segments_equal_one_fla_call_each(ends, rows):
     """On the GPU the one pass gives the bits of one call of fla's chunk entry point per segment: every output and
     every segment's end state, with a padding row."""
-    q, k, v, g, beta, s0 = (x.cuda() for x in make_inputs(B, ends[-1], seed=5, dtype=torch.bfloat16))
-    lengths = torch.tensor([ends[-1], 100], device="cuda")
+    q, k, v, g, beta, s0 = (x.cuda() for x in make_inputs(rows, ends[-1], seed=5, dtype=torch.bfloat16))
+    lengths = torch.tensor([ends[-1], 100][:rows], device="cuda")
     o, states = gd.gated_delta_rule_segments(q, k, v, g, beta, s0, lengths, ends)
     state = s0
     for lo, hi in pairwise([0, *ends]):

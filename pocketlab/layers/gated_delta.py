@@ -387,11 +387,13 @@ def _fla_parts() -> SimpleNamespace | None:
     )
 
 
-def _segment_packing(B: int, lengths: list[int], device) -> tuple:
-    """Index tensors (one host-to-device copy) for B rows cut into segments of `lengths` tokens, packed
-    segment-major (sequence s * B + b: row b's tokens of segment s): the whole packing's (cu_seqlens,
-    chunk_indices), then per segment the (cu_seqlens, chunk_indices, chunk_offsets) of its B sequences alone.
-    chunk_indices are (sequence, chunk) pairs."""
+@functools.lru_cache(maxsize=64)
+def _segment_packing(B: int, lengths: tuple[int, ...], device: torch.device) -> tuple:
+    """Index tensors for B rows cut into segments of `lengths` tokens, packed segment-major (sequence s * B + b:
+    row b's tokens of segment s): the whole packing's (cu_seqlens, chunk_indices), then per segment the
+    (cu_seqlens, chunk_indices, chunk_offsets) of its B sequences alone. chunk_indices are (sequence, chunk)
+    pairs. Kept per shape (read-only): every linear layer of a forward, and every forward of that shape, reuses
+    them rather than paying a host-to-device copy (which waits for the GPU) each."""
     chunks = [-(-n // FLA_CHUNK) for n in lengths]
     lists = [
         list(accumulate((n for n in lengths for _ in range(B)), initial=0)),
@@ -422,11 +424,13 @@ def _fla_segments(parts, q, k, v, g, beta, state, ends) -> tuple[torch.Tensor, l
     whole pass, not of each segment)."""
     B, T, H = q.shape[:3]
     bounds = list(pairwise([0, *ends]))
-    (cu, chunks), per_segment = _segment_packing(B, [hi - lo for lo, hi in bounds], q.device)
+    (cu, chunks), per_segment = _segment_packing(B, tuple(hi - lo for lo, hi in bounds), q.device)
+    row_major = B == 1 or len(bounds) == 1  # segment-major is then the rows' own order
 
     def packed(x):  # [B, T, ...] -> [1, B * T, ...], segment-major
-        pieces = [x[:, lo:hi].reshape(B * (hi - lo), *x.shape[2:]) for lo, hi in bounds]
-        return (torch.cat(pieces) if len(pieces) > 1 else pieces[0].contiguous())[None]
+        if row_major:
+            return x.reshape(1, B * T, *x.shape[2:]).contiguous()
+        return torch.cat([x[:, lo:hi].reshape(B * (hi - lo), *x.shape[2:]) for lo, hi in bounds])[None]
 
     q, k, v, g, beta = (packed(x) for x in (q, k, v, g, beta))
     if B * T * H <= FLA_L2NORM_ROWS:
@@ -448,8 +452,10 @@ def _fla_segments(parts, q, k, v, g, beta, state, ends) -> tuple[torch.Tensor, l
         states.append(state)
     h, v_new = (torch.cat(x, dim=1) if len(x) > 1 else x[0] for x in (hs, vs))
     o = parts.outputs(q=q, k=k, v=v_new, h=h, g=g, scale=q.shape[-1] ** -0.5, **index)
+    if row_major:
+        return o.view(B, T, *o.shape[2:]), states
     o = [o[0, B * lo : B * hi].view(B, hi - lo, *o.shape[2:]) for lo, hi in bounds]
-    return torch.cat(o, dim=1) if len(o) > 1 else o[0], states
+    return torch.cat(o, dim=1), states
 
 
 @fused.compiled_in_graphs
