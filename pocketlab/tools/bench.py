@@ -92,7 +92,7 @@ class BenchConfig:
 
     @property
     def max_slots(self) -> int:
-        return max(max(self.batch_sizes), self.ragged, *self.latency_batch_sizes)
+        return max((*self.batch_sizes, self.ragged, *self.latency_batch_sizes))
 
     @property
     def max_seq_len(self) -> int:
