@@ -30,6 +30,7 @@ __all__ = [
     "chunk_gated_delta_rule",
     "recurrent_gated_delta_rule",
     "gated_delta_rule",
+    "gated_delta_rule_segments",
     "backend_name",
 ]
 

@@ -131,11 +131,12 @@ class GatedDeltaNet:
         """The delta rule in segments ending at each requested offset, handing back the state there (prefix-cache
         checkpoints without cutting the forward) in ctx.checkpoint_states. full: gated_delta.conv_inputs of this
         forward."""
-        ends = [hi for _, hi in checkpoint_segments(ctx, inputs[0].shape[1])]
+        T = inputs[0].shape[1]
+        ends = [hi for _, hi in checkpoint_segments(ctx, T)]
         o, ended = gated_delta_rule_segments(*inputs, state, lengths, ends, rule)
         states = dict(zip(ends, ended, strict=True))
         for row, t in ctx.checkpoints:
-            self._keep_checkpoint(ctx, row, t, full, inputs[0].shape[1], conv_dtype, states[t][row])
+            self._keep_checkpoint(ctx, row, t, full, T, conv_dtype, states[t][row])
         return o, ended[-1]
 
     def _keep_checkpoint(self, ctx: ForwardContext, row: int, t: int, full, T: int, conv_dtype, state) -> None:
