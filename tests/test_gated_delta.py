@@ -8,8 +8,10 @@ from itertools import accumulate, pairwise
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import random_prompt
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
+from pocketlab import BatchedRequest
 from pocketlab.layers import gated_delta as gd
 from pocketlab.layers.gated_delta import (
     backend_name,
@@ -353,6 +355,56 @@ def test_fla_segments_compose_fla_parts(monkeypatch, ends, rows):
         for end, state in zip(ends, states, strict=True):
             at = [x[:, : min(end, n)] for x in row]
             assert torch.equal(state[b], recurrent_gated_delta_rule(*at, s0[b : b + 1])[1][0]), (b, end)
+
+
+def fla_chunk_by_tokens(*, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                        cu_seqlens, chunk_indices, chunk_size):  # fmt: skip
+    """fla's chunk entry point at any shape, computed by our token-by-token rule per packed sequence."""
+    outs, states = [], []
+    for i, (lo, hi) in enumerate(pairwise(cu_seqlens.tolist())):
+        o, s = recurrent_gated_delta_rule(*(x[:, lo:hi] for x in (q, k, v, g, beta)), initial_state[i : i + 1])
+        outs.append(o)
+        states.append(s)
+    return torch.cat(outs, dim=1), torch.cat(states)
+
+
+def fla_recurrent_by_tokens(*, q, k, v, g, beta, initial_state, **_):
+    return recurrent_gated_delta_rule(q, k, v, g, beta, initial_state)
+
+
+def test_engine_prefill_takes_the_one_pass(monkeypatch, make_engine):
+    """Through the engine: a bf16 hybrid prefill of two padded prompts with prefix-cache checkpoints inside the
+    forward takes the one pass (CPU stand-ins for fla), and its tokens, logits and checkpoint states, and those of a
+    prompt resumed from a checkpoint, match the engine on our torch code."""
+    opts = dict(dtype="bfloat16", checkpoint_stride=8, prefill_chunk=32, prefix_block=4)
+    prompts = [random_prompt(29, seed=1), random_prompt(19, seed=2)]
+    resumed = prompts[0][:24] + random_prompt(12, seed=3)  # its forward [24, 36) is cut at 32
+
+    def run(eng):
+        first = eng.batch_prefill([BatchedRequest(i, p, slot_id=i) for i, p in enumerate(prompts)]).results
+        step = eng.decode_step(first[1].next_token, slot_id=1)  # from the padded row's state
+        again = eng.prefill(resumed, slot_id=2)
+        assert again.reused_tokens == 24
+        states = [eng.prefix.slots[0].states[t] for t in (8, 16, 24)] + [eng.prefix.slots[1].states[16]]
+        results = (*first, step, again)
+        return [r.next_token for r in results], [r.logits for r in results], states
+
+    tokens, logits, states = run(make_engine("tiny-qwen3_5", **opts))
+    parts, passes = FlaPartsStandIn(), []
+    real_states = parts.states
+    monkeypatch.setattr(parts, "states", lambda **kw: passes.append(len(kw["cu_seqlens"]) - 1) or real_states(**kw))
+    monkeypatch.setattr(gd, "_fla_ops", lambda device: (fla_chunk_by_tokens, fla_recurrent_by_tokens))
+    monkeypatch.setattr(gd, "_fla_parts", lambda: parts)
+    fla = make_engine("tiny-qwen3_5", **opts)
+    fla_tokens, fla_logits, fla_states = run(fla)
+    layers = sum(t == "linear_attention" for t in fla.cfg.layer_types)
+    assert passes == [2] * 4 * layers + [1] * 2 * layers  # both rows cut at 8, 16, 24, 29; the resumed one at 32, 36
+    assert tokens == fla_tokens
+    for a, b in zip(logits, fla_logits, strict=True):
+        assert maxdiff(a, b) <= 0.05 * b.abs().max()
+    for a, b in zip(states, fla_states, strict=True):
+        assert a.keys() == b.keys()
+        assert all(maxdiff(a[key], b[key]) <= 2e-2 * b[key].abs().max() for key in a)
 
 
 @pytest.mark.skipif(backend_name("cuda") != "fla" or gd._fla_parts() is None, reason="needs CUDA and fla 0.6's parts")
