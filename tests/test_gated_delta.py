@@ -357,6 +357,16 @@ def test_fla_segments_compose_fla_parts(monkeypatch, ends, rows):
             assert torch.equal(state[b], recurrent_gated_delta_rule(*at, s0[b : b + 1])[1][0]), (b, end)
 
 
+def test_fla_pieces_with_other_arguments_are_not_used():
+    """An fla whose pieces no longer take the keywords the one pass passes is not used for it (segments then run as
+    calls of their own) rather than failing inside a prefill."""
+    parts = FlaPartsStandIn()
+    assert gd.takes_our_arguments(parts)
+    renamed = FlaPartsStandIn()
+    renamed.states = lambda k, w, u, g, initial_state, output_final_state, cu_seqlens, chunk_indices, chunk_size: None
+    assert not gd.takes_our_arguments(renamed)  # no chunk_offsets
+
+
 def fla_chunk_by_tokens(*, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                         cu_seqlens, chunk_indices, chunk_size):  # fmt: skip
     """fla's chunk entry point at any shape, computed by our token-by-token rule per packed sequence."""
@@ -407,12 +417,14 @@ def test_engine_prefill_takes_the_one_pass(monkeypatch, make_engine):
         assert all(maxdiff(a[key], b[key]) <= 2e-2 * b[key].abs().max() for key in a)
 
 
-@pytest.mark.skipif(backend_name("cuda") != "fla" or gd._fla_parts() is None, reason="needs CUDA and fla 0.6's parts")
+@pytest.mark.skipif(backend_name("cuda") != "fla", reason="needs CUDA and flash-linear-attention")
 @pytest.mark.parametrize("rows", [1, B])
 @pytest.mark.parametrize("ends", [[300], [64, 128, 300], [1, 70, 256, 257, 300]])
 def test_fla_segments_equal_one_fla_call_each(ends, rows):
     """On the GPU the one pass gives the bits of one call of fla's chunk entry point per segment: every output and
-    every segment's end state, with a padding row."""
+    every segment's end state, with a padding row. It fails, rather than skips, where this fla's pieces are not
+    usable: prefill would then quietly run one call per segment."""
+    assert gd._fla_parts() is not None, "fla is installed but its chunk pieces are not usable by the one pass"
     q, k, v, g, beta, s0 = (x.cuda() for x in make_inputs(rows, ends[-1], seed=5, dtype=torch.bfloat16))
     lengths = torch.tensor([ends[-1], 100][:rows], device="cuda")
     o, states = gd.gated_delta_rule_segments(q, k, v, g, beta, s0, lengths, ends)

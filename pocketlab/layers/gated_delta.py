@@ -14,6 +14,7 @@ with q, k L2-normalised (eps 1e-6) and q scaled by dk**-0.5, as in the HF refere
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from itertools import accumulate, pairwise
 from types import SimpleNamespace
@@ -378,7 +379,7 @@ def _fla_parts() -> SimpleNamespace | None:
         from fla.ops.utils.constant import RCP_LN2
     except Exception:
         return None
-    return SimpleNamespace(
+    parts = SimpleNamespace(
         l2norm=l2norm_fwd,
         cumsum=chunk_local_cumsum,
         intra=chunk_gated_delta_rule_fwd_intra,
@@ -386,6 +387,39 @@ def _fla_parts() -> SimpleNamespace | None:
         outputs=chunk_fwd_o,
         log2e=RCP_LN2,
     )
+    return parts if takes_our_arguments(parts) else None
+
+
+_PART_ARGUMENTS = dict(  # the keywords `_fla_segments` passes each piece
+    cumsum=("g", "chunk_size", "scale", "cu_seqlens", "chunk_indices"),
+    intra=("k", "v", "g", "beta", "cu_seqlens", "chunk_indices", "chunk_size"),
+    states=(
+        "k",
+        "w",
+        "u",
+        "g",
+        "initial_state",
+        "output_final_state",
+        "cu_seqlens",
+        "chunk_indices",
+        "chunk_offsets",
+        "chunk_size",
+    ),  # fmt: skip
+    outputs=("q", "k", "v", "h", "g", "scale", "cu_seqlens", "chunk_indices", "chunk_size"),
+)
+
+
+def takes_our_arguments(parts) -> bool:
+    """Whether each of fla's pieces still takes the keywords we pass (their signatures through fla's wrappers): an
+    fla whose internals moved on falls back to one call per segment instead of failing inside a prefill."""
+    for name, keywords in _PART_ARGUMENTS.items():
+        try:
+            accepted = inspect.signature(getattr(parts, name)).parameters
+        except (TypeError, ValueError):
+            return False
+        if any(k not in accepted for k in keywords):
+            return False
+    return True
 
 
 @functools.lru_cache(maxsize=64)
