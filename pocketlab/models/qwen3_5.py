@@ -116,7 +116,7 @@ class GatedDeltaNet:
         if ctx.gdn_log is not None:  # speculative verify: the conv window of any accepted prefix
             ctx.gdn_log[self.layer] = (qkv_in, conv0, None)
         outs, full = [], conv_inputs(conv0, qkv_in) if ctx.checkpoints else None
-        for lo, hi in checkpoint_segments(ctx, T):
+        for lo, hi in pairwise([0, *checkpoint_ends(ctx, T)]):
             seg = (ctx.lengths - lo).clamp(0, hi - lo)  # rows that ended stay unchanged
             part = None if history is None else history[:, lo:hi]
             args = (x[:, lo:hi] for x in (q, k, v, g, beta))
@@ -132,7 +132,7 @@ class GatedDeltaNet:
         checkpoints without cutting the forward) in ctx.checkpoint_states. full: gated_delta.conv_inputs of this
         forward."""
         T = inputs[0].shape[1]
-        ends = [hi for _, hi in checkpoint_segments(ctx, T)]
+        ends = checkpoint_ends(ctx, T)
         o, ended = gated_delta_rule_segments(*inputs, state, lengths, ends, rule)
         states = dict(zip(ends, ended, strict=True))
         for row, t in ctx.checkpoints:
@@ -147,9 +147,9 @@ class GatedDeltaNet:
         dst[("rec", self.layer)] = state.clone()
 
 
-def checkpoint_segments(ctx: ForwardContext, T: int):
-    """[lo, hi) pieces of a forward's T tokens that end at every requested checkpoint offset."""
-    return pairwise([0, *sorted({t for _, t in ctx.checkpoints}), T])
+def checkpoint_ends(ctx: ForwardContext, T: int) -> list[int]:
+    """Where a forward's T tokens are cut: every requested checkpoint offset, ascending, then T."""
+    return [*sorted({t for _, t in ctx.checkpoints}), T]
 
 
 class HybridModel(DecoderModel):
