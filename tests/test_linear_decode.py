@@ -37,6 +37,43 @@ def test_conv_step_matches_causal_conv1d_and_touches_only_its_slots(dtype):
     assert torch.equal(state[others], before[others])
 
 
+def test_conv_step_may_write_over_its_input():
+    """out=x (ConvStep over a projection's output): the bits of a separate output, windows included."""
+    gen = torch.Generator().manual_seed(2)
+    C, K, slots = 300, 4, torch.tensor([3, 0], device=DEV)
+    state = randn(5, C, K - 1, gen=gen).to(torch.bfloat16)
+    x, w = randn(2, C, gen=gen).to(torch.bfloat16), randn(C, K, gen=gen).to(torch.bfloat16)
+    state2, x2 = state.clone(), x.clone()
+    want = ld.conv_step(x, state, w, slots)
+    assert ld.conv_step(x2, state2, w, slots, out=x2) is x2
+    assert torch.equal(x2, want) and torch.equal(state2, state)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32])
+def test_gemv_runs_the_decode_conv_in_its_epilogue(state_dtype):
+    """The Gated DeltaNet in_proj at decode's rows with the conv in its epilogue (layers.gemv, conv=ConvStep): the
+    bits of the projection then conv_step on its first C columns, the other columns untouched, each row's window
+    moved on and no other slot's, at every row count the GEMV takes (C off its column tiles)."""
+    from pocketlab.layers import gemv
+    from pocketlab.layers.norm import RMSNorm
+
+    gen = torch.Generator().manual_seed(3)
+    C, N, K = 45, 61, 4
+    H = gemv.CONV_MIN_K + 96 if on_gpu else 96  # rows long enough for the epilogue on the GPU
+    for M in range(1, gemv.MAX_ROWS + 1):
+        slots = torch.tensor([4, 1, 3, 0][:M], device=DEV)
+        x, w = randn(M, H, gen=gen).to(torch.bfloat16), (randn(N, H, gen=gen) * H**-0.5).to(torch.bfloat16)
+        norm = RMSNorm(randn(H, gen=gen).to(torch.bfloat16), 1e-6, offset=True)
+        taps = randn(C, K, gen=gen).to(torch.bfloat16)
+        state = randn(5, C, K - 1, gen=gen).to(state_dtype)
+        want_state = state.clone()
+        want = gemv.gemv(x, w, norm=norm)
+        ld.conv_step(want[:, :C], want_state, taps, slots, out=want[:, :C])
+        got = gemv.gemv(x, w, norm=norm, conv=ld.ConvStep(state, taps, slots))
+        assert torch.equal(got, want), M
+        assert torch.equal(state, want_state), M
+
+
 @pytest.mark.parametrize("hk,hv,dk,dv", [(2, 4, 16, 16), (2, 2, 32, 64)])
 def test_recurrent_step_matches_the_reference_rule(hk, hv, dk, dv):
     gen = torch.Generator().manual_seed(hv + dv)

@@ -80,15 +80,53 @@ def _tile(rows, k, live_n, K):
     return tl.load(rows + k[None, :], mask=live_n[:, None] & (k < K)[None, :], other=0.0)
 
 
+@triton.jit
+def _conv_operands(m, n, live_m, slot_ptr, conv_ptr, cw_ptr, C, stride_cs, stride_cc, CONV_K: tl.constexpr,
+                   TAPS: tl.constexpr):  # fmt: skip
+    """(the conv's taps [BLOCK_N, TAPS], each row's window [ROWS, BLOCK_N, TAPS] of carried inputs, the windows'
+    addresses) for the first C columns, loaded before the main loop so the epilogue waits on no load."""
+    j = tl.arange(0, TAPS)
+    chan = n < C
+    taps = tl.load(cw_ptr + n.to(tl.int64)[:, None] * CONV_K + j[None, :], mask=chan[:, None] & (j < CONV_K)[None, :],
+                   other=0.0)  # fmt: skip
+    slot = tl.load(slot_ptr + m, mask=live_m, other=0).to(tl.int64)
+    window = conv_ptr + slot[:, None] * stride_cs + n.to(tl.int64)[None, :] * stride_cc
+    live = live_m[:, None] & chan[None, :]
+    cells = tl.load(window[:, :, None] + j[None, None, :], mask=live[:, :, None] & (j < CONV_K - 1)[None, None, :],
+                    other=0.0)  # fmt: skip
+    return taps, cells, window
+
+
+@triton.jit
+def _conv_epilogue(y, n, live_m, taps, cells, window, C, CONV_K: tl.constexpr, TAPS: tl.constexpr):
+    """The Gated DeltaNet's conv of one token on the first C columns of y [ROWS, BLOCK_N] (dtype), with
+    linear_decode._conv_token's arithmetic: silu(w[c, K-1] y + sum_j w[c, j] window[j]) in float32, taps in order;
+    each row's window shifts left and takes y. Every cell was read before the main loop, so nothing here reads what
+    another thread writes."""
+    j = tl.arange(0, TAPS)
+    live = live_m[:, None] & (n < C)[None, :]
+    w = taps.to(tl.float32)
+    acc = tl.sum(tl.where(j == CONV_K - 1, w, 0.0), axis=1)[None, :] * y.to(tl.float32)
+    for i in tl.static_range(CONV_K - 1):
+        s = tl.sum(tl.where(j == i, cells.to(tl.float32), 0.0), axis=2)  # cell i exactly (one term, the rest 0)
+        acc += tl.sum(tl.where(j == i, w, 0.0), axis=1)[None, :] * s
+        if i > 0:
+            tl.store(window + (i - 1), s.to(cells.dtype), mask=live)
+    tl.store(window + (CONV_K - 2), y.to(cells.dtype), mask=live)
+    return tl.where((n < C)[None, :], (acc / (1.0 + tl.exp(-acc))).to(y.dtype), y)
+
+
 @triton.jit(do_not_specialize=["rows"])
-def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, g_ptr, eps, rows, N, K, stride_xm, stride_wn, stride_ym, stride_rm,
-          HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, NORM: tl.constexpr, ROWS: tl.constexpr,
-          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, g_ptr, slot_ptr, conv_ptr, cw_ptr, eps, rows, N, K, C, stride_xm,
+          stride_wn, stride_ym, stride_rm, stride_cs, stride_cc, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
+          NORM: tl.constexpr, CONV_K: tl.constexpr, TAPS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+          BLOCK_K: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """y[m, n] for the ROWS rows and this program's BLOCK_N columns: float32 lanes [ROWS, BLOCK_N, BLOCK_K] along
     K, summed once. NORM: x is first RMS-normed with weight g (see the module docstring). EPILOGUE 1: y = residual +
-    x @ W^T; 2: W is [gate | up] (2N rows), y = silu(x @ gate^T) * (x @ up^T). Each weight tile is loaded AHEAD
-    steps before its use, the first AHEAD before the PDL wait (weights are never written), so the read streams
-    while the previous kernel finishes."""
+    x @ W^T; 2: W is [gate | up] (2N rows), y = silu(x @ gate^T) * (x @ up^T). CONV_K: then the causal conv of width
+    CONV_K (TAPS: its power of two) on the first C columns, each row's window in slot slot_ptr[m] (_conv_epilogue).
+    Each weight tile is loaded AHEAD steps before its use, the first AHEAD before the PDL wait (weights are never
+    written), so the read streams while the previous kernel finishes."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, ROWS)
     live_m, live_n = m < rows, n < N
@@ -105,6 +143,9 @@ def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, g_ptr, eps, rows, N, K, stride_xm
         up1 = _tile(up_rows, k + BLOCK_K, live_n, K) if TWO else w1
     g = tl.load(g_ptr + k, mask=k < K, other=0.0) if NORM else k  # the norm's weight: ahead like the others
     wait_then_release(PDL)
+    if CONV_K:
+        taps, cells, window = _conv_operands(m, n, live_m, slot_ptr, conv_ptr, cw_ptr, C, stride_cs, stride_cc,
+                                             CONV_K, TAPS)  # fmt: skip
     lanes = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
     lanes_up = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
     squares = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
@@ -131,15 +172,24 @@ def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, g_ptr, eps, rows, N, K, stride_xm
         total, total_up = total * inv_rms, total_up * inv_rms
     dtype = y_ptr.dtype.element_ty
     y = finish(total, total_up, b_ptr, res_ptr, m, n, live_m, live_n, stride_rm, dtype, HAS_BIAS, EPILOGUE)
+    if CONV_K:
+        y = _conv_epilogue(y, n, live_m, taps, cells, window, C, CONV_K, TAPS)
     tl.store(y_ptr + m.to(tl.int64)[:, None] * stride_ym + n[None, :], y, mask=live_m[:, None] & live_n[None, :])
 
 
+# A conv rides in the epilogue of rows at least this long. At Qwen3.5-0.8B's in_proj (K 1,024: four K steps a
+# program) the epilogue cost more than the launch it saves; at 9B and 35B-A3B (K 4,096 and 2,048) it gains
+# (reports/gpu/ab-conv-fold-*-h200.txt). The interpreter takes every K, so the tests reach the epilogue.
+CONV_MIN_K = 2048
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-         residual: torch.Tensor | None = None, swiglu: bool = False, norm=None) -> torch.Tensor:  # fmt: skip
+         residual: torch.Tensor | None = None, swiglu: bool = False, norm=None, conv=None) -> torch.Tensor:  # fmt: skip
     """F.linear(x, weight, bias) for x [..., K] of at most MAX_ROWS rows, weight [N, K] (contiguous rows), bias [N];
     fp32 sums rounded once. `residual` [..., N]: residual + y; `swiglu`: weight is [gate | up] and y [..., N] is
     silu(x @ gate^T) * (x @ up^T). The same arguments and rounding as layers.invariant.linear; `norm` (a
-    layers.norm.RMSNorm of width K) is applied to x inside the launch."""
+    layers.norm.RMSNorm of width K) is applied to x inside the launch, and `conv` (a linear_decode.ConvStep) to y's
+    first columns after it."""
     N = checked_width("gemv", x, weight, bias, residual, swiglu)
     if weight.stride(1) != 1:
         raise ValueError(f"gemv: weight {tuple(weight.shape)} should be row-major (unit stride along K)")
@@ -147,25 +197,44 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if norm is not None and tuple(norm.weight.shape) != (K,):
         raise ValueError(f"gemv: norm weight {tuple(norm.weight.shape)} should be [{K}], the input's width")
     x2 = as_rows(x, K)
+    _check_conv(conv, x2.shape[0], N)
     y = torch.empty(x2.shape[0], N, dtype=x.dtype, device=x.device)
     res = None if residual is None else as_rows(residual, N)
+    after = conv if conv is not None and K < CONV_MIN_K and x.is_cuda else None
     if x2.shape[0]:
         t = launch_for(x2.shape[0], N, K, x.device, normed=norm is not None and not swiglu)
-        launch(x2, weight, bias, y, t, epilogue_of(residual, swiglu), res, norm)
-    return y.reshape(*x.shape[:-1], N)
+        launch(x2, weight, bias, y, t, epilogue_of(residual, swiglu), res, norm, None if after else conv)
+    y = y.reshape(*x.shape[:-1], N)
+    return y if after is None else after(y)
+
+
+def _check_conv(conv, rows: int, N: int) -> None:
+    """A ValueError unless `conv` (a linear_decode.ConvStep) fits an output of `rows` rows and N columns."""
+    if conv is None:
+        return
+    fits = conv.channels <= N and conv.slot_ids.shape == (rows,)
+    if not (fits and conv.state.stride(-1) == 1 and conv.weight.is_contiguous()):
+        raise ValueError(
+            f"gemv: a conv of {conv.channels} channels over {tuple(conv.slot_ids.shape)} slots (windows and taps "
+            f"contiguous) does not fit an output of {rows} rows and {N} columns"
+        )
 
 
 def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, t: Launch,
-           epilogue: int = PLAIN, residual: torch.Tensor | None = None, norm=None) -> torch.Tensor:  # fmt: skip
-    """y[M, N] = x2 @ weight^T (+ bias, + the epilogue; of norm(x2) with a norm) with launch `t` (the sweep tries
-    others)."""
+           epilogue: int = PLAIN, residual=None, norm=None, conv=None) -> torch.Tensor:  # fmt: skip
+    """y[M, N] = x2 @ weight^T (+ bias, + the epilogue; of norm(x2) with a norm; conv'd with a conv) with launch `t`
+    (the sweep tries others)."""
     M, K = x2.shape
     N = y.shape[1]
+    slots, state, taps = (y, y, y) if conv is None else (conv.slot_ids, conv.state, conv.weight)
+    conv_k = 0 if conv is None else taps.shape[1]
     _gemv[(triton.cdiv(N, t.block_n),)](
         x2, weight, y if bias is None else bias, y, y if residual is None else residual,
-        y if norm is None else norm.weight, 0.0 if norm is None else norm.eps, M, N, K, x2.stride(0),
-        weight.stride(0), y.stride(0), 0 if residual is None else residual.stride(0), HAS_BIAS=bias is not None,
-        EPILOGUE=epilogue, NORM=norm_flavour(norm), ROWS=t.rows, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-        AHEAD=t.ahead, num_warps=t.num_warps, **pdl.launch(x2.device),
+        y if norm is None else norm.weight, slots, state, taps, 0.0 if norm is None else norm.eps, M, N, K,
+        0 if conv is None else conv.channels, x2.stride(0), weight.stride(0), y.stride(0),
+        0 if residual is None else residual.stride(0), state.stride(0), state.stride(1), HAS_BIAS=bias is not None,
+        EPILOGUE=epilogue, NORM=norm_flavour(norm), CONV_K=conv_k, TAPS=triton.next_power_of_2(max(conv_k, 1)),
+        ROWS=t.rows, BLOCK_N=t.block_n, BLOCK_K=t.block_k, AHEAD=t.ahead, num_warps=t.num_warps,
+        **pdl.launch(x2.device),
     )  # fmt: skip
     return y

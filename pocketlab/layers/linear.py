@@ -27,16 +27,19 @@ def composed(
     residual: torch.Tensor | None = None,
     swiglu: bool = False,
     norm=None,
+    conv=None,
     activation=activations.swiglu,
 ) -> torch.Tensor:
     """[residual +] matmul(x, weight, bias), or with `swiglu` silu(gate) * up of the [gate | up] output; with `norm`
-    (a layers.norm.RMSNorm) the matmul reads norm(x)."""
+    (a layers.norm.RMSNorm) the matmul reads norm(x); `conv` (a linear_decode.ConvStep) then runs on the output's
+    first columns."""
     if norm is not None:
         x = norm(x)
     y = matmul(x, weight, bias)
     if swiglu:
         y = activation(y)
-    return y if residual is None else residual + y
+    y = y if residual is None else residual + y
+    return y if conv is None else conv(y)
 
 
 linear = functools.partial(composed, F.linear)
@@ -46,15 +49,17 @@ def fused_at_few_rows(fused, gemv=None, gemv_rows: int = 0):
     """The default engine's linear: `gemv` (weight rows streamed once, the input's norm computed in the same launch)
     for projections of up to `gemv_rows` rows and GEMV_MAX_BYTES of row-major weight, `fused` (the Triton matmul)
     where the rows are few and it has an epilogue to fuse (residual add, SwiGLU), `linear` (cuBLAS and torch)
-    everywhere else; those two read a norm run first as its own kernel."""
+    everywhere else; those two read a norm run first as its own kernel, and run a conv after."""
 
-    def run(x, weight, bias=None, *, residual=None, swiglu=False, norm=None):
+    def run(x, weight, bias=None, *, residual=None, swiglu=False, norm=None, conv=None):
         rows = x.numel() // x.shape[-1]
         small = weight.numel() * weight.element_size() <= GEMV_MAX_BYTES
         if rows <= gemv_rows and small and weight.stride(-1) == 1:
-            return gemv(x, weight, bias, residual=residual, swiglu=swiglu, norm=norm)
-        if (residual is not None or swiglu) and rows <= FUSED_MAX_ROWS:
-            return fused(x, weight, bias, residual=residual, swiglu=swiglu, norm=norm)
-        return linear(x, weight, bias, residual=residual, swiglu=swiglu, norm=norm)
+            kernel = gemv
+        elif (residual is not None or swiglu) and rows <= FUSED_MAX_ROWS:
+            kernel = fused
+        else:
+            kernel = linear
+        return kernel(x, weight, bias, residual=residual, swiglu=swiglu, norm=norm, conv=conv)
 
     return run

@@ -11,6 +11,8 @@ per-token helpers, `_conv_token` and `_delta_rule_token`, with the same tile sha
 give bitwise the states and outputs of T one-token steps, which batch-invariant serving relies on.
 """
 
+from dataclasses import dataclass
+
 import torch
 
 from .decode_attention import triton
@@ -61,7 +63,8 @@ if triton is not None:
         BLOCK_C: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        """y = silu(sum_j w[c, j] * [window | x][c, j]); the window shifts left by one and takes x."""
+        """y = silu(sum_j w[c, j] * [window | x][c, j]); the window shifts left by one and takes x. y may be x
+        itself (ConvStep on a projection's output): every read of x comes before the barrier ahead of y's store."""
         wait_then_release(PDL)
         b, cb = tl.program_id(0), tl.program_id(1)
         slot = tl.load(slot_ptr + b).to(tl.int64)
@@ -70,11 +73,11 @@ if triton is not None:
         window = state_ptr + slot * stride_ss + c * stride_sc
         t = tl.zeros([1], tl.int32)
         y = _conv_token(x_ptr + b * stride_xb, 0, window[None, :], w_ptr, t, c, live, live[None, :], K)
+        x = tl.load(x_ptr + b * stride_xb + c, mask=live, other=0.0)
+        tl.debug_barrier()  # every thread has read x and the window before any overwrites them
         tl.store(y_ptr + b * stride_yb + c[None, :], y.to(y_ptr.dtype.element_ty), mask=live[None, :])
-        tl.debug_barrier()  # every thread has read the window before any shifts it
         for j in tl.static_range(1, K - 1):  # each cell is read before it is overwritten, by the same thread
             tl.store(window + (j - 1), tl.load(window + j, mask=live, other=0.0), mask=live)
-        x = tl.load(x_ptr + b * stride_xb + c, mask=live, other=0.0)
         tl.store(window + (K - 2), x.to(state_ptr.dtype.element_ty), mask=live)
 
     @triton.jit
@@ -286,11 +289,18 @@ if triton is not None:
                 tl.store(kept + t * stride_xt, S)
 
 
-def conv_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
-    """x [B, C] (one token per row) -> silu(causal conv) [B, C]; conv_state[slot_ids[b]] [C, K-1] moves on by x."""
+def conv_step(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    slot_ids: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [B, C] (one token per row) -> silu(causal conv) [B, C] (into `out`, which may be x); conv_state[slot_ids[b]]
+    [C, K-1] moves on by x."""
     B, C = x.shape
     K = weight.shape[-1]
-    y = torch.empty_like(x)
+    y = torch.empty_like(x) if out is None else out
     _conv_step[(B, triton.cdiv(C, CONV_BLOCK_C))](
         x,
         conv_state,
@@ -307,6 +317,27 @@ def conv_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, s
         **pdl.launch(x.device),
     )
     return y
+
+
+@dataclass(frozen=True)
+class ConvStep:
+    """The causal conv of one token per row on the first `channels` columns of the projection that produces its
+    input (the Gated DeltaNet's in_proj: qkv first): handed to that projection as `conv=`, which runs it in its own
+    epilogue where it can (layers.gemv), else right after, in place."""
+
+    state: torch.Tensor  # [slots, C, K-1]: every slot's window
+    weight: torch.Tensor  # [C, K]
+    slot_ids: torch.Tensor  # [B]: the slot of row b
+
+    @property
+    def channels(self) -> int:
+        return self.weight.shape[0]
+
+    def __call__(self, y: torch.Tensor) -> torch.Tensor:
+        """y [B, (1,) N >= channels] with its first `channels` columns convolved in place; the windows move on."""
+        y2 = y.view(-1, y.shape[-1])[:, : self.channels]
+        conv_step(y2, self.state, self.weight, self.slot_ids, out=y2)
+        return y
 
 
 def conv_steps(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from itertools import pairwise
 
 import torch
@@ -19,7 +20,7 @@ from ..layers.gated_delta import (
     gated_delta_rule_segments,
 )
 from ..layers.kernels import Kernels
-from ..layers.linear_decode import conv_step, conv_steps, recurrent_step, recurrent_steps
+from ..layers.linear_decode import ConvStep, conv_step, conv_steps, recurrent_step, recurrent_steps
 from .qwen3 import Attention, DecoderModel
 
 
@@ -42,17 +43,23 @@ class GatedDeltaNet:
         self.out = w.pop(p + "out_proj.weight")
 
     def __call__(self, h, norm, ctx: ForwardContext, cache: SlotCache):
-        """h + gated_delta_net(norm(h)), the norm inside in_proj's kernel and the add inside out_proj's where they
-        fuse."""
+        """h + gated_delta_net(norm(h)): the norm inside in_proj's kernel and a decode step's conv in its epilogue,
+        the add inside out_proj's, where they fuse."""
         B, T, _ = h.shape
-        qkv, z, b, a = self.kernels.linear(h, self.in_proj, norm=norm).split(self.splits, dim=-1)
         conv, rec = cache.conv[self.layer], cache.rec[self.layer]
-        if self.kernels.delta_rule_in_place:
-            o = self._run_invariant(qkv, b, a, conv, rec, ctx)
-        elif T == 1 and self.in_place and ctx.delta_rule is None and ctx.gdn_log is None:
-            o = self._step_in_place(qkv[:, 0], b, a, conv, rec, ctx.slot_ids)[:, None]
+        invariant = self.kernels.delta_rule_in_place
+        if not invariant and T == 1 and self.in_place and ctx.delta_rule is None and ctx.gdn_log is None:
+            step = ConvStep(conv, self.conv_weight, ctx.slot_ids)
+            if os.environ.get("POCKETLAB_CONV_FOLD") == "0":  # EXPERIMENT: A/B switch, removed after measuring
+                y, z, b, a = self.kernels.linear(h, self.in_proj, norm=norm).split(self.splits, dim=-1)
+                y = conv_step(y[:, 0], conv, self.conv_weight, ctx.slot_ids)[:, None]
+            else:
+                y, z, b, a = self.kernels.linear(h, self.in_proj, norm=norm, conv=step).split(self.splits, dim=-1)
+            o = self._step_in_place(y[:, 0], b, a, rec, ctx.slot_ids)[:, None]
         else:
-            o = self._run_gathered(qkv, b, a, conv, rec, ctx)
+            qkv, z, b, a = self.kernels.linear(h, self.in_proj, norm=norm).split(self.splits, dim=-1)
+            run = self._run_invariant if invariant else self._run_gathered
+            o = run(qkv, b, a, conv, rec, ctx)
         o = self.kernels.gated_rms_norm(o, z.reshape(B, T, self.hv, self.dv), self.norm, self.cfg.rms_norm_eps)
         return self.kernels.project_out(o.reshape(B, T, self.hv * self.dv), self.out, h)
 
@@ -80,9 +87,8 @@ class GatedDeltaNet:
             ctx.gdn_log[self.layer] = (qkv_in, conv0, (q, k, v, g, beta, rec0))
         return o
 
-    def _step_in_place(self, qkv, b, a, conv, rec, slot_ids) -> torch.Tensor:
-        """One token per row: [B, Hv, dv] outputs, each slot's conv window and state advanced where they live."""
-        y = conv_step(qkv, conv, self.conv_weight, slot_ids)
+    def _step_in_place(self, y, b, a, rec, slot_ids) -> torch.Tensor:
+        """One token per row, y its conv's output: [B, Hv, dv] outputs, each slot's state advanced where it lives."""
         q, k, v = y.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
         B = y.shape[0]
         return recurrent_step(

@@ -187,11 +187,13 @@ def finish(total, total_up, b_ptr, res_ptr, m, n, live_m, live_n, stride_rm, dty
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-           residual: torch.Tensor | None = None, swiglu: bool = False, norm=None) -> torch.Tensor:  # fmt: skip
+           residual: torch.Tensor | None = None, swiglu: bool = False, norm=None,
+           conv=None) -> torch.Tensor:  # fmt: skip
     """F.linear(x, weight, bias) whose rows do not depend on one another: x [..., K], weight [N, K], bias [N];
     fp32 accumulation, the bias added in fp32 before the one rounding to x's dtype. Fused into the same kernel:
     `residual` [..., N] added after (residual + y); `swiglu`: weight is [gate | up] ([2N, K]) and
-    y = silu(x @ gate^T) * (x @ up^T) [..., N]. `norm` (a layers.norm.RMSNorm) runs first, as its own kernel."""
+    y = silu(x @ gate^T) * (x @ up^T) [..., N]. `norm` (a layers.norm.RMSNorm) runs first, as its own kernel;
+    `conv` (a linear_decode.ConvStep) after, as its own."""
     if norm is not None:
         x = norm(x)
     N = checked_width("linear", x, weight, bias, residual, swiglu)
@@ -202,7 +204,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if M:
         fused = Fused(None if residual is None else as_rows(residual, N), epilogue_of(residual, swiglu))
         launch(x2, weight, bias, y, order(N, K, x.dtype), tiles(M, N, x.dtype, x.device, swiglu), fused)
-    return y.reshape(*x.shape[:-1], N)
+    y = y.reshape(*x.shape[:-1], N)
+    return y if conv is None else conv(y)
 
 
 def checked_width(name: str, x, weight, bias, residual, swiglu: bool) -> int:
