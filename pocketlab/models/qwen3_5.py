@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from itertools import pairwise
 
 import torch
@@ -20,7 +19,7 @@ from ..layers.gated_delta import (
     gated_delta_rule_segments,
 )
 from ..layers.kernels import Kernels
-from ..layers.linear_decode import ConvStep, conv_step, conv_steps, recurrent_step, recurrent_steps
+from ..layers.linear_decode import ConvStep, conv_steps, recurrent_step, recurrent_steps
 from .qwen3 import Attention, DecoderModel
 
 
@@ -50,11 +49,7 @@ class GatedDeltaNet:
         invariant = self.kernels.delta_rule_in_place
         if not invariant and T == 1 and self.in_place and ctx.delta_rule is None and ctx.gdn_log is None:
             step = ConvStep(conv, self.conv_weight, ctx.slot_ids)
-            if os.environ.get("POCKETLAB_CONV_FOLD") == "0":  # EXPERIMENT: A/B switch, removed after measuring
-                y, z, b, a = self.kernels.linear(h, self.in_proj, norm=norm).split(self.splits, dim=-1)
-                y = conv_step(y[:, 0], conv, self.conv_weight, ctx.slot_ids)[:, None]
-            else:
-                y, z, b, a = self.kernels.linear(h, self.in_proj, norm=norm, conv=step).split(self.splits, dim=-1)
+            y, z, b, a = self.kernels.linear(h, self.in_proj, norm=norm, conv=step).split(self.splits, dim=-1)
             o = self._step_in_place(y[:, 0], b, a, rec, ctx.slot_ids)[:, None]
         else:
             qkv, z, b, a = self.kernels.linear(h, self.in_proj, norm=norm).split(self.splits, dim=-1)
