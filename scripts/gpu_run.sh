@@ -224,9 +224,22 @@
 #     --peer-batch-sizes 1,32 --skip latency,serving" BENCH_CAP_S=280 BUDGET_S=390: both capped (the bf16 prefix-cache
 #     tests after 4 passed, so no verdict; the bench while HF compiled batch 32, its b1 figures kept). Give the bf16
 #     engine tests 300 s and the 30B bench with the peer 330 s.
-# Still owed: the bf16 prefix-cache tests on CUDA (the one-pass segments inside the engine); the 35B-A3B bench with the
-# static peer and the 30B-A3B's batch-32 peer; the bench at 0.6B, 0.8B and 9B with the static peer (decode and
-# prefill in one run); the invariant step; STEPS=tp on two GPUs.
+# Twenty-second session (2026-12-04, one H200, four calls, 327 s left): CUDA tests of the fused-linear, linear-decode,
+# Gated DeltaNet and parity files 117-141 s; `tools.ab` at b1 (4 variants) 84 s at 0.8B, 71 s at 9B, 36 s at the
+# 35B-A3B 4-layer preset, at b1 and b32 (2 variants) 68 / 92 / 39 s; the bf16 prefix-cache tests 111 s (4 fail:
+# README); a 9B b1 profile 30-86 s (the first process of a call is the slow one). Calls made:
+#   STEPS="tests ab" TESTS="<those four files>" AB_MODELS="qwen3.5-0.8b qwen3.5-9b qwen3.5-35b-a3b-4-layers"
+#     AB_VARIANTS=";POCKETLAB_CONV_FOLD=0,POCKETLAB_NORM_FOLD=0;POCKETLAB_CONV_FOLD=0;POCKETLAB_NORM_FOLD=0"
+#     AB_ARGS="--batch-sizes 1 --rounds 4 --steps 30" AB_FILE=gdn-folds AB_CAP_S=120 BUDGET_S=540  (uncommitted forms)
+#   the same with AB_VARIANTS=";POCKETLAB_CONV_FOLD=0" AB_ARGS="--batch-sizes 1,32 ..." AB_FILE=conv-fold (25c7fe8)
+#   POCKETLAB_DTYPE=bfloat16 STEPS=tests TESTS=tests/test_prefix_cache.py TESTS_CAP_S=200 BUDGET_S=260 OUT=$OUT/a, then
+#     STEPS="tests fused" TESTS="tests/test_gated_delta.py tests/test_linear_decode.py" FUSED_TESTS= FUSED_SWEEP=0
+#     GEMV_SWEEP=0 GEMV_NORM_CHAIN=0 FUSED_MODELS=qwen3.5-9b FUSED_MODES="fused_linear=triton
+#     fused_linear=triton,POCKETLAB_CONV_FOLD=0" FUSED_BATCHES=1 FUSED_PREFILL="" BUDGET_S=290 OUT=$OUT/b
+#   STEPS=fused (the same, FUSED_MODES in the order without, with, without) BUDGET_S=300
+# Still owed: the 35B-A3B bench with the static peer and the 30B-A3B's batch-32 peer; the bench at 0.6B, 0.8B and 9B
+# with the static peer (decode and prefill in one run); the invariant step; STEPS=tp on two GPUs; a look at the bf16
+# prefix-cache failures at tiny-qwen3_5 (README, twenty-second session).
 # MoE at real shapes (issue 17), one H200, one call each (the engine runs on the HF peer's own tensors, so the weights
 # are on the GPU once: peak ~86 GiB at 30B-A3B, ~81 GiB at 35B-A3B, most of it the weights and, at 30B, 24 GiB of K/V
 # for 64 slots x 4,097 positions; the JSON's "memory" has the measured peak). Engine warm-up, latency and serving
