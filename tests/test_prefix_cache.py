@@ -24,6 +24,14 @@ def close(a, b):
     return (a.float() - b.float()).abs().max().item() <= tol
 
 
+# Below float32 a hit and a cold run differ by rounding wherever their forwards were cut differently (a resumed
+# prompt, the hybrid's state checkpoints: on CUDA fla's chunk kernels round the state at each cut), enough to flip a
+# random tiny model's near-tied tokens; and measured against float32 the bf16 noise hides a state 2% off. The
+# batch-invariant kernels make the two the same bits whatever the cuts, so there `check` holds them to that.
+EXACT_HITS = dict(batch_invariant=True) if DTYPE != "float32" else {}
+HIT_OPTS = OPTS | EXACT_HITS  # every engine whose runs `check` compares
+
+
 @pytest.fixture(scope="module")
 def engines(make_engine):
     """(cached engine, cold reference) per preset, built once; each test starts from reset()."""
@@ -32,7 +40,8 @@ def engines(make_engine):
     def get(preset, **options):
         key = (preset, tuple(sorted(options.items())))
         if key not in made:
-            made[key] = (make_engine(preset, **OPTS, **options), make_engine(preset, **OPTS, prefix_cache=False))
+            cold = make_engine(preset, **HIT_OPTS, prefix_cache=False)
+            made[key] = (make_engine(preset, **HIT_OPTS, **options), cold)
         eng, cold = made[key]
         eng.reset()
         return eng, cold
@@ -55,7 +64,7 @@ def check(eng, cold, prompt, slot, expected_reused, steps=3):
     ref_tokens, ref_logits = cold_run(cold, prompt, steps)
     assert (reused, computed) == (expected_reused, len(prompt) - expected_reused)
     assert tokens == ref_tokens
-    assert close(logits, ref_logits)
+    assert torch.equal(logits, ref_logits) if EXACT_HITS else close(logits, ref_logits)
     return tokens
 
 
@@ -226,13 +235,13 @@ def test_hash_collisions_are_caught_by_token_comparison(engines, monkeypatch):
 @pytest.mark.parametrize("preset", PRESETS)
 def test_lru_eviction_under_a_tiny_budget(preset, make_engine, engines):
     _, cold = engines(preset)
-    probe = make_engine(preset, **OPTS)
+    probe = make_engine(preset, **HIT_OPTS)
     prompts = [random_prompt(24, seed=20 + i) for i in range(6)]
     probe.prefill(prompts[0], slot_id=0)
     probe.prefill(prompts[1], slot_id=0)
     entry = [c["bytes"] for c in probe.prefix.contents() if c["kind"] == "entry"][0]
     budget = 2 * entry + entry // 2
-    eng = make_engine(preset, **OPTS, prefix_cache_bytes=budget)
+    eng = make_engine(preset, **HIT_OPTS, prefix_cache_bytes=budget)
     live = random_prompt(17, seed=30)
     live_tokens = [eng.prefill(live, slot_id=3).next_token]
     for p in prompts[:5]:  # each overwrites slot 0, retaining the one before
@@ -249,7 +258,7 @@ def test_lru_eviction_under_a_tiny_budget(preset, make_engine, engines):
 
 def test_zero_budget_still_reuses_live_slots(make_engine, engines):
     _, cold = engines("tiny-qwen3_5")
-    eng = make_engine("tiny-qwen3_5", **OPTS, prefix_cache_bytes=0)
+    eng = make_engine("tiny-qwen3_5", **HIT_OPTS, prefix_cache_bytes=0)
     A = random_prompt(20, seed=31)
     tokens = check(eng, cold, A, 0, 0)
     check(eng, cold, A + tokens[:-1] + [5], 1, 20 + len(tokens) - 1)  # copied from slot 0's live state
