@@ -238,8 +238,9 @@
 #     fused_linear=triton,POCKETLAB_CONV_FOLD=0" FUSED_BATCHES=1 FUSED_PREFILL="" BUDGET_S=290 OUT=$OUT/b
 #   STEPS=fused (the same, FUSED_MODES in the order without, with, without) BUDGET_S=300
 # Still owed: the 35B-A3B bench with the static peer and the 30B-A3B's batch-32 peer; the bench at 0.6B, 0.8B and 9B
-# with the static peer (decode and prefill in one run); the invariant step; STEPS=tp on two GPUs; a look at the bf16
-# prefix-cache failures at tiny-qwen3_5 (README, twenty-second session).
+# with the static peer (decode and prefill in one run); the invariant step; STEPS=tp on two GPUs; the bf16 prefix-cache
+# file on CUDA again, now in the batch-invariant mode (POCKETLAB_DTYPE=bfloat16 STEPS=tests
+# TESTS=tests/test_prefix_cache.py TESTS_CAP_S=300: the invariant kernels compile for minutes).
 # MoE at real shapes (issue 17), one H200, one call each (the engine runs on the HF peer's own tensors, so the weights
 # are on the GPU once: peak ~86 GiB at 30B-A3B, ~81 GiB at 35B-A3B, most of it the weights and, at 30B, 24 GiB of K/V
 # for 64 slots x 4,097 positions; the JSON's "memory" has the measured peak). Engine warm-up, latency and serving

@@ -25,9 +25,9 @@ def close(a, b):
 
 
 # Below float32 a hit and a cold run differ by rounding wherever their forwards were cut differently (a resumed
-# prompt, the hybrid's state checkpoints: on CUDA fla's chunk kernels round the state at each cut), enough to flip a
-# random tiny model's near-tied tokens; and measured against float32 the bf16 noise hides a state 2% off. The
-# batch-invariant kernels make the two the same bits whatever the cuts, so there `check` holds them to that.
+# prompt, the hybrid's state checkpoints; on CUDA through fla's chunk kernels), enough to flip a random tiny model's
+# near-tied tokens; and measured against float32 the bf16 noise hides a state 2% off. The batch-invariant kernels
+# make the two the same bits whatever the cuts, so there `check` holds them to that.
 EXACT_HITS = dict(batch_invariant=True) if DTYPE != "float32" else {}
 HIT_OPTS = OPTS | EXACT_HITS  # every engine whose runs `check` compares
 
