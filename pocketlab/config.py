@@ -244,6 +244,7 @@ class EngineOptions:
     compile: bool = True  # fuse elementwise chains with torch.compile in captured decode graphs
     decode_attention: str = "auto"  # "triton" (live keys read in place), "sdpa", or "auto": triton on CUDA
     linear_decode: str = "auto"  # Gated DeltaNet decode: "triton" (states updated in place), "torch", "auto"
+    linear_in_place_tokens: int = 0  # with linear_decode's in-place kernels: forwards of at most this many tokens too
     fused_linear: str = "auto"  # few-row projections with their residual add / SwiGLU in one Triton kernel
     gemv_rows: int = 1  # fused_linear: projections of at most this many rows stream their weight (layers.gemv); 0: off
     moe_kernel: str = "auto"  # routed experts: "triton" (layers.moe_kernel), "torch" (grouped_mm), "auto": GPU triton
@@ -282,8 +283,9 @@ class EngineOptions:
                 raise ValueError(f"{name} {getattr(self, name)!r} is not one of auto, triton, torch")
         if not 0 <= self.gemv_rows <= GEMV_MAX_ROWS:
             raise ValueError(f"gemv_rows={self.gemv_rows}: need 0 <= rows <= {GEMV_MAX_ROWS} (layers.gemv's launch)")
-        if not (isinstance(self.moe_gemv_tokens, int) and self.moe_gemv_tokens >= 0):
-            raise ValueError(f"moe_gemv_tokens={self.moe_gemv_tokens!r}: need an int >= 0 (0: off)")
+        for name in ("moe_gemv_tokens", "linear_in_place_tokens"):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 0):
+                raise ValueError(f"{name}={getattr(self, name)!r}: need an int >= 0 (0: off)")
         if self.max_slots != "auto" and not (isinstance(self.max_slots, int) and self.max_slots >= 1):
             raise ValueError(f"max_slots={self.max_slots!r}: an int >= 1, or 'auto'")
         if self.max_seq_len < 2 or self.prefill_chunk < 1:

@@ -241,6 +241,20 @@
 # with the static peer (decode and prefill in one run); the invariant step; STEPS=tp on two GPUs; the bf16 prefix-cache
 # file on CUDA again, now in the batch-invariant mode (POCKETLAB_DTYPE=bfloat16 STEPS=tests
 # TESTS=tests/test_prefix_cache.py TESTS_CAP_S=300: the invariant kernels compile for minutes).
+# Twenty-third session (2026-12-04, one H200, two calls, then no device was lent; 1,397 s of the 30 minutes left): the
+# bf16 prefix-cache file on CUDA in the batch-invariant form 72 s (39 passed); the stage-chain experiment 8-45 s per
+# launch shape (commit fd09efc; each in its own process, under `timeout`, as a grid barrier whose programs are not all
+# resident would hang). Calls made:
+#   (timeout 60 python3 -m pocketlab.layers.stage_chain --shape 0.6b; timeout 150 ... --shape 8b --layers 36), then
+#     POCKETLAB_DTYPE=bfloat16 STEPS=tests TESTS=tests/test_prefix_cache.py TESTS_CAP_S=300 BUDGET_S=330 OUT=$OUT/pc
+#   for t in <launch shapes>; do timeout 45 python3 -m pocketlab.layers.stage_chain --shape 0.6b --tiles $t; done
+#     (then --shape 8b --layers 36, timeout 80)
+# Still owed: where prompts should take the in-place kernels (EngineOptions.linear_in_place_tokens, default 0): with
+# the .whl installed as above, `python3 -m pocketlab.tools.profile --model M --batch-sizes '' --prefill-lens
+# 512,2048,4096 --engine-option linear_in_place_tokens=N` for N = 0, 2048, 512, 0 in one call, M = qwen3.5-0.8b,
+# qwen3.5-9b, qwen3.5-35b-a3b-4-layers; with it, the CUDA tests tests/test_linear_decode.py tests/test_gated_delta.py
+# tests/test_prefix_cache.py; then the twenty-second session's list (35B-A3B bench with the static peer, the bench at
+# 0.6B, 0.8B and 9B with the static peer, the invariant step, STEPS=tp on two GPUs).
 # MoE at real shapes (issue 17), one H200, one call each (the engine runs on the HF peer's own tensors, so the weights
 # are on the GPU once: peak ~86 GiB at 30B-A3B, ~81 GiB at 35B-A3B, most of it the weights and, at 30B, 24 GiB of K/V
 # for 64 slots x 4,097 positions; the JSON's "memory" has the measured peak). Engine warm-up, latency and serving

@@ -220,3 +220,34 @@ def test_engine_decodes_the_same_either_way(make_engine):
         max((a - b).abs().max().item() for a, b in zip(runs["triton"][1], runs["torch"][1], strict=True))
         <= LOGIT_TOL * scale
     )
+
+
+@pytest.mark.parametrize("limit", [8, 64])
+def test_prompts_token_by_token_match_the_chunked_rule(make_engine, monkeypatch, limit):
+    """linear_in_place_tokens: prompt forwards of at most `limit` tokens run the in-place kernels token by token
+    (with prefill chunks of 16, limit 8 mixes both paths in one prompt), through ragged rows, prefix-cache
+    checkpoints inside a forward and a prompt resumed from one; the same tokens and logits as the chunked torch rule."""
+    from conftest import DTYPE, LOGIT_TOL, random_prompt
+
+    from pocketlab import BatchedRequest
+    from pocketlab.models import qwen3_5
+
+    calls = []
+    monkeypatch.setattr(qwen3_5, "recurrent_steps", lambda *a: calls.append(a[0].shape[1]) or ld.recurrent_steps(*a))
+    runs = {}
+    for kind in ("triton", "torch"):
+        engine = make_engine("tiny-qwen3_5", linear_decode=kind, linear_in_place_tokens=limit, max_slots=3,
+                             checkpoint_stride=8)  # fmt: skip
+        shared = random_prompt(40, seed=40)
+        reqs = [BatchedRequest(0, shared, slot_id=0), BatchedRequest(1, random_prompt(5, seed=5), slot_id=1)]
+        engine.batch_prefill(reqs)
+        logits = [engine.batch_decode_step(reqs).logits for _ in range(3)]
+        resumed = BatchedRequest(2, shared[:35] + random_prompt(6, seed=6), slot_id=2)  # from the checkpoint at 32
+        assert engine.batch_prefill([resumed]).results[0].reused_tokens == 32
+        logits += [engine.batch_decode_step([*reqs, resumed]).logits for _ in range(3)]
+        runs[kind] = ([r.generated_tokens for r in [*reqs, resumed]], logits)
+    assert calls and max(calls) <= limit  # the in-place engine took the token-by-token path, only up to the limit
+    assert runs["triton"][0] == runs["torch"][0]
+    scale = 1.0 if DTYPE == "float32" else max(b.abs().max().item() for b in runs["torch"][1])
+    diff = max((a - b).abs().max().item() for a, b in zip(runs["triton"][1], runs["torch"][1], strict=True))
+    assert diff <= LOGIT_TOL * scale

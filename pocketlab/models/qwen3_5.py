@@ -25,11 +25,15 @@ from .qwen3 import Attention, DecoderModel
 
 class GatedDeltaNet:
     """Linear attention whose per-slot state (conv window + fp32 delta-rule matrix) lives in the SlotCache.
-    `in_place`: one-token steps run the Triton kernels that update each slot's state where it lives; with
-    batch-invariant kernels every token does (see `_run_invariant`)."""
+    `in_place`: one-token steps run the Triton kernels that update each slot's state where it lives, and so do
+    forwards of at most `in_place_tokens` tokens (prompts, chunks; not a speculative verify), token by token: two
+    launches a layer instead of the chunked rule's dozen. With batch-invariant kernels every token does (see
+    `_run_invariant`)."""
 
-    def __init__(self, cfg: ModelConfig, w: dict, p: str, layer: int, kernels: Kernels, in_place: bool = False):
+    def __init__(self, cfg: ModelConfig, w: dict, p: str, layer: int, kernels: Kernels, in_place: bool = False,
+                 in_place_tokens: int = 0):  # fmt: skip
         self.cfg, self.layer, self.kernels, self.in_place = cfg, layer, kernels, in_place
+        self.in_place_tokens = in_place_tokens if in_place else 0
         self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
@@ -53,7 +57,8 @@ class GatedDeltaNet:
             o = self._step_in_place(y[:, 0], b, a, rec, ctx.slot_ids)[:, None]
         else:
             qkv, z, b, a = self.kernels.linear(h, self.in_proj, norm=norm).split(self.splits, dim=-1)
-            run = self._run_invariant if invariant else self._run_gathered
+            token_by_token = invariant or (T <= self.in_place_tokens and ctx.delta_rule is None and ctx.gdn_log is None)
+            run = self._run_invariant if token_by_token else self._run_gathered
             o = run(qkv, b, a, conv, rec, ctx)
         o = self.kernels.gated_rms_norm(o, z.reshape(B, T, self.hv, self.dv), self.norm, self.cfg.rms_norm_eps)
         return self.kernels.project_out(o.reshape(B, T, self.hv * self.dv), self.out, h)
@@ -168,6 +173,7 @@ class HybridModel(DecoderModel):
             or opts.linear_decode == "triton"
             or (opts.linear_decode == "auto" and triton_available(opts.device))
         )
+        self.in_place_tokens = opts.linear_in_place_tokens
         super().__init__(cfg, w, opts)
         backend_name(opts.device)  # imports fla now (seconds), while loading, rather than in the first request
         self.mtp = None  # the MTP draft head, built only when speculative decoding is on
@@ -181,4 +187,4 @@ class HybridModel(DecoderModel):
     def make_mixer(self, w: dict, p: str, i: int):
         if self.cfg.layer_types[i] == "full_attention":
             return Attention(self.cfg, w, p + "self_attn.", i, self.kernels, gated=True)
-        return GatedDeltaNet(self.cfg, w, p + "linear_attn.", i, self.kernels, self.in_place)
+        return GatedDeltaNet(self.cfg, w, p + "linear_attn.", i, self.kernels, self.in_place, self.in_place_tokens)
