@@ -249,11 +249,12 @@
 #     POCKETLAB_DTYPE=bfloat16 STEPS=tests TESTS=tests/test_prefix_cache.py TESTS_CAP_S=300 BUDGET_S=330 OUT=$OUT/pc
 #   for t in <launch shapes>; do timeout 45 python3 -m pocketlab.layers.stage_chain --shape 0.6b --tiles $t; done
 #     (then --shape 8b --layers 36, timeout 80)
-# Still owed: where prompts should take the in-place kernels (EngineOptions.linear_in_place_tokens, default 0): with
-# the .whl installed as above, `python3 -m pocketlab.tools.profile --model M --batch-sizes '' --prefill-lens
-# 512,2048,4096 --engine-option linear_in_place_tokens=N` for N = 0, 2048, 512, 0 in one call, M = qwen3.5-0.8b,
-# qwen3.5-9b, qwen3.5-35b-a3b-4-layers; with it, the CUDA tests tests/test_linear_decode.py tests/test_gated_delta.py
-# tests/test_prefix_cache.py; then the twenty-second session's list (35B-A3B bench with the static peer, the bench at
+# Still owed: where prompts should take the in-place kernels (EngineOptions.linear_in_place_tokens, default 0; tools.ab
+# now gives a variant with engine options an engine of its own over the same weights), one call, two lanes:
+#   STEPS=ab AB_MODELS="qwen3.5-0.8b qwen3.5-9b qwen3.5-35b-a3b-4-layers" AB_VARIANTS=";linear_in_place_tokens=2048;
+#     linear_in_place_tokens=512" AB_ARGS="--prefill 512 --rounds 4 --steps 3 --warm 2" AB_FILE=in-place-prompt-512
+#     AB_CAP_S=100 OUT=$OUT/a, then the same with --prefill 4096 --rounds 3 and AB_FILE=in-place-prompt-4096 (OUT=$OUT/b)
+# and the CUDA tests with the option on (tests/test_linear_decode.py tests/test_gated_delta.py); then the twenty-second session's list (35B-A3B bench with the static peer, the bench at
 # 0.6B, 0.8B and 9B with the static peer, the invariant step, STEPS=tp on two GPUs).
 # MoE at real shapes (issue 17), one H200, one call each (the engine runs on the HF peer's own tensors, so the weights
 # are on the GPU once: peak ~86 GiB at 30B-A3B, ~81 GiB at 35B-A3B, most of it the weights and, at 30B, 24 GiB of K/V

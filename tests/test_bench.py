@@ -248,7 +248,8 @@ def test_serving_peer_for_a_model_hf_continuous_batching_refuses():
 
 
 def test_ab_alternates_variants_and_restores_the_environment(capsys, monkeypatch):
-    """tools.ab: one row per (batch, variant, round), each variant's switch set only during its rounds."""
+    """tools.ab: one row per (batch, variant, round), each variant's switch set only during its rounds, and an engine
+    of its own for a variant with engine options."""
     from pocketlab.tools import ab
 
     seen = []
@@ -265,5 +266,12 @@ def test_ab_alternates_variants_and_restores_the_environment(capsys, monkeypatch
     ab.main(["--model", "tiny-qwen3_5", "--device", "cpu", "--variants", ";POCKETLAB_AB_TEST=b", "--rounds", "1",
              "--steps", "1", "--warm", "0", "--prefill", "40"])  # fmt: skip
     assert seen == [None, "b"] and "prefill of 40 tokens" in capsys.readouterr().out
+    engines = []
+    monkeypatch.setattr(ab, "median_call", lambda engine, *a: engines.append(engine) or real(engine, *a))
+    ab.main(["--model", "tiny-qwen3", "--device", "cpu", "--variants", ";gemv_rows=0;POCKETLAB_AB_TEST=c",
+             "--rounds", "2", "--steps", "1", "--warm", "0"])  # fmt: skip
+    assert [e.options.gemv_rows for e in engines] == [1, 0, 1] * 2  # an engine of its own for the option
+    assert engines[0] is engines[2] and engines[0] is not engines[1]
+    assert ab.parse_variant("A=1,gemv_rows=0") == ({"A": "1"}, {"gemv_rows": 0})
     with pytest.raises(ValueError, match="NAME=VALUE"):
         ab.parse_variant("no-equals-sign")

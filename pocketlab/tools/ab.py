@@ -5,33 +5,46 @@ Why: the H200's step time drifts by a few percent between device calls (and with
 most kernel changes; alternating variants in one process spreads that drift over all of them alike.
 
     python -m pocketlab.tools.ab --model qwen3-30b-a3b --variants "POCKETLAB_PDL=1;POCKETLAB_PDL=0" [--rounds 5]
-    python -m pocketlab.tools.ab --model qwen3.5-0.8b --variants ";A=0" --prefill 4096 --steps 3
+    python -m pocketlab.tools.ab --model qwen3.5-0.8b --variants ";linear_in_place_tokens=2048" --prefill 512
 
-A variant is comma-separated NAME=VALUE pairs (set for its rounds, restored after); the first is the baseline.
+A variant is comma-separated NAME=VALUE pairs: environment variables (set for its rounds, restored after), and
+EngineOptions fields, for which the variant gets an engine of its own over the same weights (built once, before the
+rounds; VALUE read as a Python literal). The first variant is the baseline.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 
 import pandas as pd
 from tqdm.auto import tqdm
 
+from ..config import EngineOptions
 from ..graphs import StepGraphs
 from .bench import BenchConfig
-from .bench_engine import build
-from .cli import ints
+from .bench_engine import build, engine_over
+from .cli import ints, option
 from .profile import decode_step, prefill_call
 from .timing import Clock
 
+ENGINE_OPTIONS = {f.name for f in dataclasses.fields(EngineOptions)}
 
-def parse_variant(text: str) -> dict[str, str]:
-    """'A=1,B=2' -> {'A': '1', 'B': '2'}; '' is the environment as it is."""
+
+def parse_variant(text: str) -> tuple[dict[str, str], dict[str, object]]:
+    """'A=1,gemv_rows=0' -> ({'A': '1'}, {'gemv_rows': 0}): environment switches, and engine options (the names of
+    EngineOptions fields); '' is the environment and the engine as they are."""
     pairs = [kv.split("=", 1) for kv in text.split(",") if kv.strip()]
     if any(len(kv) != 2 or not kv[0].strip() for kv in pairs):
         raise ValueError(f"a variant is NAME=VALUE pairs separated by commas, got {text!r}")
-    return {k.strip(): v.strip() for k, v in pairs}
+    env, options = {}, {}
+    for k, v in ((k.strip(), v.strip()) for k, v in pairs):
+        if k in ENGINE_OPTIONS:
+            options[k] = option(f"{k}={v}")[1]
+        else:
+            env[k] = v
+    return env, options
 
 
 def median_call(engine, batch: int, steps: int, warm: int, prefill: int = 0) -> float:
@@ -44,12 +57,14 @@ def median_call(engine, batch: int, steps: int, warm: int, prefill: int = 0) -> 
     return clock.measure(decode_step(engine, batch), steps, warm)
 
 
-def run(engine, variants: list[str], batch_sizes, rounds: int, steps: int, warm: int, prefill: int = 0) -> pd.DataFrame:
-    """One row per (batch, variant, round): the median graphed step (or prefill) of that round, in us."""
+def run(engines: dict[str, object], variants: list[str], batch_sizes, rounds: int, steps: int, warm: int,
+        prefill: int = 0) -> pd.DataFrame:  # fmt: skip
+    """One row per (batch, variant, round): the median graphed step (or prefill) of that round, in us, each variant
+    on its engine (`engines[variant]`)."""
     rows = []
     work = [(b, r, v) for b in batch_sizes for r in range(rounds) for v in variants]
     for batch, rnd, variant in tqdm(work, desc="A/B rounds"):
-        env = parse_variant(variant)
+        env, engine = parse_variant(variant)[0], engines[variant]
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
@@ -65,6 +80,17 @@ def run(engine, variants: list[str], batch_sizes, rounds: int, steps: int, warm:
         rows.append({"batch": batch, "variant": variant or "(as is)", "round": rnd,
                      "step_us": step_s * 1e6})  # fmt: skip
     return pd.DataFrame(rows)
+
+
+def engines_for(cfg: BenchConfig, variants: list[str]) -> dict[str, object]:
+    """variant -> its engine: one per distinct set of engine options, all over the weights of one HF build."""
+    hf, base = build(cfg)
+    built = {(): base}
+    for v in variants:
+        key = tuple(sorted(parse_variant(v)[1].items()))
+        if key not in built:
+            built[key] = engine_over(hf, dataclasses.replace(cfg, engine_options=dict(cfg.engine_options, **dict(key))))
+    return {v: built[tuple(sorted(parse_variant(v)[1].items()))] for v in variants}
 
 
 def summary(df: pd.DataFrame) -> pd.DataFrame:
@@ -93,9 +119,8 @@ def main(argv=None) -> None:
     cfg = BenchConfig(model=a.model, device=a.device, batch_sizes=a.batch_sizes, peer=False,
                       prompt_lens=(a.prefill,) if a.prefill else (), latency_batch_sizes=a.batch_sizes,
                       latency_steps=0)  # fmt: skip
-    hf, engine = build(cfg)
-    del hf
-    df = run(engine, variants, (1,) if a.prefill else a.batch_sizes, a.rounds, a.steps, a.warm, a.prefill)
+    engines = engines_for(cfg, variants)
+    df = run(engines, variants, (1,) if a.prefill else a.batch_sizes, a.rounds, a.steps, a.warm, a.prefill)
     what = f"prefill of {a.prefill} tokens" if a.prefill else "decode step"
     print(f"\n{a.model} on {a.device}: {what}, us (median of {a.steps} per round, {a.rounds} rounds)")
     rounds = df.pivot_table(index=["batch", "round"], columns="variant", values="step_us", sort=False)

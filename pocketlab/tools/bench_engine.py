@@ -25,6 +25,11 @@ def build(cfg: BenchConfig):
     """The random-weight HF model on the device, and a pocketlab engine over the very same tensors (only its fused
     projections are its own), so the weights are on the device once: at the MoE shapes two copies do not fit."""
     hf = build_hf_model(cfg.model, cfg.seed, cfg.device, DTYPES[cfg.dtype])
+    return hf, engine_over(hf, cfg)
+
+
+def engine_over(hf, cfg: BenchConfig) -> QwenEngine:
+    """A pocketlab engine with cfg's options over the tensors of `hf` (build's HF model)."""
     mcfg = ModelConfig.from_dict(hf.config.to_dict())
     weights = dict(hf.state_dict())
     if mcfg.tie_word_embeddings:
@@ -38,7 +43,7 @@ def build(cfg: BenchConfig):
         cuda_graphs=cfg.cuda_graphs,
         **extra,
     )
-    return hf, QwenEngine(mcfg, weights, opts)
+    return QwenEngine(mcfg, weights, opts)
 
 
 def random_tokens(n: int, vocab: int, gen: torch.Generator) -> list[int]:
