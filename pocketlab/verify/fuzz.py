@@ -55,6 +55,8 @@ CONFIGS = {
     "MoE": ("tiny-qwen3_moe", {}),
     "hybrid MoE + MTP drafts": ("tiny-qwen3_5_moe-mtp", dict(speculative_tokens=2)),
 }
+if os.environ.get("TRITON_INTERPRET") == "1":  # the in-place Triton kernels run on the CPU in Triton's interpreter
+    CONFIGS["hybrid, in-place kernels"] = ("tiny-qwen3_5", dict(linear_decode="triton", linear_in_place_tokens=8))
 # prompts share prefixes of a few base sequences, so the prefix cache has something to find
 BASES = [torch.randint(0, VOCAB, (MAX_SEQ,), generator=torch.Generator().manual_seed(b)).tolist() for b in range(3)]
 STATS: Counter = Counter()  # what the fuzz runs did: schedules, calls, refused, interrupted, checks
