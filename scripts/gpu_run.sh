@@ -254,8 +254,9 @@
 #   STEPS=ab AB_MODELS="qwen3.5-0.8b qwen3.5-9b qwen3.5-35b-a3b-4-layers" AB_VARIANTS=";linear_in_place_tokens=2048;
 #     linear_in_place_tokens=512" AB_ARGS="--prefill 512 --rounds 4 --steps 3 --warm 2" AB_FILE=in-place-prompt-512
 #     AB_CAP_S=100 OUT=$OUT/a, then the same with --prefill 4096 --rounds 3 and AB_FILE=in-place-prompt-4096 (OUT=$OUT/b)
-# and the CUDA tests with the option on (tests/test_linear_decode.py tests/test_gated_delta.py); then the twenty-second session's list (35B-A3B bench with the static peer, the bench at
-# 0.6B, 0.8B and 9B with the static peer, the invariant step, STEPS=tp on two GPUs).
+# and the CUDA tests with the option on (tests/test_linear_decode.py tests/test_gated_delta.py); then the twenty-second
+# session's list (35B-A3B bench with the static peer, the bench at 0.6B, 0.8B and 9B with the static peer, the
+# invariant step, STEPS=tp on two GPUs).
 # MoE at real shapes (issue 17), one H200, one call each (the engine runs on the HF peer's own tensors, so the weights
 # are on the GPU once: peak ~86 GiB at 30B-A3B, ~81 GiB at 35B-A3B, most of it the weights and, at 30B, 24 GiB of K/V
 # for 64 slots x 4,097 positions; the JSON's "memory" has the measured peak). Engine warm-up, latency and serving
