@@ -51,13 +51,14 @@ class GatedDeltaNet:
         B, T, _ = h.shape
         conv, rec = cache.conv[self.layer], cache.rec[self.layer]
         invariant = self.kernels.delta_rule_in_place
-        if not invariant and T == 1 and self.in_place and ctx.delta_rule is None and ctx.gdn_log is None:
+        plain = ctx.delta_rule is None and ctx.gdn_log is None  # not a speculative verify, which keeps its own rule
+        if not invariant and T == 1 and self.in_place and plain:
             step = ConvStep(conv, self.conv_weight, ctx.slot_ids)
             y, z, b, a = self.kernels.linear(h, self.in_proj, norm=norm, conv=step).split(self.splits, dim=-1)
             o = self._step_in_place(y[:, 0], b, a, rec, ctx.slot_ids)[:, None]
         else:
             qkv, z, b, a = self.kernels.linear(h, self.in_proj, norm=norm).split(self.splits, dim=-1)
-            token_by_token = invariant or (T <= self.in_place_tokens and ctx.delta_rule is None and ctx.gdn_log is None)
+            token_by_token = invariant or (plain and T <= self.in_place_tokens)
             run = self._run_invariant if token_by_token else self._run_gathered
             o = run(qkv, b, a, conv, rec, ctx)
         o = self.kernels.gated_rms_norm(o, z.reshape(B, T, self.hv, self.dv), self.norm, self.cfg.rms_norm_eps)

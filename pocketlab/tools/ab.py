@@ -85,12 +85,12 @@ def run(engines: dict[str, object], variants: list[str], batch_sizes, rounds: in
 def engines_for(cfg: BenchConfig, variants: list[str]) -> dict[str, object]:
     """variant -> its engine: one per distinct set of engine options, all over the weights of one HF build."""
     hf, base = build(cfg)
+    keys = {v: tuple(sorted(parse_variant(v)[1].items())) for v in variants}
     built = {(): base}
-    for v in variants:
-        key = tuple(sorted(parse_variant(v)[1].items()))
+    for key in keys.values():
         if key not in built:
             built[key] = engine_over(hf, dataclasses.replace(cfg, engine_options=dict(cfg.engine_options, **dict(key))))
-    return {v: built[tuple(sorted(parse_variant(v)[1].items()))] for v in variants}
+    return {v: built[key] for v, key in keys.items()}
 
 
 def summary(df: pd.DataFrame) -> pd.DataFrame:
