@@ -242,6 +242,7 @@ class EngineOptions:
     dtype: str = "float32"
     cuda_graphs: bool = True  # replay batch decode from captured graphs on CUDA
     compile: bool = True  # fuse elementwise chains with torch.compile in captured decode graphs
+    prefill_graph_tokens: int = 0  # cuda_graphs: prompt forwards of at most this many padded tokens replay graphs
     decode_attention: str = "auto"  # "triton" (live keys read in place), "sdpa", or "auto": triton on CUDA
     linear_decode: str = "auto"  # Gated DeltaNet decode: "triton" (states updated in place), "torch", "auto"
     linear_in_place_tokens: int = 0  # with linear_decode's in-place kernels: forwards of at most this many tokens too
@@ -283,7 +284,7 @@ class EngineOptions:
                 raise ValueError(f"{name} {getattr(self, name)!r} is not one of auto, triton, torch")
         if not 0 <= self.gemv_rows <= GEMV_MAX_ROWS:
             raise ValueError(f"gemv_rows={self.gemv_rows}: need 0 <= rows <= {GEMV_MAX_ROWS} (layers.gemv's launch)")
-        for name in ("moe_gemv_tokens", "linear_in_place_tokens"):
+        for name in ("moe_gemv_tokens", "linear_in_place_tokens", "prefill_graph_tokens"):
             if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 0):
                 raise ValueError(f"{name}={getattr(self, name)!r}: need an int >= 0 (0: off)")
         if self.max_slots != "auto" and not (isinstance(self.max_slots, int) and self.max_slots >= 1):

@@ -318,9 +318,9 @@ class QwenEngine:
             runs = [Run(items[b][0], pieces[b][c][0], items[b][1][slice(*pieces[b][c])]) for b in rows]
             # hybrid models: the layers hand back their state at stride multiples inside each piece
             marks = [self.prefix.marks(lo, lo + len(piece)) if self.prefix is not None else [] for _, lo, piece in runs]
-            hidden, ctx = self._forward(runs, [(i, t) for i, ts in enumerate(marks) for t in ts])
+            last, ctx = self._prompt_forward(runs, [(i, t) for i, ts in enumerate(marks) for t in ts])
             for i, (b, (s, lo, piece)) in enumerate(zip(rows, runs, strict=True)):
-                last_hidden[b] = hidden[i, len(piece) - 1]
+                last_hidden[b] = last[i]
                 self.cache.slots[s].extend(piece)
                 if self.prefix is not None:
                     for t in marks[i]:
@@ -365,6 +365,19 @@ class QwenEngine:
             return self.model.logits(hidden[:, 0])
         self.forward_count += 1
         return self.graphs.logits(runs)
+
+    @torch.inference_mode()
+    def _prompt_forward(self, runs: list[Run], checkpoints: Sequence[tuple[int, int]]):
+        """(final-normed hidden states at each run's last token [B, hidden], the forward's context or None): a
+        graph's replay where the options allow one (prefill_graph_tokens; no checkpoints to hand back, no drafter
+        to show every row), else the eager forward."""
+        if self.graphs is not None and not checkpoints and self.speculator is None:
+            last = self.graphs.prefill(runs)
+            if last is not None:
+                self.forward_count += 1
+                return last, None
+        hidden, ctx = self._forward(runs, checkpoints)
+        return torch.stack([hidden[i, len(run.tokens) - 1] for i, run in enumerate(runs)]), ctx
 
     @torch.inference_mode()
     def _forward(

@@ -1,8 +1,10 @@
-"""CUDA-graph replay of forward steps (a decode step, a speculative verify step) over static buffers.
+"""CUDA-graph replay of forward steps (a decode step, a short prompt's forward, a speculative verify step) over
+static buffers.
 
-Python launches hundreds of small kernels per step; at batch 1 that, not memory, bounds decode speed.
-Each (step, batch bucket, tokens per row, key-length bucket) is captured once; a call copies its inputs
-into the static buffer and replays the smallest graph that fits. Filler rows run on the scratch slot.
+Python launches hundreds of small kernels per step; at batch 1 that, not memory, bounds decode speed, and the
+same host work is most of a short prompt's forward. Each (step, batch bucket, tokens per row, key-length bucket)
+is captured once; a call copies its inputs into the static buffer and replays the smallest graph that fits.
+Filler rows run on the scratch slot.
 """
 
 from __future__ import annotations
@@ -16,6 +18,23 @@ import torch
 
 from .forward import ForwardContext, Run
 from .layers import fused
+
+SMALLEST_PROMPT_BUCKET = 16  # a graphed prompt forward runs 16, 32, 64, ... tokens per row
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """Tokens per row of the prompt graphs: powers of two from SMALLEST_PROMPT_BUCKET up to max_tokens."""
+    sizes, n = [], SMALLEST_PROMPT_BUCKET
+    while n <= max_tokens:
+        sizes.append(n)
+        n *= 2
+    return sizes
+
+
+def bucket(sizes: list[int], n: int) -> int | None:
+    """The smallest of the ascending `sizes` that holds n (None: none does)."""
+    i = bisect.bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
 
 
 def key_buckets(max_seq_len: int, smallest: int = 128) -> list[int]:
@@ -90,6 +109,7 @@ class StepGraphs:
         self.model, self.cache = model, cache
         sizes = sorted({b for b in options.graph_batch_sizes if b < options.max_slots} | {options.max_slots})
         self.batch_sizes, self.key_sizes = sizes, key_buckets(options.max_seq_len)
+        self.prefill_tokens = options.prefill_graph_tokens  # prompt forwards of at most this many padded tokens
         # compiled elementwise chains round differently from the eager ones prompts run: not batch invariant
         self.device, self.compile = options.device, options.compile and not options.batch_invariant
         self.graphs: dict[tuple, Captured] = {}
@@ -107,16 +127,42 @@ class StepGraphs:
     def _decode(self, ctx: ForwardContext) -> torch.Tensor:
         return self.model.logits(self.model.forward(ctx, self.cache)[:, 0])
 
-    def replay(self, name: str, step, runs: list[Run], real_lengths: bool = False, beyond: int = 0):
+    def prefill(self, runs: list[Run]) -> torch.Tensor | None:
+        """[B, hidden] final-normed hidden states at each run's last token, from a graph whose rows run the token
+        bucket of the longest run (shorter runs masked by their lengths). None where this forward is not graphed
+        (rows x bucket over prefill_tokens, a bucket past the context's end, or a capture that failed): the
+        caller runs it eagerly."""
+        T = bucket(token_buckets(self.prefill_tokens), max(len(run.tokens) for run in runs))
+        b = bucket(self.batch_sizes, len(runs))
+        if T is None or b * T > self.prefill_tokens or max(run.start for run in runs) + T > self.key_sizes[-1]:
+            return None
+        out = self.replay("prefill", self._prefill, runs, real_lengths=True, tokens=T)
+        return None if out is None else out[: len(runs)].clone()  # the next replay overwrites it
+
+    def _prefill(self, ctx: ForwardContext) -> torch.Tensor:
+        hidden = self.model.forward(ctx, self.cache)
+        return hidden[torch.arange(hidden.shape[0], device=hidden.device), ctx.lengths - 1]
+
+    def prefill_keys(self) -> list[tuple]:
+        """Every key a prompt forward can replay: warm-up captures them all."""
+        return [
+            ("prefill", b, T, kv)
+            for b in self.batch_sizes
+            for T in token_buckets(self.prefill_tokens // b)
+            for kv in self.key_sizes
+            if kv >= T
+        ]
+
+    def replay(self, name: str, step, runs: list[Run], real_lengths: bool = False, beyond: int = 0, tokens: int = 0):
         """step(ctx)'s outputs (static tensors, rows past len(runs) are filler) for `runs`. Every row runs T = the
-        longest run's tokens, shorter runs padded with token 0: treated as real (lengths T: the caller ignores
-        what they produce, and every position written must fit in the slot), or, with real_lengths, masked by
-        each run's own length. `beyond`: positions past the runs that the step
+        longest run's tokens (or `tokens`, at least that), shorter runs padded with token 0: treated as real
+        (lengths T: the caller ignores what they produce, and every position written must fit in the slot), or,
+        with real_lengths, masked by each run's own length. `beyond`: positions past the runs that the step
         also writes (the key bucket must hold them). None where this shape's graph cannot be captured: the
         caller runs the step eagerly."""
-        B, T = len(runs), max(len(run.tokens) for run in runs)
-        b = self.batch_sizes[bisect.bisect_left(self.batch_sizes, B)]
-        kv = self.key_sizes[bisect.bisect_left(self.key_sizes, max(run.start for run in runs) + T + beyond)]
+        B, T = len(runs), max(tokens, *(len(run.tokens) for run in runs))
+        b = bucket(self.batch_sizes, B)
+        kv = bucket(self.key_sizes, max(run.start for run in runs) + T + beyond)
         captured = self.ensure((name, b, T, kv), step)
         if captured is None:
             return None

@@ -2,10 +2,11 @@
 
 The graphs follow the options: one per (step, batch bucket, key bucket), the batch buckets being
 graph_batch_sizes up to max_slots and the key buckets powers of two up to max_seq_len (graphs.key_buckets); with
-speculation also the verify and draft steps. Prompts run eagerly; their kernels specialise on a few properties
-of a shape (one row or several, one token or more, a length that is a multiple of 16 or not, a cached prefix
-or none, a full prefill chunk), so a handful of prompts covering them compiles every variant. The counts in
-compile_events say whether anything was left over.
+prefill_graph_tokens also one per token bucket of prompt forwards; with speculation also the verify and draft
+steps. Other prompts run eagerly; their kernels specialise on a few properties of a shape (one row or several,
+one token or more, a length that is a multiple of 16 or not, a cached prefix or none, a full prefill chunk), so
+a handful of prompts covering them compiles every variant. The counts in compile_events say whether anything
+was left over.
 """
 
 from __future__ import annotations
@@ -40,7 +41,10 @@ def graph_steps(engine: QwenEngine) -> list[tuple]:
     steps = [("decode", 1, 0, engine.graphs._decode, None)]
     if engine.speculator is not None:
         steps += engine.speculator.graph_steps()
-    return [(key, step, after) for name, T, beyond, step, after in steps for key in engine.graphs.keys(name, T, beyond)]
+    keys = [(key, step, after) for name, T, beyond, step, after in steps for key in engine.graphs.keys(name, T, beyond)]
+    if engine.speculator is None:  # prompts feeding a drafter run eagerly
+        keys += [(key, engine.graphs._prefill, None) for key in engine.graphs.prefill_keys()]
+    return keys
 
 
 def prompt_shapes(engine: QwenEngine) -> list[list[int]]:

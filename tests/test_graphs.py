@@ -1,11 +1,12 @@
 """CUDA-graph bookkeeping checked on the CPU: test doubles whose "graphs" re-run the captured function (or
 fail to capture), so static buffers, padding, buckets and the eager fallback run for real without a GPU."""
 
+import functools
 from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import LOGIT_TOL, random_prompt
+from conftest import DEVICE, LOGIT_TOL, random_prompt
 
 from pocketlab import BatchedRequest
 from pocketlab.graphs import StepGraphs, key_buckets
@@ -98,3 +99,64 @@ def test_a_retried_capture_takes_a_fresh_pool(make_engine):
 
 def test_key_buckets_double_up_to_the_context():
     assert key_buckets(160) == [128, 160] and key_buckets(1000) == [128, 256, 512, 1000]
+
+
+def graphed(make_engine, preset="tiny-qwen3", **options):
+    """An engine whose graphs are RerunGraphs (on the CPU, where it would have none)."""
+    eng = make_engine(preset, cuda_graphs=False, **options)
+    eng.graphs = RerunGraphs(eng.model, eng.cache, eng.options)
+    return eng
+
+
+def prompts_then_decode(eng, lengths=(5, 40, 20, 50, 60, 70, 250)):
+    """Prompt calls that prompt graphs take or leave (prefill_chunk 32, 256 positions, hybrid checkpoints every 48),
+    then two decode steps of all four slots: (tokens, logits) of every call."""
+    p = [random_prompt(n, seed=70 + n) for n in lengths]
+    results = [eng.prefill(p[0], slot_id=0), eng.prefill(p[0] + p[1][:12], slot_id=0)]
+    assert results[1].reused_tokens == len(p[0])  # 12 tokens from position 5
+    results.append(eng.prefill(p[1], slot_id=1))  # 40 tokens: 32, then 8 from position 32
+    # four ragged rows: the 32 bucket twice in one batch bucket (four rows, then three), the last row's tail alone
+    requests = [BatchedRequest(i, q, slot_id=i) for i, q in enumerate(p[2:6])]
+    results += eng.batch_prefill(requests).results
+    if len(p) > 6:
+        results.append(eng.prefill(p[6], slot_id=2))  # the last piece's bucket reaches the context's end exactly
+        results.append(eng.prefill(p[6] + [1, 2, 3], slot_id=2))  # 3 tokens at 250: past it, so eager
+        requests[2].generated_tokens = [results[-1].next_token]
+    tokens, logits = [r.next_token for r in results], [r.logits for r in results]
+    for _ in range(2):
+        step = eng.batch_decode_step(requests)
+        tokens, logits = tokens + step.next_tokens, logits + list(step.logits)
+    return tokens, torch.stack(logits)
+
+
+PROMPT_GRAPHS = dict(max_slots=4, max_seq_len=256, prefill_chunk=32, checkpoint_stride=48, prefill_graph_tokens=128)
+EAGER_PROMPTS = PROMPT_GRAPHS | dict(prefill_graph_tokens=0)
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen3_5", "tiny-qwen3_5_moe"])
+@pytest.mark.parametrize("cuda", [False, True], ids=["rerun", "cuda"])
+def test_graphed_prompts_equal_eager(make_engine, preset, cuda):
+    """Prompt forwards of at most 128 padded tokens (rows x token bucket) replay graphs, rows padded to the bucket and
+    masked by their lengths: single prompts, a resumed one, ragged batches whose pieces reuse one graph, pieces up
+    to the context's end. A piece whose bucket would pass the end, or (hybrid) that hands back checkpoints, runs
+    eagerly. Every call's logits and the decode steps after them match prompts run eagerly. `cuda`: real captures
+    (POCKETLAB_DEVICE=cuda), every one of which must succeed."""
+    if cuda and DEVICE != "cuda":
+        pytest.skip("real CUDA graphs: POCKETLAB_DEVICE=cuda")
+    make = functools.partial(make_engine, preset) if cuda else functools.partial(graphed, make_engine, preset)
+    want = prompts_then_decode(make(**EAGER_PROMPTS))
+    eng = make(**PROMPT_GRAPHS)
+    got = prompts_then_decode(eng)
+    prompt_keys = {k[1:] for k in eng.graphs.graphs if k[0] == "prefill"}
+    assert prompt_keys == {(1, 16, 128), (1, 32, 128), (4, 32, 128), (1, 32, 256)} and not eng.graphs.failed
+    assert got[0] == want[0]
+    torch.testing.assert_close(got[1], want[1], atol=LOGIT_TOL, rtol=0)
+
+
+def test_graphed_prompts_in_batch_invariant_mode_are_bitwise_eager(make_engine):
+    """The batch-invariant kernels compute each row as alone whatever its padding: a prompt graph's logits are the
+    eager prompt's, bit for bit."""
+    lengths, invariant = (5, 40, 20, 9, 30, 33), dict(batch_invariant=True)
+    want = prompts_then_decode(graphed(make_engine, "tiny-qwen3_5", **EAGER_PROMPTS | invariant), lengths)
+    got = prompts_then_decode(graphed(make_engine, "tiny-qwen3_5", **PROMPT_GRAPHS | invariant), lengths)
+    assert got[0] == want[0] and torch.equal(got[1], want[1])

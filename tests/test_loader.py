@@ -78,6 +78,6 @@ def test_options_are_checked():
     with pytest.raises(ValueError, match="dtype"):
         EngineOptions(dtype="int8")
     for bad in (-1, 1.5):
-        for name in ("moe_gemv_tokens", "linear_in_place_tokens"):
+        for name in ("moe_gemv_tokens", "linear_in_place_tokens", "prefill_graph_tokens"):
             with pytest.raises(ValueError, match=name):
                 EngineOptions(**{name: bad})

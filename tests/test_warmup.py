@@ -10,17 +10,11 @@ import sys
 import pytest
 import torch
 from conftest import random_prompt
-from test_graphs import RerunGraphs
+from test_graphs import graphed
 
 from pocketlab import BatchedRequest, SamplingParams, kernel_cache
 from pocketlab.graphs import key_buckets
 from pocketlab.warmup import graph_steps, prompt_shapes
-
-
-def graphed(make_engine, preset="tiny-qwen3", **options):
-    eng = make_engine(preset, cuda_graphs=False, **options)
-    eng.graphs = RerunGraphs(eng.model, eng.cache, eng.options)
-    return eng
 
 
 def serve(eng, prompts, new_tokens):
@@ -44,6 +38,24 @@ def test_after_warmup_no_call_captures_and_outputs_equal_a_fresh_engine(make_eng
     assert {(k[1], k[3]) for k in eng.graphs.graphs if k[0] == "decode"} == buckets
     assert report.graphs == len(buckets) and report.failed == 0 and report.prompts == len(prompt_shapes(eng))
     assert eng.forward_count == 0 and not eng.prefix.entries and eng.free_slots() == [0, 1, 2, 3]
+    captures = eng.graphs.captures
+    assert serve(eng, PROMPTS, NEW) == want
+    assert eng.graphs.captures == captures, "a call captured a graph after warm-up"
+
+
+def test_warmup_captures_every_prompt_graph(make_engine):
+    """With prefill_graph_tokens=64, a prompt graph per batch bucket, token bucket (rows x tokens <= 64) and key
+    bucket; generate() replays them (an engine without warm-up captures some as it goes) and captures nothing."""
+    options = dict(max_slots=4, prefill_graph_tokens=64)
+    fresh = graphed(make_engine, **options)
+    want = serve(fresh, PROMPTS, NEW)
+    eng = graphed(make_engine, **options)
+    report = eng.warmup(progress=False)
+    shapes = [(1, 16), (1, 32), (1, 64), (2, 16), (2, 32), (4, 16)]
+    prompt_keys = {("prefill", b, T, kv) for b, T in shapes for kv in key_buckets(256)}
+    assert {k for k in eng.graphs.graphs if k[0] == "prefill"} == prompt_keys
+    assert report.graphs == len(graph_steps(eng)) == len(prompt_keys) + 3 * len(key_buckets(256))
+    assert {k for k in fresh.graphs.graphs if k[0] == "prefill"}, "generate() replayed no prompt graph"
     captures = eng.graphs.captures
     assert serve(eng, PROMPTS, NEW) == want
     assert eng.graphs.captures == captures, "a call captured a graph after warm-up"
