@@ -257,6 +257,15 @@
 # and the CUDA tests with the option on (tests/test_linear_decode.py tests/test_gated_delta.py); then the twenty-second
 # session's list (35B-A3B bench with the static peer, the bench at 0.6B, 0.8B and 9B with the static peer, the
 # invariant step, STEPS=tp on two GPUs).
+# Twenty-fourth session (2026-12-04): no device lent. Built: EngineOptions.prefill_graph_tokens (prompt forwards
+# replay graphs; default 0). Owed first, one call: its real captures and the in-place option's tests, then both
+# options alternated in one process per model at 128 and 512 tokens (each variant its own engine):
+#   STEPS="tests ab" TESTS="tests/test_graphs.py tests/test_warmup.py tests/test_linear_decode.py
+#     tests/test_gated_delta.py" TESTS_CAP_S=150 AB_MODELS="qwen3-0.6b qwen3.5-0.8b qwen3-8b qwen3.5-9b"
+#     AB_VARIANTS=";prefill_graph_tokens=512;linear_in_place_tokens=512;prefill_graph_tokens=512,
+#     linear_in_place_tokens=512" AB_ARGS="--prefill 128 --rounds 4 --steps 5 --warm 2" AB_FILE=prompt-graphs-128
+#     AB_CAP_S=90 BUDGET_S=560, then the ab step alone with --prefill 512 (AB_FILE=prompt-graphs-512, OUT=$OUT/b)
+# then the in-place A/B at 4,096 tokens and the lists above; choose both defaults from what these say.
 # MoE at real shapes (issue 17), one H200, one call each (the engine runs on the HF peer's own tensors, so the weights
 # are on the GPU once: peak ~86 GiB at 30B-A3B, ~81 GiB at 35B-A3B, most of it the weights and, at 30B, 24 GiB of K/V
 # for 64 slots x 4,097 positions; the JSON's "memory" has the measured peak). Engine warm-up, latency and serving
