@@ -82,3 +82,11 @@ def test_nothing_fits(checkpoint, monkeypatch):
 def test_bad_memory_options(bad):
     with pytest.raises(ValueError):
         EngineOptions(**bad)
+
+
+def test_prompt_graphs_are_planned(checkpoint):
+    """On CUDA the graph pool also keeps the forward of the largest prompt graph and every prompt graph's output."""
+    cfg = ModelConfig.from_pretrained(checkpoint("tiny-qwen3"))
+    options = dict(OPTS, device="cuda")
+    pool = [memory.plan(cfg, EngineOptions(**options, prefill_graph_tokens=n), free=1 << 40).graphs for n in (0, 8, 64)]
+    assert pool[0] == pool[1] < pool[2]  # below the smallest token bucket (16) there is no prompt graph
