@@ -2,41 +2,14 @@
 fail to capture), so static buffers, padding, buckets and the eager fallback run for real without a GPU."""
 
 import functools
-from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import DEVICE, LOGIT_TOL, random_prompt
 
 from pocketlab import BatchedRequest
-from pocketlab.graphs import StepGraphs, key_buckets
-
-
-def _copy_into(dst, src):
-    """Write what a re-run returned into the objects the capture returned (tensors in place, recursively)."""
-    if src is None or isinstance(dst, (int, float, str)):
-        return
-    if isinstance(dst, torch.Tensor):
-        dst.copy_(src)
-    elif isinstance(dst, (list, tuple)):
-        for a, b in zip(dst, src, strict=True):
-            _copy_into(a, b)
-    elif isinstance(dst, dict):
-        for key in dst:
-            _copy_into(dst[key], src[key])
-    elif hasattr(dst, "__dict__"):
-        for key, value in vars(dst).items():
-            _copy_into(value, getattr(src, key, None))
-
-
-class RerunGraphs(StepGraphs):
-    """StepGraphs whose 'graph' re-runs the captured function and writes its results into the outputs of the
-    capture. Everything around the CUDA graph runs for real on the CPU: static input buffers, padding of
-    shorter runs, bucket choice, the rollback graph restoring every row (the GPU run checks the capture)."""
-
-    def record(self, fn):
-        out = fn()  # the warm-up run; a real capture records without running
-        return SimpleNamespace(replay=lambda: _copy_into(out, fn())), out
+from pocketlab.graphs import key_buckets
+from pocketlab.verify.graph_doubles import RerunGraphs, rerun_graphs
 
 
 class FailingGraphs(RerunGraphs):
@@ -103,9 +76,7 @@ def test_key_buckets_double_up_to_the_context():
 
 def graphed(make_engine, preset="tiny-qwen3", **options):
     """An engine whose graphs are RerunGraphs (on the CPU, where it would have none)."""
-    eng = make_engine(preset, cuda_graphs=False, **options)
-    eng.graphs = RerunGraphs(eng.model, eng.cache, eng.options)
-    return eng
+    return rerun_graphs(make_engine(preset, cuda_graphs=False, **options))
 
 
 def prompts_then_decode(eng, lengths=(5, 40, 20, 50, 60, 70, 250)):

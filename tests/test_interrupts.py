@@ -7,11 +7,11 @@ and redoing the call gives the uninterrupted call's result."""
 import pytest
 import torch
 from conftest import random_prompt
-from test_graphs import RerunGraphs
 
 from pocketlab import BatchedRequest, SamplingParams, Snapshot
 from pocketlab.verify import fuzz
 from pocketlab.verify.faults import Faults, InjectedError, InjectedInterrupt, prefix_cache_problems
+from pocketlab.verify.graph_doubles import rerun_graphs
 
 P0 = random_prompt(20, seed=1)
 P1 = P0[:12] + random_prompt(5, seed=2)  # shares 12 tokens with slot 0: reused from it
@@ -125,10 +125,9 @@ def test_interrupt_at_every_step(engine, op, tmp_path):
 
 
 def test_interrupted_graph_capture_leaves_no_graph_and_decodes_after(make_engine):
-    """CUDA graph capture, on the CPU through test_graphs.RerunGraphs: an interrupt inside a capture leaves no
+    """CUDA graph capture, on the CPU through RerunGraphs: an interrupt inside a capture leaves no
     half-captured graph, resets the slots of the call, and the next call captures and replays exactly."""
-    eng = make_engine("tiny-qwen3", max_slots=2, max_seq_len=64)
-    eng.graphs = RerunGraphs(eng.model, eng.cache, eng.options)
+    eng = rerun_graphs(make_engine("tiny-qwen3", max_slots=2, max_seq_len=64))
     ref = make_engine("tiny-qwen3", max_slots=2, max_seq_len=64)
     for e in (eng, ref):
         e.prefill(P0, slot_id=0)

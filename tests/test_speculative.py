@@ -5,12 +5,13 @@ state equals plain decoding's, and sampled tokens follow plain sampling's law (c
 import pytest
 import torch
 from conftest import DEVICE, DTYPE, KERNELS, random_prompt
-from test_graphs import FailingGraphs, RerunGraphs
+from test_graphs import FailingGraphs
 
 from pocketlab import BatchedRequest, EngineOptions, QwenEngine, SamplingParams
 from pocketlab.speculative import Drafter, Drafts
 from pocketlab.verify import mtp_runs, mtp_sampling
 from pocketlab.verify.drafters import AdversarialDrafter, OracleDrafter
+from pocketlab.verify.graph_doubles import rerun_graphs
 
 PRESET = "tiny-qwen3_5-mtp"
 PROMPTS = [random_prompt(5, seed=31), random_prompt(9, seed=32), random_prompt(14, seed=33)]
@@ -112,8 +113,7 @@ class Ragged(Drafter):
 def test_graphed_verify_step_equals_plain(path, reference, name, k):
     """The verify step as replayed from a graph (padded runs, every row rolled back by a second graph) keeps
     greedy output token-identical to plain decoding, and slot states equal to plain decoding's."""
-    eng = engine(path, k, cuda_graphs=False)
-    eng.graphs = RerunGraphs(eng.model, eng.cache, eng.options)
+    eng = rerun_graphs(engine(path, k, cuda_graphs=False))
     if name == "ragged":
         eng.speculator.use(Ragged(reference))
     elif name != "mtp":
@@ -130,10 +130,10 @@ def test_graphed_mtp_drafts_equal_eager_drafts(path):
     """The MTP draft replayed from a graph (queued rows, recursive rows and argmaxes on the device) proposes the
     eager loop's tokens from the same logits, step by step, batched and interleaved."""
     traces = []
-    for graphs in (None, RerunGraphs):
+    for with_graphs in (False, True):
         eng = engine(path, 3, cuda_graphs=False)
-        if graphs is not None:
-            eng.graphs = graphs(eng.model, eng.cache, eng.options)
+        if with_graphs:
+            rerun_graphs(eng)
         eng.speculator.drafter.trace = []
         mtp_runs.interleaved(eng, PROMPTS, 16)
         traces.append(eng.speculator.drafter.trace)

@@ -1,7 +1,7 @@
 """Warm-up: after engine.warmup() no call captures a graph, and the engine computes exactly as a fresh one.
 
-Graph capture runs on the CPU through test_graphs.RerunGraphs (the GPU run checks real captures and the compile
-counters of inductor and Triton)."""
+Graph capture runs on the CPU through pocketlab.verify.graph_doubles.RerunGraphs (the GPU run checks real captures and
+the compile counters of inductor and Triton)."""
 
 import os
 import subprocess

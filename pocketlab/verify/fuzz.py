@@ -6,8 +6,10 @@ recurrent) equals a fresh solo replay of that history in a reference engine (one
 float32 tolerance), so its next-token logits do too; every logits a call returns equal the replay's, and every
 greedy token is the replay's argmax. A call the model says is invalid must raise ValueError or IndexError and
 change nothing, bitwise. A call interrupted by an injected fault (`faults.Faults`) must leave its slots cleanly
-reset and every other slot bitwise as it was. Hypothesis shrinks a failing schedule to a minimal list of calls
-and keeps it in its example database (.hypothesis/), so the next run tries it first.
+reset and every other slot bitwise as it was. Two configs replay decode steps and short prompts from (re-run) CUDA
+graphs: padded to their buckets, the replays must match the solo eager replays too. Hypothesis shrinks a failing
+schedule to a minimal list of calls and keeps it in its example database (.hypothesis/), so the next run tries it
+first.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from ..sampling import SamplingParams
 from ..tools.synthetic import ensure_checkpoint
 from .common import checkpoint_root, tolerance
 from .faults import Faults, InjectedInterrupt, prefix_cache_problems
+from .graph_doubles import rerun_graphs
 
 TOL = tolerance("float32").atol
 VOCAB, MAX_SLOTS, MAX_SEQ = 512, 3, 40
@@ -54,7 +57,10 @@ CONFIGS = {
     "hybrid + MTP drafts, no prefix cache": ("tiny-qwen3_5-mtp", dict(speculative_tokens=2, prefix_cache=False)),
     "MoE": ("tiny-qwen3_moe", {}),
     "hybrid MoE + MTP drafts": ("tiny-qwen3_5_moe-mtp", dict(speculative_tokens=2)),
+    "dense, graphed prompts and decode": ("tiny-qwen3", dict(prefill_graph_tokens=48)),
+    "hybrid, graphed prompts and decode": ("tiny-qwen3_5", dict(prefill_graph_tokens=48)),
 }
+GRAPHED = {name for name in CONFIGS if "graphed" in name}  # CUDA graphs stood in for by graph_doubles.RerunGraphs
 if os.environ.get("TRITON_INTERPRET") == "1":  # the in-place Triton kernels run on the CPU in Triton's interpreter
     CONFIGS["hybrid, in-place kernels"] = ("tiny-qwen3_5", dict(linear_decode="triton", linear_in_place_tokens=8))
 # prompts share prefixes of a few base sequences, so the prefix cache has something to find
@@ -96,7 +102,7 @@ def engines(config: str) -> tuple[QwenEngine, Oracle]:
         eng = QwenEngine.from_pretrained(
             ensure_checkpoint(preset, checkpoint_root()), EngineOptions(**(OPTIONS | extra))
         )
-        _POOL[config] = eng, Oracle(preset)
+        _POOL[config] = rerun_graphs(eng) if config in GRAPHED else eng, Oracle(preset)
     return _POOL[config]
 
 
