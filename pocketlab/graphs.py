@@ -10,6 +10,7 @@ Filler rows run on the scratch slot.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -142,6 +143,15 @@ class StepGraphs:
     def _prefill(self, ctx: ForwardContext) -> torch.Tensor:
         hidden = self.model.forward(ctx, self.cache)
         return hidden[torch.arange(hidden.shape[0], device=hidden.device), ctx.lengths - 1]
+
+    @contextlib.contextmanager
+    def prompts_eager(self):
+        """Every prompt forward inside runs eagerly (warm-up compiles the kernels of pieces no graph takes)."""
+        tokens, self.prefill_tokens = self.prefill_tokens, 0
+        try:
+            yield
+        finally:
+            self.prefill_tokens = tokens
 
     def prefill_keys(self) -> list[tuple]:
         """Every key a prompt forward can replay: warm-up captures them all."""

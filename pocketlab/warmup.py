@@ -11,6 +11,7 @@ was left over.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -81,10 +82,12 @@ def warm_up(engine: QwenEngine, progress: bool = True) -> WarmupReport:
             if captured is not None and after is not None:
                 after(captured.outputs)
             bar.update()
-        for lengths in calls:
-            bar.set_postfix_str(f"prompts {lengths}")
-            _run_prompts(engine, lengths)
-            bar.update()
+        # eagerly even where prompt graphs would take them: a piece no graph takes runs these kernels
+        with engine.graphs.prompts_eager() if engine.graphs is not None else contextlib.nullcontext():
+            for lengths in calls:
+                bar.set_postfix_str(f"prompts {lengths}")
+                _run_prompts(engine, lengths)
+                bar.update()
     engine.forward_count = forwards
     if engine.speculator is not None:
         engine.speculator.stats = type(engine.speculator.stats)()
