@@ -11,9 +11,21 @@ from pocketlab.verify import fuzz
 
 SCHEDULES = int(os.environ.get("POCKETLAB_FUZZ_SCHEDULES", 0))
 
-TestSchedules = fuzz.EngineMachine.TestCase
-TestSchedules.settings = fuzz.fuzz_settings(SCHEDULES or 100, derandomize=not SCHEDULES)
+if SCHEDULES:  # make fuzz: every config drawn at random
+    TestSchedules = fuzz.EngineMachine.TestCase
+    TestSchedules.settings = fuzz.fuzz_settings(SCHEDULES)
+else:  # make test: 100 fixed schedules, and 4 of each interpreted config (a minute or more each)
+    TestSchedules = fuzz.machine_for([c for c in fuzz.CONFIGS if c not in fuzz.INTERPRETED]).TestCase
+    TestSchedules.settings = fuzz.fuzz_settings(100, derandomize=True)
+    if fuzz.INTERPRETED:
+        TestInterpretedSchedules = fuzz.machine_for(fuzz.INTERPRETED).TestCase
+        TestInterpretedSchedules.settings = fuzz.fuzz_settings(4, derandomize=True)
 START = time.time()
+
+
+def setup_module():
+    global START
+    START = time.time()  # not at import: collection comes long before this module's first test
 
 
 def teardown_module():

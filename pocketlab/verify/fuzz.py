@@ -61,8 +61,10 @@ CONFIGS = {
     "hybrid, graphed prompts and decode": ("tiny-qwen3_5", dict(prefill_graph_tokens=48)),
 }
 GRAPHED = {name for name in CONFIGS if "graphed" in name}  # CUDA graphs stood in for by graph_doubles.RerunGraphs
+INTERPRETED: list[str] = []  # configs whose Triton kernels run in Triton's interpreter: far slower schedules
 if os.environ.get("TRITON_INTERPRET") == "1":  # the in-place Triton kernels run on the CPU in Triton's interpreter
     CONFIGS["hybrid, in-place kernels"] = ("tiny-qwen3_5", dict(linear_decode="triton", linear_in_place_tokens=8))
+    INTERPRETED.append("hybrid, in-place kernels")
 # prompts share prefixes of a few base sequences, so the prefix cache has something to find
 BASES = [torch.randint(0, VOCAB, (MAX_SEQ,), generator=torch.Generator().manual_seed(b)).tolist() for b in range(3)]
 STATS: Counter = Counter()  # what the fuzz runs did: schedules, calls, refused, interrupted, checks
@@ -437,6 +439,19 @@ def foreign(config: str) -> QwenEngine:
         path = ensure_checkpoint(preset, checkpoint_root(), seed=1)
         _FOREIGN[config] = QwenEngine.from_pretrained(path, EngineOptions(**(OPTIONS | extra)))
     return _FOREIGN[config]
+
+
+def machine_for(configs: list[str]) -> type[EngineMachine]:
+    """An EngineMachine whose schedules start from one of `configs` only (make test gives the interpreted configs a
+    fixed share of their own: drawn among all, their count follows hypothesis's choices, and each costs minutes)."""
+
+    class Machine(EngineMachine):
+        @initialize(config=st.sampled_from(configs))
+        def start(self, config):
+            super().start(config)
+
+    Machine.__name__ = f"EngineMachine[{', '.join(configs)}]"
+    return Machine
 
 
 def fuzz_settings(schedules: int, steps: int = 24, **kw) -> settings:
