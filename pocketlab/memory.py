@@ -7,9 +7,9 @@ the scratch row; K/V per attention layer, conv window and fp32 recurrent state p
 head's K/V and hidden queue with speculative decoding), the prefix-cache budget (a cap: counted whole), CUDA graph
 pools (each captured step keeps its logits, a prompt graph its rows' hidden states; plus the workspace of the
 largest graphed forward), and the workspace of the largest single forward (one prompt's prefill chunk, or a decode
-step of every slot). batch_prefill of many long prompts at once
-needs more workspace than that: the estimate is for the engine's own steps, not for every call a user may make.
-With tensor_parallel > 1 every figure is one rank's (its shard of the weights and caches), against its device.
+step of every slot). batch_prefill of many long prompts at once needs more workspace than that: the estimate is for
+the engine's own steps, not for every call a user may make. With tensor_parallel > 1 every figure is one rank's (its
+shard of the weights and caches), against its device.
 """
 
 from __future__ import annotations

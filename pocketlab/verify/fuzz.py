@@ -443,7 +443,7 @@ def foreign(config: str) -> QwenEngine:
 
 def machine_for(configs: list[str]) -> type[EngineMachine]:
     """An EngineMachine whose schedules start from one of `configs` only (make test gives the interpreted configs a
-    fixed share of their own: drawn among all, their count follows hypothesis's choices, and each costs minutes)."""
+    fixed share of their own: drawn among all, their count follows hypothesis's choices, at 10-60 s each)."""
 
     class Machine(EngineMachine):
         @initialize(config=st.sampled_from(configs))
