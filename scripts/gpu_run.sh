@@ -268,6 +268,9 @@
 # then the host-bound MoE prefill the same way: AB_MODELS="qwen3-30b-a3b-4-layers qwen3.5-35b-a3b-4-layers"
 #   AB_VARIANTS=";prefill_graph_tokens=2048;checkpoint_stride=2048;prefill_graph_tokens=2048,checkpoint_stride=2048"
 #   AB_ARGS="--prefill 4096 --rounds 3 --steps 3 --warm 2" (a hybrid piece with a checkpoint inside runs eagerly)
+# then the serving trace's time to first token (now in the bench's serving section) with and without prompt graphs:
+#   STEPS=bench MODELS=qwen3-0.6b PEER_MODES="" BENCH_ARGS="--no-peer --skip decode,latency,prefill
+#     --engine-option prefill_graph_tokens=512" (and without the option, OUT=$OUT/b)
 # then the in-place A/B at 4,096 tokens and the lists above; choose both defaults from what these say.
 # MoE at real shapes (issue 17), one H200, one call each (the engine runs on the HF peer's own tensors, so the weights
 # are on the GPU once: peak ~86 GiB at 30B-A3B, ~81 GiB at 35B-A3B, most of it the weights and, at 30B, 24 GiB of K/V

@@ -136,6 +136,8 @@ def test_bench_start_latency_and_serving_sections(result):
     for side in ("pocketlab", "hf"):
         assert "error" not in serving[side], serving[side]
         assert all(positive(serving[side][k]) for k in ("seconds", "output_tokens_per_s", "latency_p50_s"))
+    ours = serving["pocketlab"]  # time to first token: ours streams every token, so it sees the first
+    assert 0 < ours["ttft_p50_s"] <= ours["ttft_p99_s"] and ours["ttft_p50_s"] < ours["latency_p50_s"]
     assert set(bench_tables.tables(result)) >= {"start", "latency", "serving"}
 
 

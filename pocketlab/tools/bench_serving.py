@@ -51,31 +51,32 @@ class Trace:
         }
 
 
-def figures(trace: Trace, finished: dict[int, float], tokens: dict[int, int], seconds: float) -> dict:
-    """Throughput and per-request latency (finish - arrival) of one replay; checks every request ran in full."""
+def figures(trace: Trace, finished: dict, tokens: dict, seconds: float, first: dict | None = None) -> dict:
+    """Throughput and per-request latency (finish - arrival) of one replay, and time to first token (first - arrival)
+    where the replay saw first tokens; checks every request ran in full."""
     short = {i: tokens.get(i, 0) for i, n in enumerate(trace.new_tokens) if tokens.get(i, 0) != n}
     if short:
         raise RuntimeError(f"{len(short)} request(s) did not produce their new tokens, e.g. {list(short.items())[:3]}")
-    latency = [finished[i] - a for i, a in enumerate(trace.arrivals)]
-    return {
-        "seconds": seconds,
-        "output_tokens_per_s": sum(trace.new_tokens) / seconds,
-        "latency_p50_s": float(np.median(latency)),
-        "latency_p99_s": float(np.quantile(latency, 0.99)),
-    }
+    out = {"seconds": seconds, "output_tokens_per_s": sum(trace.new_tokens) / seconds}
+    for name, at in (("latency", finished), ("ttft", first)):
+        if at is not None:
+            waited = [at[i] - a for i, a in enumerate(trace.arrivals)]
+            out |= {f"{name}_p50_s": float(np.median(waited)), f"{name}_p99_s": float(np.quantile(waited, 0.99))}
+    return out
 
 
 def serve_pocketlab(engine, trace: Trace) -> dict:
     """The trace through generate()'s loop (stream_tokens, so each request's finish time is seen)."""
     sampling = [SamplingParams(max_new_tokens=n) for n in trace.new_tokens]
-    finished, tokens = {}, {}
+    finished, tokens, first = {}, {}, {}
     before = engine.compile_events()
     start = time.perf_counter()
     for step in stream_tokens(engine, trace.prompts, sampling, arrivals=trace.arrivals):
         tokens[step.index] = tokens.get(step.index, 0) + len(step.tokens)
+        first.setdefault(step.index, time.perf_counter() - start)
         if step.finished:
             finished[step.index] = time.perf_counter() - start
-    out = figures(trace, finished, tokens, time.perf_counter() - start)
+    out = figures(trace, finished, tokens, time.perf_counter() - start, first)
     return out | {"events": compile_events.since(before, engine.graphs)}
 
 
