@@ -369,14 +369,16 @@ class QwenEngine:
     @torch.inference_mode()
     def _prompt_forward(self, runs: list[Run], checkpoints: Sequence[tuple[int, int]]):
         """(final-normed hidden states at each run's last token [B, hidden], the forward's context or None): a
-        graph's replay where the options allow one (prefill_graph_tokens; no checkpoints to hand back, no drafter
-        to show every row), else the eager forward."""
-        if self.graphs is not None and not checkpoints and self.speculator is None:
-            last = self.graphs.prefill(runs)
-            if last is not None:
-                self.forward_count += 1
-                return last, None
-        hidden, ctx = self._forward(runs, checkpoints)
+        graph's replay where the options allow one (prefill_graph_tokens; no checkpoints to hand back), else the
+        eager forward. A drafter sees every row either way."""
+        hidden = self.graphs.prefill(runs) if self.graphs is not None and not checkpoints else None
+        ctx = None
+        if hidden is not None:
+            self.forward_count += 1
+        else:
+            hidden, ctx = self._forward(runs, checkpoints)
+        if self.speculator is not None:  # the MTP head writes its rows for these positions
+            self.speculator.observe(runs, hidden)
         return torch.stack([hidden[i, len(run.tokens) - 1] for i, run in enumerate(runs)]), ctx
 
     @torch.inference_mode()
@@ -389,6 +391,4 @@ class QwenEngine:
         ctx = ForwardContext.build(runs, self.cache.scratch, self.options.device, checkpoints=checkpoints)
         with compiled_kernels(self.options.compile and not self.options.batch_invariant, min_elements=LARGE):
             hidden = self.model.forward(ctx, self.cache)
-        if self.speculator is not None:  # the MTP head writes its rows for these positions (prefill)
-            self.speculator.observe(runs, hidden)
         return hidden, ctx

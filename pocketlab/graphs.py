@@ -111,6 +111,10 @@ class StepGraphs:
         sizes = sorted({b for b in options.graph_batch_sizes if b < options.max_slots} | {options.max_slots})
         self.batch_sizes, self.key_sizes = sizes, key_buckets(options.max_seq_len)
         self.prefill_tokens = options.prefill_graph_tokens  # prompt forwards of at most this many padded tokens
+        # every prompt graph writes its hidden states into the first rows x bucket rows of this one buffer
+        shape, dtype = (self.prefill_tokens, model.cfg.hidden_size), options.torch_dtype
+        graphed = token_buckets(self.prefill_tokens)
+        self.prompt_hidden = torch.empty(shape, dtype=dtype, device=options.device) if graphed else None
         # compiled elementwise chains round differently from the eager ones prompts run: not batch invariant
         self.device, self.compile = options.device, options.compile and not options.batch_invariant
         self.graphs: dict[tuple, Captured] = {}
@@ -129,20 +133,20 @@ class StepGraphs:
         return self.model.logits(self.model.forward(ctx, self.cache)[:, 0])
 
     def prefill(self, runs: list[Run]) -> torch.Tensor | None:
-        """[B, hidden] final-normed hidden states at each run's last token, from a graph whose rows run the token
-        bucket of the longest run (shorter runs masked by their lengths). None where this forward is not graphed
-        (rows x bucket over prefill_tokens, a bucket past the context's end, or a capture that failed): the
-        caller runs it eagerly."""
+        """[B, T, hidden] final-normed hidden states of the runs' tokens from a graph whose rows run T, the token
+        bucket of the longest run (shorter runs masked by their lengths): a view of `prompt_hidden`, which the next
+        replay overwrites. None where this forward is not graphed (rows x bucket over prefill_tokens, a bucket past
+        the context's end, or a capture that failed): the caller runs it eagerly."""
         T = bucket(token_buckets(self.prefill_tokens), max(len(run.tokens) for run in runs))
         b = bucket(self.batch_sizes, len(runs))
         if T is None or b * T > self.prefill_tokens or max(run.start for run in runs) + T > self.key_sizes[-1]:
             return None
         out = self.replay("prefill", self._prefill, runs, real_lengths=True, tokens=T)
-        return None if out is None else out[: len(runs)].clone()  # the next replay overwrites it
+        return None if out is None else out[: len(runs)]
 
     def _prefill(self, ctx: ForwardContext) -> torch.Tensor:
-        hidden = self.model.forward(ctx, self.cache)
-        return hidden[torch.arange(hidden.shape[0], device=hidden.device), ctx.lengths - 1]
+        b, T = ctx.tokens.shape
+        return self.prompt_hidden[: b * T].view(b, T, -1).copy_(self.model.forward(ctx, self.cache))
 
     @contextlib.contextmanager
     def prompts_eager(self):

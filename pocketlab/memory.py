@@ -5,7 +5,7 @@ fit, and `max_slots="auto"` takes as many slots as `memory_fraction` of the free
 What is counted: weights (every tensor the loader keeps, in the engine's dtype), the slot caches (max_slots + 1 rows:
 the scratch row; K/V per attention layer, conv window and fp32 recurrent state per Gated DeltaNet layer, the MTP
 head's K/V and hidden queue with speculative decoding), the prefix-cache budget (a cap: counted whole), CUDA graph
-pools (each captured step keeps its logits, a prompt graph its rows' hidden states; plus the workspace of the
+pools (each captured step keeps its logits, prompt graphs one buffer of hidden states; plus the workspace of the
 largest graphed forward), and the workspace of the largest single forward (one prompt's prefill chunk, or a decode
 step of every slot). batch_prefill of many long prompts at once needs more workspace than that: the estimate is for
 the engine's own steps, not for every call a user may make. With tensor_parallel > 1 every figure is one rank's (its
@@ -107,7 +107,7 @@ def plan(cfg: ModelConfig, options: EngineOptions, free: int, weights_resident: 
         sizes = sorted({b for b in o.graph_batch_sizes if b < o.max_slots} | {o.max_slots})
         outputs = sum(sizes) * len(key_buckets(o.max_seq_len)) * (1 + o.speculative_tokens) * vocab * 4
         prompts = [(b, T) for b in sizes for T in token_buckets(o.prefill_graph_tokens // b)]  # prompt graphs
-        outputs += sum(b for b, _ in prompts) * len(key_buckets(o.max_seq_len)) * cfg.hidden_size * elem
+        outputs += (o.prefill_graph_tokens * cfg.hidden_size * elem) if prompts else 0  # their one output buffer
         tokens = max([rows] + [b * T for b, T in prompts])  # the largest graphed forward
         graphs = outputs + _forward_bytes(cfg, tokens, o.max_seq_len, elem)
     prefix = o.prefix_cache_bytes if o.prefix_cache else 0

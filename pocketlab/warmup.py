@@ -43,9 +43,7 @@ def graph_steps(engine: QwenEngine) -> list[tuple]:
     if engine.speculator is not None:
         steps += engine.speculator.graph_steps()
     keys = [(key, step, after) for name, T, beyond, step, after in steps for key in engine.graphs.keys(name, T, beyond)]
-    if engine.speculator is None:  # prompts feeding a drafter run eagerly
-        keys += [(key, engine.graphs._prefill, None) for key in engine.graphs.prefill_keys()]
-    return keys
+    return keys + [(key, engine.graphs._prefill, None) for key in engine.graphs.prefill_keys()]
 
 
 def prompt_shapes(engine: QwenEngine) -> list[list[int]]:

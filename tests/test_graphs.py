@@ -131,3 +131,20 @@ def test_graphed_prompts_in_batch_invariant_mode_are_bitwise_eager(make_engine):
     want = prompts_then_decode(graphed(make_engine, "tiny-qwen3_5", **EAGER_PROMPTS | invariant), lengths)
     got = prompts_then_decode(graphed(make_engine, "tiny-qwen3_5", **PROMPT_GRAPHS | invariant), lengths)
     assert got[0] == want[0] and torch.equal(got[1], want[1])
+
+
+def test_graphed_prompts_feed_the_drafter_as_eager_prompts_do(make_engine):
+    """With MTP drafts the drafter sees every row of a graphed prompt forward, padding cut off, as of an eager one:
+    its drafts after those prompts (tokens and logits, draft by draft) are the eager engine's. (Greedy output
+    would hide a wrong draft: verification keeps it exact.)"""
+    traces = []
+    for options in (EAGER_PROMPTS, PROMPT_GRAPHS):
+        eng = graphed(make_engine, "tiny-qwen3_5-mtp", speculative_tokens=2, **options)
+        eng.speculator.drafter.trace = []
+        prompts_then_decode(eng, lengths=(5, 40, 20, 9, 30, 33))
+        traces.append(eng.speculator.drafter.trace)
+    assert any(key[0] == "prefill" for key in eng.graphs.graphs)
+    eager, replayed = ([(t["draft"], t["slots"], t["positions"], t["tokens"]) for t in trace] for trace in traces)
+    assert replayed == eager and eager
+    for g, e in zip(*traces, strict=True):
+        torch.testing.assert_close(g["logits"], e["logits"], atol=1e-5, rtol=1e-5)

@@ -6,10 +6,10 @@ recurrent) equals a fresh solo replay of that history in a reference engine (one
 float32 tolerance), so its next-token logits do too; every logits a call returns equal the replay's, and every
 greedy token is the replay's argmax. A call the model says is invalid must raise ValueError or IndexError and
 change nothing, bitwise. A call interrupted by an injected fault (`faults.Faults`) must leave its slots cleanly
-reset and every other slot bitwise as it was. Two configs replay decode steps and short prompts from (re-run) CUDA
-graphs: padded to their buckets, the replays must match the solo eager replays too. Hypothesis shrinks a failing
-schedule to a minimal list of calls and keeps it in its example database (.hypothesis/), so the next run tries it
-first.
+reset and every other slot bitwise as it was. Three configs replay decode (or verify and draft) steps and short
+prompts from (re-run) CUDA graphs: padded to their buckets, the replays must match the solo eager replays too.
+Hypothesis shrinks a failing schedule to a minimal list of calls and keeps it in its example database
+(.hypothesis/), so the next run tries it first.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ CONFIGS = {
     "hybrid MoE + MTP drafts": ("tiny-qwen3_5_moe-mtp", dict(speculative_tokens=2)),
     "dense, graphed prompts and decode": ("tiny-qwen3", dict(prefill_graph_tokens=48)),
     "hybrid, graphed prompts and decode": ("tiny-qwen3_5", dict(prefill_graph_tokens=48)),
+    "hybrid + MTP drafts, graphed": ("tiny-qwen3_5-mtp", dict(speculative_tokens=2, prefill_graph_tokens=48)),
 }
 GRAPHED = {name for name in CONFIGS if "graphed" in name}  # CUDA graphs stood in for by graph_doubles.RerunGraphs
 INTERPRETED: list[str] = []  # configs whose Triton kernels run in Triton's interpreter: far slower schedules
