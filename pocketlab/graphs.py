@@ -32,6 +32,16 @@ def token_buckets(max_tokens: int) -> list[int]:
     return sizes
 
 
+def batch_buckets(options) -> list[int]:
+    """Rows of the graphs: graph_batch_sizes below max_slots, and max_slots."""
+    return sorted({b for b in options.graph_batch_sizes if b < options.max_slots} | {options.max_slots})
+
+
+def prompt_shapes(batch_sizes: list[int], max_tokens: int) -> list[tuple[int, int]]:
+    """(rows, token bucket) of every prompt graph: rows x bucket at most max_tokens (prefill_graph_tokens)."""
+    return [(b, T) for b in batch_sizes for T in token_buckets(max_tokens // b)]
+
+
 def bucket(sizes: list[int], n: int) -> int | None:
     """The smallest of the ascending `sizes` that holds n (None: none does)."""
     i = bisect.bisect_left(sizes, n)
@@ -108,8 +118,7 @@ class Captured(NamedTuple):
 class StepGraphs:
     def __init__(self, model, cache, options):
         self.model, self.cache = model, cache
-        sizes = sorted({b for b in options.graph_batch_sizes if b < options.max_slots} | {options.max_slots})
-        self.batch_sizes, self.key_sizes = sizes, key_buckets(options.max_seq_len)
+        self.batch_sizes, self.key_sizes = batch_buckets(options), key_buckets(options.max_seq_len)
         self.prefill_tokens = options.prefill_graph_tokens  # prompt forwards of at most this many padded tokens
         # every prompt graph writes its hidden states into the first rows x bucket rows of this one buffer
         shape, dtype = (self.prefill_tokens, model.cfg.hidden_size), options.torch_dtype
@@ -159,13 +168,8 @@ class StepGraphs:
 
     def prefill_keys(self) -> list[tuple]:
         """Every key a prompt forward can replay: warm-up captures them all."""
-        return [
-            ("prefill", b, T, kv)
-            for b in self.batch_sizes
-            for T in token_buckets(self.prefill_tokens // b)
-            for kv in self.key_sizes
-            if kv >= T
-        ]
+        shapes = prompt_shapes(self.batch_sizes, self.prefill_tokens)
+        return [("prefill", b, T, kv) for b, T in shapes for kv in self.key_sizes if kv >= T]
 
     def replay(self, name: str, step, runs: list[Run], real_lengths: bool = False, beyond: int = 0, tokens: int = 0):
         """step(ctx)'s outputs (static tensors, rows past len(runs) are filler) for `runs`. Every row runs T = the

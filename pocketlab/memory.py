@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import DTYPES, MAX_SPECULATIVE_TOKENS, EngineOptions, ModelConfig
-from .graphs import key_buckets, token_buckets
+from .graphs import batch_buckets, key_buckets, prompt_shapes
 from .loader import expected_shapes
 from .parallel.shard import Shard
 
@@ -104,9 +104,9 @@ def plan(cfg: ModelConfig, options: EngineOptions, free: int, weights_resident: 
     workspace += rows * vocab * 4  # float32 logits
     graphs = 0
     if o.cuda_graphs and torch.device(o.device).type == "cuda":
-        sizes = sorted({b for b in o.graph_batch_sizes if b < o.max_slots} | {o.max_slots})
+        sizes = batch_buckets(o)
         outputs = sum(sizes) * len(key_buckets(o.max_seq_len)) * (1 + o.speculative_tokens) * vocab * 4
-        prompts = [(b, T) for b in sizes for T in token_buckets(o.prefill_graph_tokens // b)]  # prompt graphs
+        prompts = prompt_shapes(sizes, o.prefill_graph_tokens)
         outputs += (o.prefill_graph_tokens * cfg.hidden_size * elem) if prompts else 0  # their one output buffer
         tokens = max([rows] + [b * T for b, T in prompts])  # the largest graphed forward
         graphs = outputs + _forward_bytes(cfg, tokens, o.max_seq_len, elem)

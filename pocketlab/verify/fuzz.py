@@ -61,7 +61,8 @@ CONFIGS = {
     "hybrid, graphed prompts and decode": ("tiny-qwen3_5", dict(prefill_graph_tokens=48)),
     "hybrid + MTP drafts, graphed": ("tiny-qwen3_5-mtp", dict(speculative_tokens=2, prefill_graph_tokens=48)),
 }
-GRAPHED = {name for name in CONFIGS if "graphed" in name}  # CUDA graphs stood in for by graph_doubles.RerunGraphs
+# engines with prompt graphs: their CUDA graphs are graph_doubles.RerunGraphs
+GRAPHED = {name for name, (_, extra) in CONFIGS.items() if extra.get("prefill_graph_tokens")}
 INTERPRETED: list[str] = []  # configs whose Triton kernels run in Triton's interpreter: far slower schedules
 if os.environ.get("TRITON_INTERPRET") == "1":  # the in-place Triton kernels run on the CPU in Triton's interpreter
     CONFIGS["hybrid, in-place kernels"] = ("tiny-qwen3_5", dict(linear_decode="triton", linear_in_place_tokens=8))
