@@ -31,6 +31,7 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--temperature", type=float, default=None, help="default: the checkpoint's; 0 = greedy")
         p.add_argument("--top-p", type=float, default=None)
         p.add_argument("--top-k", type=int, default=None)
+        p.add_argument("--repetition-penalty", type=float, default=None, help="default: the checkpoint's; 1 = off")
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--system", default=None, help="a system message")
         p.add_argument("--no-think", action="store_true", help="enable_thinking=False (Qwen3 / Qwen3.5 templates)")
@@ -80,7 +81,9 @@ def load(args, err):
 
 
 def sampling(engine, args):
-    given = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    given = dict(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, repetition_penalty=args.repetition_penalty
+    )
     overrides = {k: v for k, v in given.items() if v is not None}
     return engine.default_sampling(max_new_tokens=args.max_new_tokens, seed=args.seed, **overrides)
 

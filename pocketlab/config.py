@@ -149,7 +149,8 @@ class ModelConfig:
 def generation_defaults(path: str | Path) -> dict:
     """SamplingParams fields from the checkpoint's generation_config.json (config.json's eos_token_id when it has
     none), read as transformers reads them: eos ids stop a request; do_sample false (its default) means greedy,
-    true means temperature / top_p / top_k with transformers' defaults 1.0 / 1.0 / 50."""
+    true means temperature / top_p / top_k with transformers' defaults 1.0 / 1.0 / 50; repetition_penalty applies
+    either way (Qwen2/2.5 instruct checkpoints ship 1.05)."""
     path = Path(path)
     gen_file, cfg_file = path / "generation_config.json", path / "config.json"
     gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
@@ -165,6 +166,8 @@ def generation_defaults(path: str | Path) -> dict:
         )
     if gen.get("max_new_tokens"):
         out["max_new_tokens"] = int(gen["max_new_tokens"])
+    if gen.get("repetition_penalty") not in (None, 1.0):  # a logits processor: applies with do_sample false too
+        out["repetition_penalty"] = float(gen["repetition_penalty"])
     return out
 
 

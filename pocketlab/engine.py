@@ -23,7 +23,7 @@ from .models import build_model
 from .parallel.comm import gather_snapshot, shard_for
 from .prefix_cache import PrefixCache
 from .requests import BatchDecodeResult, BatchedRequest, BatchPrefillResult, ForwardResult, Refusal
-from .sampling import GREEDY, SamplingParams, sample
+from .sampling import GREEDY, SamplingParams, penalize, sample
 from .speculative import Speculator
 from .warmup import WarmupReport, warm_up
 
@@ -328,7 +328,8 @@ class QwenEngine:
                     self.prefix.reached(s, lo + len(piece), final=c == len(pieces[b]) - 1)
         logits = self.model.logits(torch.stack(last_hidden))
         positions = [len(t) for _, t, _ in items]
-        tokens = sample(logits, [sp for _, _, sp in items], positions).tolist()
+        params = [sp for _, _, sp in items]
+        tokens = sample(penalize(logits, params, lambda b: items[b][1]), params, positions).tolist()
         return [
             ForwardResult(t, logits[i], positions[i], starts[i], positions[i] - starts[i]) for i, t in enumerate(tokens)
         ]
@@ -353,7 +354,9 @@ class QwenEngine:
             runs = [Run(s, self.cache.slots[s].position, [tok]) for s, tok, _ in items]
             logits = self._decode_logits(runs)
             positions = [run.start + 1 for run in runs]
-            tokens = sample(logits, [sp for _, _, sp in items], positions).tolist()
+            params = [sp for _, _, sp in items]
+            seen = penalize(logits, params, lambda b: [*self.cache.slots[items[b][0]].tokens, items[b][1]])
+            tokens = sample(seen, params, positions).tolist()
             for s, tok, _ in items:
                 self.cache.slots[s].extend([tok])
         return [[t] for t in tokens], logits, positions

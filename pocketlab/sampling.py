@@ -1,4 +1,4 @@
-"""Per-request sampling: greedy, temperature, top-k, top-p, reproducible from a seed.
+"""Per-request sampling: greedy, temperature, top-k, top-p, HF's repetition penalty, reproducible from a seed.
 
 Each draw takes its uniform number from (seed, position) alone, so a request samples the same tokens
 whatever batch it runs in, and a restored snapshot continues exactly as the original would.
@@ -6,7 +6,9 @@ whatever batch it runs in, and a restored snapshot continues exactly as the orig
 
 from __future__ import annotations
 
+import math
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,12 +22,14 @@ class SamplingParams:
     seed: int = 0
     max_new_tokens: int = 64
     stop_token_ids: tuple[int, ...] = ()
+    repetition_penalty: float = 1.0  # transformers': logits of tokens already in the sequence / p (> 0) or * p
 
     def __post_init__(self):
-        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1 or self.max_new_tokens < 0:
+        bad_penalty = not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty))
+        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1 or self.max_new_tokens < 0 or bad_penalty:
             raise ValueError(
                 f"invalid sampling parameters {self}: need temperature >= 0, top_k >= 0, "
-                "0 < top_p <= 1, max_new_tokens >= 0"
+                "0 < top_p <= 1, max_new_tokens >= 0, a finite repetition_penalty > 0"
             )
 
     @property
@@ -40,8 +44,26 @@ class SamplingParams:
 GREEDY = SamplingParams()
 
 
+def penalize(
+    logits: torch.Tensor, params: list[SamplingParams], history: Callable[[int], Sequence[int]]
+) -> torch.Tensor:
+    """transformers' RepetitionPenaltyLogitsProcessor, before any other step (greedy included): in each row whose
+    penalty is not 1, the logits of the tokens its sequence already holds (prompt and output) are divided by the
+    penalty where positive, multiplied where negative. history(b) -> row b's sequence so far, asked only for
+    penalized rows. logits [B, V] are returned as they are when no row is penalized, else a penalized copy."""
+    rows = [b for b, p in enumerate(params) if p.repetition_penalty != 1.0]
+    if not rows:
+        return logits
+    out = logits.clone()
+    for b in rows:
+        seen = torch.tensor(sorted(set(history(b))), dtype=torch.long, device=logits.device)
+        penalty, scores = params[b].repetition_penalty, out[b, seen]
+        out[b, seen] = torch.where(scores < 0, scores * penalty, scores / penalty)
+    return out
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> torch.Tensor:
-    """logits [B, V] (float32) -> tokens [B]; one params and one sequence position per row."""
+    """logits [B, V] (float32, penalized already) -> tokens [B]; one params and one sequence position per row."""
     greedy = logits.argmax(dim=-1)
     if all(p.greedy for p in params):
         return greedy

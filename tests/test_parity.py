@@ -10,6 +10,7 @@ import torch
 import transformers
 from conftest import DEVICE, DTYPE, LOGIT_TOL, greedy_run, random_prompt
 
+from pocketlab import SamplingParams
 from pocketlab.layers.gated_delta import backend_name
 
 
@@ -97,3 +98,24 @@ def test_parity_through_the_fused_linears(preset, make_engine, checkpoint):
     assert engine.model.kernels.linear.__name__ == "run"  # layers.linear.fused_at_few_rows
     diff = check_parity(engine, checkpoint(preset), 17, steps=6)
     print(f"{preset} fused linears: max |diff| = {diff:.2e}")
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen3_5"])
+def test_repetition_penalty_decodes_as_hf_generate(preset, make_engine, checkpoint):
+    """Greedy with a repetition penalty (as Qwen2/2.5 instruct checkpoints ship in generation_config.json) gives
+    HF generate's tokens, in a batch beside an unpenalized request, prompts below and above the prefill chunk; and
+    the penalty changes them, so the check can fail."""
+    if DTYPE != "float32":
+        pytest.skip("token identity against HF float32 is a float32 check")
+    hf = hf_reference(checkpoint(preset))
+    prompts, new = [random_prompt(11, seed=5), random_prompt(23, seed=6)], 24
+    penalized, plain = SamplingParams(repetition_penalty=1.5, max_new_tokens=new), SamplingParams(max_new_tokens=new)
+    eng = make_engine(preset)
+    for p in prompts:
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([p], device=DEVICE), do_sample=False, repetition_penalty=1.5,
+                               max_new_tokens=new)[0, len(p):].tolist()  # fmt: skip
+        got, beside = eng.generate([p, prompts[0]], [penalized, plain])
+        assert got == want
+        assert got != eng.generate([p], plain)[0]
+        assert beside == eng.generate([prompts[0]], plain)[0]

@@ -1,10 +1,12 @@
-"""The sampler: greedy limits, top-k/top-p sets, and draws that follow the filtered distribution."""
+"""The sampler: greedy limits, top-k/top-p sets, the repetition penalty, and draws that follow the filtered
+distribution."""
 
 import pytest
 import torch
 from scipy.stats import chisquare
+from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from pocketlab.sampling import SamplingParams, filtered_probs, inverse_cdf, sample
+from pocketlab.sampling import SamplingParams, filtered_probs, inverse_cdf, penalize, sample
 
 
 def test_limits_reduce_to_greedy():
@@ -41,3 +43,22 @@ def test_same_seed_same_draws_and_bad_params():
     assert a == b and a != c
     with pytest.raises(ValueError, match="sampling"):
         SamplingParams(top_p=0)
+
+
+def test_repetition_penalty_is_transformers_processor():
+    """Bit for bit transformers' processor on every penalized row (repeated ids, negative logits, a penalty below
+    1, an empty history); rows at 1.0 untouched, and their history never asked for."""
+    logits = torch.randn(5, 64, generator=torch.Generator().manual_seed(0)) * 4
+    histories = [[5, 5, 9, 63, 0, 9], [], [1, 2, 3, 2], [7, 8, 40], None]
+    penalties = [1.3, 1.3, 0.7, 2.0, 1.0]
+    params = [SamplingParams(repetition_penalty=p) for p in penalties]
+    ours = penalize(logits, params, lambda b: histories[b] if penalties[b] != 1.0 else pytest.fail("asked"))
+    for b, (p, seen) in enumerate(zip(penalties, histories, strict=True)):
+        ids = torch.tensor([seen or []], dtype=torch.long)
+        want = RepetitionPenaltyLogitsProcessor(p)(ids, logits[b : b + 1].clone())[0] if p != 1.0 else logits[b]
+        assert torch.equal(ours[b], want), b
+    assert not torch.equal(ours[0], logits[0]) and (ours[0][[5, 9]] != logits[0][[5, 9]]).all()
+    assert penalize(logits, [SamplingParams()] * 5, lambda b: pytest.fail("asked")) is logits
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="repetition_penalty"):
+            SamplingParams(repetition_penalty=bad)

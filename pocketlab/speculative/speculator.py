@@ -25,7 +25,7 @@ from ..forward import ForwardContext, Run
 from ..layers.gated_delta import L2_EPS, backend_name, conv_inputs, gated_delta_rule, window_at
 from ..layers.linear_decode import recurrent_step
 from ..requests import Refusal
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, penalize
 from .acceptance import accept
 from .drafters import Drafter, MTPDrafter, Row
 
@@ -131,7 +131,7 @@ class Speculator:
             ctx = ForwardContext.build(runs, eng.cache.scratch, eng.options.device)
             run = self._verify_step(ctx, min(len(fed) for _, _, fed in runs))
             hidden, logits = run.hidden, run.logits
-        emitted, kept = accept(logits, rows, drafts)
+        emitted, kept = accept(self._penalized(logits, rows, runs), rows, drafts)
         self._roll_back(run, runs, kept)
         for r, (_, _, fed), c in zip(rows, runs, kept, strict=True):
             slots[r.slot].extend(fed[:c])
@@ -143,6 +143,19 @@ class Speculator:
         self.stats.emitted += sum(kept)
         last = logits[torch.arange(len(rows), device=logits.device), torch.tensor(kept, device=logits.device) - 1]
         return emitted, last, [r.position + c for r, c in zip(rows, kept, strict=True)]
+
+    def _penalized(self, logits: torch.Tensor, rows: list[Row], runs: list[Run]) -> torch.Tensor:
+        """Target logits [B, T, V] with each row's repetition penalty (sampling.penalize): position j follows the
+        slot's tokens and the fed tokens up to j. The drafts are proposals, so the drafter's q stays as drawn."""
+        B, T, V = logits.shape
+        slots = self.engine.cache.slots
+
+        def history(i: int) -> list[int]:
+            b, j = divmod(i, T)
+            return [*slots[rows[b].slot].tokens, *runs[b].tokens[: j + 1]]
+
+        params = [r.sampling for r in rows for _ in range(T)]
+        return penalize(logits.reshape(B * T, V), params, history).view(B, T, V)
 
     def _capturable(self) -> bool:
         """The verify step replays a CUDA graph when the engine captures graphs and its per-token delta rule is
