@@ -103,19 +103,21 @@ def test_parity_through_the_fused_linears(preset, make_engine, checkpoint):
 @pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen3_5"])
 def test_repetition_penalty_decodes_as_hf_generate(preset, make_engine, checkpoint):
     """Greedy with a repetition penalty (as Qwen2/2.5 instruct checkpoints ship in generation_config.json) gives
-    HF generate's tokens, in a batch beside an unpenalized request, prompts below and above the prefill chunk; and
-    the penalty changes them, so the check can fail."""
+    HF generate's tokens, in a batch beside an unpenalized request, prompts below and above the prefill chunk. Each
+    prompt starts with the token the model predicts after it, so the penalty over the prompt decides the first
+    token, and the penalty changes the tokens: the check can fail."""
     if DTYPE != "float32":
         pytest.skip("token identity against HF float32 is a float32 check")
     hf = hf_reference(checkpoint(preset))
-    prompts, new = [random_prompt(11, seed=5), random_prompt(23, seed=6)], 24
+    new, eng = 24, make_engine(preset)
     penalized, plain = SamplingParams(repetition_penalty=1.5, max_new_tokens=new), SamplingParams(max_new_tokens=new)
-    eng = make_engine(preset)
-    for p in prompts:
+    other = random_prompt(7, seed=4)
+    for p in (random_prompt(11, seed=5), random_prompt(23, seed=6)):
+        p = eng.generate([p], SamplingParams(max_new_tokens=1))[0] + p
         with torch.no_grad():
             want = hf.generate(torch.tensor([p], device=DEVICE), do_sample=False, repetition_penalty=1.5,
                                max_new_tokens=new)[0, len(p):].tolist()  # fmt: skip
-        got, beside = eng.generate([p, prompts[0]], [penalized, plain])
+        got, beside = eng.generate([p, other], [penalized, plain])
         assert got == want
-        assert got != eng.generate([p], plain)[0]
-        assert beside == eng.generate([prompts[0]], plain)[0]
+        assert got[0] != eng.generate([p], plain)[0][0]
+        assert beside == eng.generate([other], plain)[0]

@@ -5,6 +5,7 @@ import torch
 from conftest import DTYPE, LOGIT_TOL, greedy_run, random_prompt
 
 from pocketlab import BatchedRequest, SamplingParams
+from pocketlab.sampling import penalize
 
 PRESETS = ["tiny-qwen3", "tiny-qwen2", "tiny-qwen3_5", "tiny-qwen3_moe"]
 EXACT = DTYPE == "float32"
@@ -146,3 +147,27 @@ def test_sampled_tokens_do_not_depend_on_the_batch(make_engine):
     together = run([0, 1, 2])
     assert run([2]) == {2: together[2]} and run([1, 0]) == {0: together[0], 1: together[1]}
     assert together[0] != together[1]
+
+
+def test_each_row_is_penalized_by_its_own_sequence(make_engine, monkeypatch):
+    """The repetition penalty reads the row's own slot: after prefill its prompt, at decode its tokens and the token
+    fed (what transformers' input_ids hold then), in a batch beside an unpenalized row whose history is never read.
+    (End to end against HF generate: tests/test_parity.py; the tiny models never repeat the token just fed, so
+    that token's place in the history is checked here.)"""
+    import pocketlab.engine
+
+    seen = []
+
+    def spy(logits, params, history):
+        seen.append([list(history(b)) if p.repetition_penalty != 1.0 else None for b, p in enumerate(params)])
+        return penalize(logits, params, history)
+
+    monkeypatch.setattr(pocketlab.engine, "penalize", spy)
+    engine = make_engine("tiny-qwen3")
+    a, b = random_prompt(6, 3), random_prompt(4, 4)
+    reqs = [BatchedRequest(0, a, sampling=SamplingParams(repetition_penalty=1.2)), BatchedRequest(1, b)]
+    engine.batch_prefill(reqs)
+    engine.batch_decode_step(reqs)
+    engine.batch_decode_step(reqs)
+    out = reqs[0].generated_tokens
+    assert seen == [[a, None], [a + out[:1], None], [a + out[:2], None]]

@@ -8,6 +8,7 @@ from conftest import DEVICE, DTYPE, KERNELS, random_prompt
 from test_graphs import FailingGraphs
 
 from pocketlab import BatchedRequest, EngineOptions, QwenEngine, SamplingParams
+from pocketlab.forward import Run
 from pocketlab.speculative import Drafter, Drafts
 from pocketlab.verify import mtp_runs, mtp_sampling
 from pocketlab.verify.drafters import AdversarialDrafter, OracleDrafter
@@ -233,6 +234,42 @@ def test_generate_with_speculation(path, reference):
     eng = engine(path, 2)
     out = eng.generate([PROMPTS[0], PROMPTS[2]], SamplingParams(max_new_tokens=20))
     assert out == [reference[0][5:25], reference[2][14:34]]
+
+
+@pytest.mark.parametrize("name", ["mtp", "half"])
+def test_repetition_penalty_under_speculation_is_plain_decodings(path, reference, name):
+    """Greedy rows with a repetition penalty (and one without) keep plain penalized decoding's tokens through
+    batched and interleaved verify steps; the penalty changes those tokens, so the check can fail."""
+    sampling = [SamplingParams(repetition_penalty=1.3), SamplingParams(), SamplingParams(repetition_penalty=0.8)]
+    plain, _ = mtp_runs.interleaved(engine(path, 0), PROMPTS, NEW, sampling)
+    refs = [r.prompt_tokens + r.generated_tokens for r in plain]
+    assert refs[0][: len(reference[0])] != reference[0] and refs[2][: len(reference[2])] != reference[2]
+    eng = engine(path, 2)
+    if name == "half":
+        eng.speculator.use(drafter(name, refs))
+    reqs, _ = mtp_runs.interleaved(eng, PROMPTS, NEW, sampling)
+    check_equal(reqs, refs)
+
+
+def test_verify_positions_are_penalized_by_the_tokens_before_them(path):
+    """Position j of a verify run follows the slot's tokens and the run's fed tokens up to j (what transformers'
+    input_ids would hold there), each row by its own slot; an unpenalized row is left as it is."""
+    from pocketlab.sampling import penalize
+    from pocketlab.speculative.drafters import Row
+
+    eng = engine(path, 2)
+    eng.prefill(PROMPTS[0], slot_id=0)
+    eng.prefill(PROMPTS[1], slot_id=1)
+    sp = SamplingParams(repetition_penalty=2.0)
+    fed = [[7, 8, 9], [10, 11, 12]]
+    rows = [Row(s, len(PROMPTS[s]), fed[s][0], sp if s == 0 else SamplingParams(), 2) for s in (0, 1)]
+    runs = [Run(s, len(PROMPTS[s]), fed[s]) for s in (0, 1)]
+    logits = torch.randn(2, 3, eng.cfg.vocab_size, generator=torch.Generator().manual_seed(0))
+    got = eng.speculator._penalized(logits, rows, runs)
+    for j in range(3):
+        want = penalize(logits[:1, j], [sp], lambda b, j=j: PROMPTS[0] + fed[0][: j + 1])[0]
+        assert torch.equal(got[0, j], want) and not torch.equal(want, logits[0, j])
+    assert torch.equal(got[1], logits[1])
 
 
 def test_sampling_is_reproducible_and_batch_independent(path):

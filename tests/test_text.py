@@ -83,6 +83,9 @@ def test_generation_config_supplies_stop_ids_and_sampling(eng, checkpoint, tmp_p
     assert e.default_sampling() == SamplingParams(stop_token_ids=(stop,))  # do_sample false: greedy
     out = e.generate(["Hello"])[0]  # sampling=None: the checkpoint's defaults
     assert out.token_ids == first.token_ids[: first.token_ids.index(stop) + 1] and out.finish_reason == "stop"
+    (path / "generation_config.json").write_text(json.dumps({"do_sample": False, "repetition_penalty": 1.05}))
+    e = QwenEngine.from_pretrained(path, EngineOptions(max_slots=1, max_seq_len=128))  # a processor: greedy too
+    assert e.default_sampling() == SamplingParams(stop_token_ids=(151645,), repetition_penalty=1.05)
     (path / "generation_config.json").unlink()  # then config.json's eos_token_id
     assert QwenEngine.from_pretrained(path).default_sampling().stop_token_ids == (151645,)
 
