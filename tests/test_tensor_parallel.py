@@ -320,3 +320,16 @@ def test_memory_plan_counts_one_ranks_shard():
     two = memory.plan(cfg, EngineOptions(**opts, tensor_parallel=2), free=1 << 40)
     assert 0.5 < two.weights / one.weights < 0.501  # everything split but the norms
     assert 2 * two.per_slot == one.per_slot  # 8 KV heads: 4 per rank
+
+
+def test_call_arguments_travel_to_the_ranks_whole():
+    """What rank 0 sends (as JSON) rebuilds every sampling field on the others, the repetition penalty included:
+    a rank that dropped one would sample otherwise and the ranks would part."""
+    import json
+
+    from pocketlab.parallel.driver import decode, encode
+
+    sp = SamplingParams(temperature=0.7, top_k=20, top_p=0.8, seed=3, max_new_tokens=9, stop_token_ids=(1, 2),
+                        repetition_penalty=1.05)  # fmt: skip
+    req = BatchedRequest(5, [1, 2, 3], sampling=sp, slot_id=2)
+    assert decode(json.loads(json.dumps(encode([sp, req])))) == [sp, req]
