@@ -25,6 +25,8 @@ def _type(value) -> str:
     """Triton's signature type of a runtime argument."""
     if isinstance(value, torch.Tensor):
         return "*" + POINTEE[value.dtype]
+    if type(value).__name__ == "TensorDescriptor":  # a host-built TMA descriptor (triton.tools.tensor_descriptor)
+        return f"tensordesc<{POINTEE[value.base.dtype]}{list(value.block_shape)}>"
     if isinstance(value, bool):
         return "i1"
     if isinstance(value, int):

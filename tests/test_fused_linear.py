@@ -15,7 +15,7 @@ if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
 
 from invariance import assert_rows_invariant  # noqa: E402
 
-from pocketlab.layers import gemv  # noqa: E402
+from pocketlab.layers import gemv, gemv_tma  # noqa: E402
 from pocketlab.layers import invariant as inv  # noqa: E402
 from pocketlab.layers import linear as torch_linear  # noqa: E402
 from pocketlab.layers.invariant import matmul  # noqa: E402
@@ -85,6 +85,20 @@ def test_gemv_matches_the_unfused_torch_steps(dtype, epilogue):
             x, w, bias, extras = inputs(M, N, K, dtype, epilogue, seed=M)
             want = torch_linear.composed(fp32_matmul, x, w, bias, **extras)
             assert_matches_the_unfused_steps(gemv.gemv(x, w, bias, **extras), want, dtype, (N, K, M))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("epilogue", ["plain", "residual"])
+def test_tma_ring_gemv_matches_the_unfused_torch_steps(dtype, epilogue):
+    """The TMA-ring experiment (layers.gemv_tma, not on the engine's path) against the same steps: N and K off its
+    tiles (the descriptor's zero fill), K over several laps of a three-tile ring; rows not 16-byte aligned refused."""
+    for N, K in [(40, 1032), (100, 72)]:
+        x, w, _, extras = inputs(1, N, K, dtype, epilogue, seed=N)
+        want = torch_linear.composed(fp32_matmul, x, w, None, **extras)
+        got = gemv_tma.gemv_tma(x, w, extras["residual"], gemv_tma.Ring(block_n=8, block_k=64, stages=3))
+        assert_matches_the_unfused_steps(got, want, dtype, (N, K))
+    with pytest.raises(ValueError, match="16-byte"):
+        gemv_tma.gemv_tma(x[:, 1:], w[:, 1:])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -12,12 +12,22 @@ shapes by name.
 `--norm-chain`: where a pre-norm costs least, in a graph of 28 layers of [normed projection -> residual projection]
 at one row (the programmatic dependent launches overlapping as in a decode step): no norm at all, the norm as its
 own kernel, and folded into the GEMV at `launch_for`'s launch and at every candidate.
+
+`--tma-chain`: the same chain without the norm, layers.gemv at `launch_for`'s launches against layers.gemv_tma's
+TMA ring at every `RINGS` shape: whether weight tiles staged in shared memory, more of them in flight, read faster.
+
+`--resources` (no GPU needed): both kernels compiled for sm_90 by this Triton (one row, no folded norm), with the
+registers a thread, the shared memory a program and the TMA loads in the machine code (Triton's cuobjdump).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import os
+import re
+import subprocess
+import tempfile
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +35,7 @@ import triton
 from tqdm import tqdm
 
 from . import gemv
+from .gemv_tma import Ring, _gemv_tma, gemv_tma
 from .invariant import linear as fused_linear
 from .invariant import rms_norm
 from .invariant.matmul import PLAIN, RESIDUAL, SWIGLU
@@ -147,16 +158,86 @@ def norm_chain(layers: int = 28, top: int = 4) -> None:
         torch.cuda.empty_cache()
 
 
+RINGS = [Ring(n, k, s) for n, k, s in itertools.product((4, 8, 16), (64, 128, 256), (2, 3, 4, 6))]  # TMA boxes <= 256
+
+
+def tma_chain(layers: int = 28, top: int = 6) -> None:
+    for name, (N, K) in NORM_CHAIN.items():
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        weights = [
+            (torch.randn(N, K, device="cuda", generator=gen).bfloat16() * K**-0.5,
+             torch.randn(K, N, device="cuda", generator=gen).bfloat16() * N**-0.5)
+            for _ in range(layers)
+        ]  # fmt: skip
+        h = torch.randn(1, K, device="cuda", generator=gen).bfloat16()
+        base = chain_us(lambda h, a, b: gemv.gemv(gemv.gemv(h, a), b, residual=h), weights, h)
+        print(f"{name:<16} us/layer: layers.gemv {base:.2f}")
+        tried = []
+        for ring in tqdm(RINGS, desc=name, leave=False):
+
+            def layer(h, a, b, r=ring):
+                return gemv_tma(gemv_tma(h, a, ring=r), b, residual=h, ring=r)
+
+            tried.append((chain_us(layer, weights, h), ring))
+        for us, ring in sorted(tried, key=lambda p: p[0])[:top]:
+            print(f"{name:<16}   TMA ring {(ring.block_n, ring.block_k, ring.stages)}  {us:.2f}  ({base / us:.3f}x)")
+        del weights
+        torch.cuda.empty_cache()
+
+
+def compiled(kernel, signature: dict, constants: dict, num_warps: int) -> str:
+    """`kernel` built for sm_90 (PDL on, as the H200 runs it): its registers, shared memory and TMA loads."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    constants = dict(constants, PDL=True)
+    source = ASTSource(kernel, signature=signature | dict.fromkeys(constants, "constexpr"), constexprs=constants)
+    built = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, launch_pdl=True))
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(built.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    regs = re.search(r"REG:(\d+)", usage)[1]
+    return f"{regs:>4} registers {built.metadata.shared:>6} B shared {sass.count('UTMALDG'):>2} TMA loads"
+
+
+def resources() -> None:
+    pointers = dict.fromkeys(("x_ptr", "w_ptr", "b_ptr", "y_ptr", "res_ptr", "g_ptr", "conv_ptr", "cw_ptr"), "*bf16")
+    ints = ("rows", "N", "K", "C", "stride_xm", "stride_wn", "stride_ym", "stride_rm", "stride_cs", "stride_cc")
+    plain = pointers | {"slot_ptr": "*i64", "eps": "fp32"} | dict.fromkeys(ints, "i32")
+    print(f"Triton {triton.__version__}, sm_90")
+    for name, (N, K, epilogue) in SHAPES.items():
+        t = gemv.launch_for(1, N, K, torch.device("cuda"))
+        constants = dict(HAS_BIAS=False, EPILOGUE=epilogue, NORM=0, CONV_K=0, TAPS=1, ROWS=1,
+                         BLOCK_N=t.block_n, BLOCK_K=t.block_k, AHEAD=t.ahead)  # fmt: skip
+        print(f"{name:<20} layers.gemv {(t.block_n, t.block_k, t.ahead)!s:<16}"
+              f"{compiled(gemv._gemv, plain, constants, t.num_warps)}")  # fmt: skip
+    ring_args = {"x_ptr": "*bf16", "y_ptr": "*bf16", "res_ptr": "*bf16", "N": "i32", "K": "i32"}
+    for r in RINGS:
+        signature = ring_args | {"w_desc": f"tensordesc<bf16[{r.block_n}, {r.block_k}]>"}
+        constants = dict(RESIDUAL=True, BLOCK_N=r.block_n, BLOCK_K=r.block_k, STAGES=r.stages)
+        print(f"{'TMA ring':<20} {(r.block_n, r.block_k, r.stages)!s:<28}"
+              f"{compiled(_gemv_tma, signature, constants, r.num_warps)}")  # fmt: skip
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1", help=f"row counts, comma-separated (at most {gemv.MAX_ROWS})")
     ap.add_argument("--top", type=int, default=4, help="launches printed per shape and row count")
     ap.add_argument("--norm-chain", action="store_true", help="the pre-norm's cost, own kernel vs folded (above)")
+    ap.add_argument("--tma-chain", action="store_true", help="layers.gemv against the TMA ring (above)")
+    ap.add_argument("--resources", action="store_true", help="registers, shared memory, TMA loads (sm_90, no GPU)")
     ap.add_argument("--forms", action="store_true", help="one or two tiles ahead too (one row count)")
     ap.add_argument("--shapes", default="", help="names containing any of these, comma-separated, _ for a space")
     a = ap.parse_args(argv)
     if a.norm_chain:
         return norm_chain(top=a.top)
+    if a.tma_chain:
+        return tma_chain(top=a.top)
+    if a.resources:
+        return resources()
     parts = [part.replace("_", " ") for part in a.shapes.split(",") if part]
     shapes = [s for s in SHAPES if not parts or any(part in s for part in parts)]
     summary = sweep([int(v) for v in a.rows.split(",")], a.top, shapes, a.forms)
