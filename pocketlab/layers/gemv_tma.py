@@ -26,10 +26,11 @@ from .pdl import wait_then_release
 
 @dataclass(frozen=True)
 class Ring:
-    """BLOCK_N weight rows a program, BLOCK_K-wide tiles, STAGES tiles in the ring."""
+    """BLOCK_N weight rows a program, BLOCK_K-wide tiles (a TMA box spans at most 256 elements a side), STAGES tiles
+    in the ring."""
 
     block_n: int = 4
-    block_k: int = 512
+    block_k: int = 256
     stages: int = 4
     num_warps: int = 4
 
