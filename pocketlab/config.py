@@ -150,24 +150,31 @@ def generation_defaults(path: str | Path) -> dict:
     """SamplingParams fields from the checkpoint's generation_config.json (config.json's eos_token_id when it has
     none), read as transformers reads them: eos ids stop a request; do_sample false (its default) means greedy,
     true means temperature / top_p / top_k with transformers' defaults 1.0 / 1.0 / 50; repetition_penalty applies
-    either way (Qwen2/2.5 instruct checkpoints ship 1.05)."""
+    either way (Qwen2/2.5 instruct checkpoints ship 1.05). Files that give no valid SamplingParams are a ValueError
+    here, at load, rather than at the first request."""
+    from .sampling import SamplingParams
+
     path = Path(path)
     gen_file, cfg_file = path / "generation_config.json", path / "config.json"
-    gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
-    raw = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
-    eos = gen.get("eos_token_id", raw.get("eos_token_id", (raw.get("text_config") or {}).get("eos_token_id")))
-    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    out: dict = {"stop_token_ids": tuple(int(t) for t in eos)}
-    if gen.get("do_sample"):
-        out |= dict(
-            temperature=float(gen.get("temperature", 1.0)),
-            top_p=float(gen.get("top_p", 1.0)),
-            top_k=int(gen.get("top_k", 50) or 0),
-        )
-    if gen.get("max_new_tokens"):
-        out["max_new_tokens"] = int(gen["max_new_tokens"])
-    if gen.get("repetition_penalty") not in (None, 1.0):  # a logits processor: applies with do_sample false too
-        out["repetition_penalty"] = float(gen["repetition_penalty"])
+    try:
+        gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+        raw = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        eos = gen.get("eos_token_id", raw.get("eos_token_id", (raw.get("text_config") or {}).get("eos_token_id")))
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        out: dict = {"stop_token_ids": tuple(int(t) for t in eos)}
+        if gen.get("do_sample"):
+            out |= dict(
+                temperature=float(gen.get("temperature", 1.0)),
+                top_p=float(gen.get("top_p", 1.0)),
+                top_k=int(gen.get("top_k", 50) or 0),
+            )
+        if gen.get("max_new_tokens"):
+            out["max_new_tokens"] = int(gen["max_new_tokens"])
+        if gen.get("repetition_penalty") not in (None, 1.0):  # a logits processor: applies with do_sample false too
+            out["repetition_penalty"] = float(gen["repetition_penalty"])
+        SamplingParams(**out)
+    except (ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"{gen_file} (with config.json's eos_token_id): no valid sampling defaults: {e}") from e
     return out
 
 

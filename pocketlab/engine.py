@@ -90,11 +90,11 @@ class QwenEngine:
     @classmethod
     def from_pretrained(cls, path: str | Path, options: EngineOptions | None = None) -> QwenEngine:
         options = options or EngineOptions()
-        cfg = ModelConfig.from_pretrained(path)
+        cfg, generation = ModelConfig.from_pretrained(path), generation_defaults(path)
         options = resolve(cfg, options).options  # before reading any weights: refuse what cannot fit
         device = "cpu" if options.tensor_parallel > 1 else options.device  # each rank moves only its shard
         weights = load_weights(path, cfg, device, options.torch_dtype, options.speculative_tokens)
-        return cls(cfg, weights, options, text.load_tokenizer(path), generation_defaults(path))
+        return cls(cfg, weights, options, text.load_tokenizer(path), generation)
 
     def warmup(self, progress: bool = True) -> WarmupReport:
         """Capture every graph and compile every kernel variant the options allow, on an idle engine, so that no

@@ -90,6 +90,20 @@ def test_generation_config_supplies_stop_ids_and_sampling(eng, checkpoint, tmp_p
     assert QwenEngine.from_pretrained(path).default_sampling().stop_token_ids == (151645,)
 
 
+@pytest.mark.parametrize(
+    "text",
+    ["{not json", "[1, 2]", '{"do_sample": true, "temperature": -1}', '{"repetition_penalty": 0}',
+     '{"do_sample": true, "top_k": "many"}', '{"eos_token_id": ["a"]}'],
+)  # fmt: skip
+def test_a_generation_config_without_valid_sampling_is_refused_at_load(text, checkpoint, tmp_path):
+    """Before any weight is read, naming the file, rather than at the first request."""
+    path = tmp_path / "gen"
+    shutil.copytree(checkpoint("tiny-qwen3"), path)
+    (path / "generation_config.json").write_text(text)
+    with pytest.raises(ValueError, match="generation_config.json"):
+        QwenEngine.from_pretrained(path)
+
+
 def test_bad_text_input_is_refused_and_changes_nothing(eng, checkpoint):
     eng.prefill(eng.tokenizer.encode("held"), slot_id=1)
     before = engine_state(eng)
