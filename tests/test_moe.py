@@ -265,6 +265,23 @@ def test_gemv_experts_equal_the_torch_path(offset):
 
 
 @needs_triton
+def test_tma_ring_experts_equal_the_torch_path():
+    """The TMA-ring experiment's experts (layers.gemv_tma.experts_tma: gate_up per pair and columns through a ring,
+    then gemv_experts' down launch) against the reference loop: 1-3 tokens, column blocks past I (their rows belong
+    to the up half or the next expert), with the residual and the gated shared expert."""
+    from pocketlab.layers.gemv_tma import Ring, experts_tma
+
+    g = torch.Generator().manual_seed(12)
+    for N in (1, 3):
+        x, gu, d, w, ids = expert_inputs(N, seed=40 + N)
+        residual, shared, gate = (torch.randn(N, n, generator=g).to(DEVICE) for n in (72, 72, 1))
+        for extra in ({}, dict(residual=residual, shared=shared, shared_gate=gate)):
+            want = moe.looped_experts(x, gu, d, w, ids, **extra)
+            got = experts_tma(x, gu, d, w, ids, **extra, ring=Ring(block_n=16, block_k=32, stages=2))
+            torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+@needs_triton
 def test_align_in_one_launch_gives_the_torch_layout():
     """The one-program align (histogram, sort, scans) lays the pairs out exactly as the torch ops do: experts
     idle, in one partial block, over several blocks; one pair alone; the most pairs it takes."""

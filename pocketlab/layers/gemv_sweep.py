@@ -16,8 +16,9 @@ own kernel, and folded into the GEMV at `launch_for`'s launch and at every candi
 `--tma-chain`: the same chain without the norm, layers.gemv at `launch_for`'s launches against layers.gemv_tma's
 TMA ring at every `RINGS` shape: whether weight tiles staged in shared memory, more of them in flight, read faster.
 
-`--resources` (no GPU needed): both kernels compiled for sm_90 by this Triton (one row, no folded norm), with the
-registers a thread, the shared memory a program and the TMA loads in the machine code (Triton's cuobjdump).
+`--resources` (no GPU needed): both kernels compiled for sm_90 by this Triton (one row, no folded norm), and the MoE
+experts' gate_up launch of layers.moe_gemv beside the TMA-ring form of layers.gemv_tma, with the registers a thread,
+the shared memory a program and the TMA loads in the machine code (Triton's cuobjdump).
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ import torch.nn.functional as F
 import triton
 from tqdm import tqdm
 
-from . import gemv
-from .gemv_tma import Ring, _gemv_tma, gemv_tma
+from . import gemv, moe_gemv
+from .gemv_tma import Ring, _expert_gate_up_tma, _gemv_tma, gemv_tma
 from .invariant import linear as fused_linear
 from .invariant import rms_norm
 from .invariant.matmul import PLAIN, RESIDUAL, SWIGLU
@@ -220,6 +221,21 @@ def resources() -> None:
         constants = dict(RESIDUAL=True, BLOCK_N=r.block_n, BLOCK_K=r.block_k, STAGES=r.stages)
         print(f"{'TMA ring':<20} {(r.block_n, r.block_k, r.stages)!s:<28}"
               f"{compiled(_gemv_tma, signature, constants, r.num_warps)}")  # fmt: skip
+    experts = dict.fromkeys(("x_ptr", "w_ptr", "sw_ptr", "g_ptr", "h_ptr"), "*bf16") | {
+        "ids_ptr": "*i64",
+        "eps": "fp32",
+    }
+    experts |= dict.fromkeys(("H", "I", "stride_x", "stride_we", "stride_wn", "stride_sn"), "i32")
+    t = moe_gemv.tiles(torch.device("cuda")).gate_up
+    constants = dict(TOP_K=8, NORM=2, KP=8, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SHARED=True, IDS_READY=True)
+    print(f"{'experts, top-8':<20} moe_gemv gate_up {(t.block_n, t.block_k)!s:<11}"
+          f"{compiled(moe_gemv._gate_up, experts, constants, t.num_warps)}")  # fmt: skip
+    pairs = {"x_ptr": "*bf16", "ids_ptr": "*i64", "h_ptr": "*bf16", "I": "i32", "H": "i32", "stride_x": "i32"}
+    for r in RINGS:
+        signature = pairs | {"w_desc": f"tensordesc<bf16[{r.block_n}, {r.block_k}]>"}
+        constants = dict(TOP_K=8, BLOCK_N=r.block_n, BLOCK_K=r.block_k, STAGES=r.stages)
+        print(f"{'experts, top-8':<20} TMA ring {(r.block_n, r.block_k, r.stages)!s:<19}"
+              f"{compiled(_expert_gate_up_tma, signature, constants, r.num_warps)}")  # fmt: skip
 
 
 def main(argv=None):

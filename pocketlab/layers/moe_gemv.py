@@ -209,11 +209,21 @@ def gemv_experts(x, gate_up, down, weights, ids, residual=None, shared=None, sha
         SHARED=shared_weights is not None, IDS_READY=ids_ready, num_warps=t.gate_up.num_warps,
         **pdl.launch(x.device),
     )  # fmt: skip
+    return down_sum(h, down, weights, ids, total, shared, shared_gate, residual, t.down, shared_down,
+                    shared_weights is not None)  # fmt: skip
+
+
+def down_sum(h, down, weights, ids, total, shared, shared_gate, residual, launch: Launch, shared_down=None,
+             shared_inside: bool = False) -> torch.Tensor:  # fmt: skip
+    """The down launch of gemv_experts (`_down_sum`) into total [N, H] from h [N * k (+ N), I], the gate_up launch's
+    output; shared_inside: h's last N rows are the shared expert's, shared_down its weight."""
+    (N, top_k), H, I = ids.shape, down.shape[1], down.shape[2]  # noqa: E741
+    shared_down = down[0] if shared_down is None else shared_down
     s, g, r = (total if a is None else a for a in (shared, shared_gate, residual))  # absent: a pointer never read
-    _down_sum[(triton.cdiv(H, t.down.block_n), N)](
+    _down_sum[(triton.cdiv(H, launch.block_n), N)](
         h, down, shared_down, weights, ids, total, s, g, r, H, I, down.stride(0), down.stride(1),
-        shared_down.stride(0), s.stride(0), g.stride(0), r.stride(0), TOP_K=top_k, KP=kp, SHARED=shared is not None,
-        SHARED_W=shared_weights is not None, RESIDUAL=residual is not None, BLOCK_N=t.down.block_n,
-        BLOCK_K=t.down.block_k, num_warps=t.down.num_warps, **pdl.launch(x.device),
+        shared_down.stride(0), s.stride(0), g.stride(0), r.stride(0), TOP_K=top_k, KP=triton.next_power_of_2(top_k),
+        SHARED=shared is not None, SHARED_W=shared_inside, RESIDUAL=residual is not None, BLOCK_N=launch.block_n,
+        BLOCK_K=launch.block_k, num_warps=launch.num_warps, **pdl.launch(h.device),
     )  # fmt: skip
     return total

@@ -4,13 +4,14 @@ compare, to choose moe_kernel "auto" and the tokens up to which decode streams i
 
     python -m pocketlab.tools.moe_bench --model qwen3.5-35b-a3b --device cuda [--tokens 1,2,4,8,16,32,64,4096]
         [--sweep]   (CUDA: each projection's launch tiles at the decode sizes, to choose moe_kernel.tiles, and at
-                     one token moe_gemv.tiles)
+                     one token moe_gemv.tiles and the TMA-ring experiment's rings)
 
 Per token count N: the experts its routing reads (random weights, random router), the step time of each path
 (captured in a CUDA graph for N <= 64, as decode runs it; eager beyond, as prefill does), the bytes it must read
 (distinct experts x an expert's weights) over the measured copy bandwidth, and its flops over the matmul rate.
 The loop path (one matmul per expert hit, host syncs: HF's eager way) runs eagerly as the baseline. On CUDA the
-routing itself too: torch's ops (softmax, topk, rescale) against the one-launch kernel.
+routing itself too: torch's ops (softmax, topk, rescale) against the one-launch kernel; and "gemv_tma", the TMA-ring
+experiment (layers.gemv_tma.experts_tma), beside "gemv".
 """
 
 from __future__ import annotations
@@ -36,10 +37,11 @@ GRAPH_MAX_TOKENS = 64  # decode batches: the engine replays these from CUDA grap
 def paths(device: str) -> dict:
     out = {"grouped_mm": moe.grouped_experts, "loop": moe.looped_experts}
     if torch.device(device).type == "cuda":
+        from ..layers.gemv_tma import experts_tma
         from ..layers.moe_gemv import gemv_experts
         from ..layers.moe_kernel import fused_experts
 
-        out = {"triton": fused_experts, "gemv": gemv_experts} | out
+        out = {"triton": fused_experts, "gemv": gemv_experts, "gemv_tma": experts_tma} | out
     return out
 
 
@@ -84,7 +86,7 @@ def bench_layer(
         for name, fn in (("route_torch", moe.route), ("route_triton", route_in_one_launch)):
             row[name] = {"seconds": clock.measure(in_graph(fn, (logits, k, cfg.norm_topk_prob)), repeats, warmup=3)}
     for name, fn in paths(device).items():
-        if name == "gemv" and not decode:
+        if name.startswith("gemv") and not decode:
             row[name] = {"error": "decode sizes only"}
             continue
         try:
@@ -104,6 +106,7 @@ def bench_layer(
         row["sweep"] = sweep_tiles(args, clock, repeats)
     if sweep and decode and n == 1:
         row["gemv_sweep"] = sweep_gemv_tiles(args, clock, repeats)
+        row["tma_sweep"] = sweep_tma_rings(args, clock, repeats)
     return row
 
 
@@ -123,6 +126,18 @@ def sweep_gemv_tiles(args, clock: Clock, repeats: int) -> list[dict]:
 
     launches = [Launch(n, k, w) for n in (1, 2, 4, 8) for k in (64, 128, 256) for w in (4, 8)]
     return sweep_launches(gemv_experts, args, tiles(args[0].device), launches, clock, repeats)
+
+
+def sweep_tma_rings(args, clock: Clock, repeats: int) -> list[dict]:
+    """The TMA-ring experiment's gate_up launch at each ring (layers.gemv_sweep.RINGS), graphed."""
+    from ..layers.gemv_sweep import RINGS
+    from ..layers.gemv_tma import experts_tma
+
+    out = []
+    for ring in RINGS:
+        run = in_graph(functools.partial(experts_tma, *args, ring=ring), ())
+        out.append({"projection": "gate_up", **dataclasses.asdict(ring), "seconds": clock.measure(run, repeats, 3)})
+    return out
 
 
 def sweep_launches(experts, args, base, launches, clock: Clock, repeats: int) -> list[dict]:
@@ -181,11 +196,14 @@ def main(argv=None) -> dict:
     sweeps = (
         ("sweep", "triton", "n{block_n} w{num_warps} s{num_stages}"),
         ("gemv_sweep", "gemv", "n{block_n} k{block_k} w{num_warps}"),
+        ("tma_sweep", "gemv_tma", "n{block_n} k{block_k} s{stages}"),
     )
     for key, path, label in sweeps:
         for r in (r for r in rows if key in r):
             for proj in ("gate_up", "down"):
                 runs = sorted((c for c in r[key] if c["projection"] == proj), key=lambda c: c["seconds"])
+                if not runs:
+                    continue
                 best = ", ".join(f"{label.format(**c)} {us(c)}" for c in runs[:4])
                 print(
                     f"{key.replace('_', ' ')}, {r['tokens']} tokens, {proj}: default {us(r[path])} us; fastest {best}"
