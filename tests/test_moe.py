@@ -269,7 +269,8 @@ def test_tma_ring_experts_equal_the_torch_path():
     """The TMA-ring experiment's experts (layers.gemv_tma.experts_tma: gate_up per pair and columns through a ring,
     then gemv_experts' down launch) against the reference loop: 1-3 tokens, column blocks past I (their rows belong
     to the up half or the next expert), with the residual and the gated shared expert."""
-    from pocketlab.layers.gemv_tma import Ring, experts_tma
+    from pocketlab.layers.gemv_tma import Ring
+    from pocketlab.layers.moe_gemv_tma import experts_tma
 
     g = torch.Generator().manual_seed(12)
     for N in (1, 3):

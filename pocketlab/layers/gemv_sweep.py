@@ -36,11 +36,12 @@ import triton
 from tqdm import tqdm
 
 from . import gemv, moe_gemv
-from .gemv_tma import Ring, _expert_gate_up_tma, _gemv_tma, gemv_tma
+from .gemv_tma import Ring, _gemv_tma, gemv_tma
 from .invariant import linear as fused_linear
 from .invariant import rms_norm
 from .invariant.matmul import PLAIN, RESIDUAL, SWIGLU
 from .invariant.sweep import graph_ms
+from .moe_gemv_tma import _expert_gate_up_tma
 from .norm import RMSNorm
 
 SHAPES = {  # name: (N, K, epilogue); for swiglu N is the output width and the weight holds 2N rows

@@ -1,5 +1,4 @@
-"""An experiment, not on the engine's path: layers.gemv's one-row read, and the MoE experts' gate_up at decode's
-few tokens, with the weight tiles streamed through a TMA ring in shared memory.
+"""An experiment: layers.gemv's one-row read with the weight tiles streamed through a TMA ring in shared memory.
 
 layers.gemv holds its weight tiles in registers (one or two ahead of their use), so a program keeps few bytes in
 flight, and the persistent forms tried since were register-bound (reports/performance-history.md, eighteenth and
@@ -8,10 +7,6 @@ num_stages=STAGES)` loop, which Triton (3.6 as on the H200, and 3.9) compiles to
 TMA and handed over by mbarriers: STAGES - 1 tiles in flight at a fraction of layers.gemv's registers (`python -m
 pocketlab.layers.gemv_sweep --resources` compiles both; `--tma-chain` times them in a decode-like chain). Same
 arithmetic as layers.gemv's plain and residual epilogues: float32 lanes along K, summed once, rounded once.
-
-`experts_tma` is layers.moe_gemv.gemv_experts with its gate_up launch so: one program per (token pair, columns),
-reading its expert's gate and up rows through the ring (`python -m pocketlab.tools.moe_bench` times it as path
-"gemv_tma" beside "gemv"); the down launch is gemv_experts' own.
 """
 
 from __future__ import annotations
@@ -23,7 +18,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from . import moe_gemv, pdl
+from . import pdl
 from .invariant.matmul import finish
 from .pdl import wait_then_release
 
@@ -75,48 +70,3 @@ def gemv_tma(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | Non
         **pdl.launch(x.device),
     )  # fmt: skip
     return y
-
-
-@triton.jit
-def _expert_gate_up_tma(x_ptr, w_desc, ids_ptr, h_ptr, I, H, stride_x, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    """h[pair, n] = silu(x . gate[e, n]) * (x . up[e, n]) for the pair program_id(1) (token pair // TOP_K, expert
-    e = ids[pair]) and this program's BLOCK_N columns, gate_up read as [E * 2I, H]: two tiles a step. Columns past I
-    read the next rows (the up half, the next expert, zeros past the end) and are never stored."""
-    pair = tl.program_id(1).to(tl.int64)
-    n0 = tl.program_id(0) * BLOCK_N
-    wait_then_release(PDL)  # the routing launch just before wrote the ids
-    gate_row = tl.load(ids_ptr + pair).to(tl.int32) * 2 * I + n0
-    x_row = x_ptr + (pair // TOP_K) * stride_x
-    lanes_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    lanes_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in tl.range(0, H, BLOCK_K, num_stages=STAGES):
-        k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_row + k, mask=k < H, other=0.0).to(tl.float32)
-        lanes_gate += w_desc.load([gate_row, k0]).to(tl.float32) * x[None, :]
-        lanes_up += w_desc.load([gate_row + I, k0]).to(tl.float32) * x[None, :]
-    n, m = n0 + tl.arange(0, BLOCK_N), tl.arange(0, 1)
-    gate, up = tl.sum(lanes_gate, 1)[None, :], tl.sum(lanes_up, 1)[None, :]
-    y = finish(gate, up, h_ptr, h_ptr, m, n, m < 1, n < I, 0, h_ptr.dtype.element_ty, False, 2)  # SwiGLU
-    tl.store(h_ptr + pair * I + n[None, :], y, mask=(n < I)[None, :])
-
-
-def experts_tma(x, gate_up, down, weights, ids, residual=None, shared=None, shared_gate=None, ring: Ring = Ring()):
-    """layers.moe_gemv.gemv_experts' contract (x [N, H], gate_up [E, 2I, H], down [E, H, I], weights/ids [N, k];
-    no norm, the shared expert given as an output) with the gate_up launch through a TMA ring per (pair, columns)."""
-    (N, top_k), (E, two_i, H) = ids.shape, gate_up.shape
-    rows = gate_up.view(E * two_i, H)  # a view: gate_up must be contiguous
-    if rows.data_ptr() % 16 or (H * rows.element_size()) % 16:
-        raise ValueError(f"experts_tma: TMA reads rows of 16-byte multiples from a 16-byte aligned start; H = {H}")
-    x, ids = x.contiguous(), ids.contiguous()
-    h = torch.empty(N * top_k, two_i // 2, dtype=x.dtype, device=x.device)
-    total = torch.empty(N, H, dtype=x.dtype, device=x.device)
-    if not N:
-        return total
-    desc = TensorDescriptor.from_tensor(rows, block_shape=[ring.block_n, ring.block_k])
-    _expert_gate_up_tma[(triton.cdiv(two_i // 2, ring.block_n), N * top_k)](
-        x, desc, ids, h, two_i // 2, H, x.stride(0), TOP_K=top_k, BLOCK_N=ring.block_n, BLOCK_K=ring.block_k,
-        STAGES=ring.stages, num_warps=ring.num_warps, **pdl.launch(x.device),
-    )  # fmt: skip
-    down_launch = moe_gemv.tiles(x.device).down
-    return moe_gemv.down_sum(h, down, weights.contiguous(), ids, total, shared, shared_gate, residual, down_launch)

@@ -37,8 +37,8 @@ GRAPH_MAX_TOKENS = 64  # decode batches: the engine replays these from CUDA grap
 def paths(device: str) -> dict:
     out = {"grouped_mm": moe.grouped_experts, "loop": moe.looped_experts}
     if torch.device(device).type == "cuda":
-        from ..layers.gemv_tma import experts_tma
         from ..layers.moe_gemv import gemv_experts
+        from ..layers.moe_gemv_tma import experts_tma
         from ..layers.moe_kernel import fused_experts
 
         out = {"triton": fused_experts, "gemv": gemv_experts, "gemv_tma": experts_tma} | out
@@ -131,7 +131,7 @@ def sweep_gemv_tiles(args, clock: Clock, repeats: int) -> list[dict]:
 def sweep_tma_rings(args, clock: Clock, repeats: int) -> list[dict]:
     """The TMA-ring experiment's gate_up launch at each ring (layers.gemv_sweep.RINGS), graphed."""
     from ..layers.gemv_sweep import RINGS
-    from ..layers.gemv_tma import experts_tma
+    from ..layers.moe_gemv_tma import experts_tma
 
     out = []
     for ring in RINGS:
