@@ -279,8 +279,11 @@
 #     GEMV_SWEEP_ARGS=--tma-chain GEMV_SWEEP_FILE=gemv-tma-chain GEMV_SWEEP_CAP_S=300
 #   and the MoE experts' TMA form (path gemv_tma, its rings in the sweep): STEPS=moe MOE_TESTS="" MOE_MODELS=
 #     "qwen3-30b-a3b qwen3.5-35b-a3b" MOE_ARGS="--sweep --tokens 1"
-# then, where a ring beats layers.gemv in the chain (8B/9B shapes first: their GEMVs stream at ~3.5 TB/s of ~4.3) or
-# moe_gemv at one token (~52% of the copy rate), give the kernel the ring as a launch form and A/B it in the engine.
+#   and the engine with its one-row GEMVs through the ring (the best chain ring as n,k,stages in place of 1):
+#   STEPS=ab AB_MODELS="qwen3-0.6b qwen3-8b qwen3.5-9b" AB_VARIANTS=";POCKETLAB_GEMV_TMA=1" AB_ARGS="--batch-sizes 1
+#     --rounds 4 --steps 30" AB_FILE=gemv-tma AB_CAP_S=100
+# then, where a ring wins, make it layers.gemv's launch there; where the experts' form beats moe_gemv at one token
+# (~52% of the copy rate), give gemv_experts its ring (with the norm and the shared expert) and A/B it likewise.
 # MoE at real shapes (issue 17), one H200, one call each (the engine runs on the HF peer's own tensors, so the weights
 # are on the GPU once: peak ~86 GiB at 30B-A3B, ~81 GiB at 35B-A3B, most of it the weights and, at 30B, 24 GiB of K/V
 # for 64 slots x 4,097 positions; the JSON's "memory" has the measured peak). Engine warm-up, latency and serving

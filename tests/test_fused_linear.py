@@ -88,17 +88,32 @@ def test_gemv_matches_the_unfused_torch_steps(dtype, epilogue):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("epilogue", ["plain", "residual"])
-def test_tma_ring_gemv_matches_the_unfused_torch_steps(dtype, epilogue):
-    """The TMA-ring experiment (layers.gemv_tma, not on the engine's path) against the same steps: N and K off its
-    tiles (the descriptor's zero fill), K over several laps of a three-tile ring; rows not 16-byte aligned refused."""
+@pytest.mark.parametrize("epilogue", EPILOGUES)
+def test_tma_ring_gemv_matches_the_unfused_torch_steps(dtype, epilogue, monkeypatch):
+    """layers.gemv's one-row calls through the TMA-ring experiment (POCKETLAB_GEMV_TMA, layers.gemv_tma) against the
+    same steps, without and with both pre-norm flavours: N and K off the ring's tiles (the descriptor's zero fill),
+    K over several laps of a three-tile ring. Rows TMA cannot read (not 16-byte aligned) and several rows keep
+    layers.gemv's own launch."""
+    monkeypatch.setenv("POCKETLAB_GEMV_TMA", "8,64,3")
+    taken = []
+    monkeypatch.setattr(gemv_tma, "launch", lambda *a, **k: taken.append(1) or gemv_tma_launch(*a, **k))
     for N, K in [(40, 1032), (100, 72)]:
-        x, w, _, extras = inputs(1, N, K, dtype, epilogue, seed=N)
-        want = torch_linear.composed(fp32_matmul, x, w, None, **extras)
-        got = gemv_tma.gemv_tma(x, w, extras["residual"], gemv_tma.Ring(block_n=8, block_k=64, stages=3))
-        assert_matches_the_unfused_steps(got, want, dtype, (N, K))
-    with pytest.raises(ValueError, match="16-byte"):
-        gemv_tma.gemv_tma(x[:, 1:], w[:, 1:])
+        x, w, bias, extras = inputs(1, N, K, dtype, epilogue, seed=N)
+        x = x * 3.0  # rms 3: a norm left out shows
+        for norm in (None, RMSNorm(randn(K, dtype=dtype, seed=N + 7), 1e-2, False),
+                     RMSNorm(randn(K, dtype=dtype, seed=N + 8), 1e-2, True)):  # fmt: skip
+            normed = x if norm is None else _rms_norm(x.float(), norm.weight.float(), norm.eps, norm.offset)
+            want = torch_linear.composed(lambda a, b, c=None: fp32_matmul(a, b, c).to(dtype), normed, w, bias, **extras)
+            got = gemv.gemv(x, w, bias, norm=norm, **extras)
+            assert_matches_the_unfused_steps(got, want, dtype, (N, K, norm is not None and norm.offset))
+    assert len(taken) == 6
+    x, w, bias, extras = inputs(2, 40, 1032, dtype, epilogue)
+    gemv.gemv(x, w, bias, **extras)  # two rows
+    gemv.gemv(x[:1, 1:1025], w[:, 1:1025], bias, **extras | dict(residual=None))  # rows off 16-byte alignment
+    assert len(taken) == 6
+
+
+gemv_tma_launch = gemv_tma.launch
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

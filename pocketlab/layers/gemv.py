@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ..config import GEMV_MAX_ROWS as MAX_ROWS
-from . import pdl
+from . import gemv_tma, pdl
 from .invariant.matmul import PLAIN, as_rows, checked_width, epilogue_of, finish
 from .pdl import wait_then_release
 
@@ -200,8 +200,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _check_conv(conv, x2.shape[0], N)
     y = torch.empty(x2.shape[0], N, dtype=x.dtype, device=x.device)
     res = None if residual is None else as_rows(residual, N)
-    after = conv if conv is not None and K < CONV_MIN_K and x.is_cuda else None
-    if x2.shape[0]:
+    ring = gemv_tma.ring_from_env() if x2.shape[0] == 1 and gemv_tma.fits(weight) else None
+    after = conv if conv is not None and (ring or (K < CONV_MIN_K and x.is_cuda)) else None
+    if ring:  # the TMA-ring experiment (layers.gemv_tma), switched on for measuring
+        gemv_tma.launch(x2, weight, bias, y, ring, epilogue_of(residual, swiglu), res, norm)
+    elif x2.shape[0]:
         t = launch_for(x2.shape[0], N, K, x.device, normed=norm is not None and not swiglu)
         launch(x2, weight, bias, y, t, epilogue_of(residual, swiglu), res, norm, None if after else conv)
     y = y.reshape(*x.shape[:-1], N)

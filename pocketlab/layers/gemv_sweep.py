@@ -35,8 +35,8 @@ import torch.nn.functional as F
 import triton
 from tqdm import tqdm
 
-from . import gemv, moe_gemv
-from .gemv_tma import Ring, _gemv_tma, gemv_tma
+from . import gemv, gemv_tma, moe_gemv
+from .gemv_tma import Ring, _gemv_tma
 from .invariant import linear as fused_linear
 from .invariant import rms_norm
 from .invariant.matmul import PLAIN, RESIDUAL, SWIGLU
@@ -178,7 +178,8 @@ def tma_chain(layers: int = 28, top: int = 6) -> None:
         for ring in tqdm(RINGS, desc=name, leave=False):
 
             def layer(h, a, b, r=ring):
-                return gemv_tma(gemv_tma(h, a, ring=r), b, residual=h, ring=r)
+                y = gemv_tma.launch(h, a, None, h.new_empty(1, a.shape[0]), r)
+                return gemv_tma.launch(y, b, None, h.new_empty(1, b.shape[0]), r, RESIDUAL, h)
 
             tried.append((chain_us(layer, weights, h), ring))
         for us, ring in sorted(tried, key=lambda p: p[0])[:top]:
@@ -216,10 +217,12 @@ def resources() -> None:
                          BLOCK_N=t.block_n, BLOCK_K=t.block_k, AHEAD=t.ahead)  # fmt: skip
         print(f"{name:<20} layers.gemv {(t.block_n, t.block_k, t.ahead)!s:<16}"
               f"{compiled(gemv._gemv, plain, constants, t.num_warps)}")  # fmt: skip
-    ring_args = {"x_ptr": "*bf16", "y_ptr": "*bf16", "res_ptr": "*bf16", "N": "i32", "K": "i32"}
+    ring_args = dict.fromkeys(("x_ptr", "b_ptr", "y_ptr", "res_ptr", "g_ptr"), "*bf16") | {"eps": "fp32"}
+    ring_args |= {"N": "i32", "K": "i32"}
     for r in RINGS:
         signature = ring_args | {"w_desc": f"tensordesc<bf16[{r.block_n}, {r.block_k}]>"}
-        constants = dict(RESIDUAL=True, BLOCK_N=r.block_n, BLOCK_K=r.block_k, STAGES=r.stages)
+        constants = dict(HAS_BIAS=False, EPILOGUE=RESIDUAL, NORM=0, BLOCK_N=r.block_n, BLOCK_K=r.block_k,
+                         STAGES=r.stages)  # fmt: skip
         print(f"{'TMA ring':<20} {(r.block_n, r.block_k, r.stages)!s:<28}"
               f"{compiled(_gemv_tma, signature, constants, r.num_warps)}")  # fmt: skip
     experts = dict.fromkeys(("x_ptr", "w_ptr", "sw_ptr", "g_ptr", "h_ptr"), "*bf16") | {

@@ -6,11 +6,13 @@ twenty-third sessions). Here the weight is read through a Hopper tensor descript
 num_stages=STAGES)` loop, which Triton (3.6 as on the H200, and 3.9) compiles to a ring of STAGES tiles loaded by
 TMA and handed over by mbarriers: STAGES - 1 tiles in flight at a fraction of layers.gemv's registers (`python -m
 pocketlab.layers.gemv_sweep --resources` compiles both; `--tma-chain` times them in a decode-like chain). Same
-arithmetic as layers.gemv's plain and residual epilogues: float32 lanes along K, summed once, rounded once.
+arithmetic as layers.gemv at one row (its norm, bias and epilogues: float32 lanes along K, summed once, rounded once);
+`POCKETLAB_GEMV_TMA` sends layers.gemv's one-row calls here, to measure it in the engine.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +21,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import pdl
-from .invariant.matmul import finish
+from .invariant.matmul import PLAIN, finish
 from .pdl import wait_then_release
 
 
@@ -34,39 +36,63 @@ class Ring:
     num_warps: int = 4
 
 
+def ring_from_env() -> Ring | None:
+    """POCKETLAB_GEMV_TMA: unset or "0", layers.gemv's own launches; "1", the default ring; "n,k,stages", that ring.
+    A switch for measuring (tools.ab), not an engine option, while this is an experiment."""
+    value = os.environ.get("POCKETLAB_GEMV_TMA", "0")
+    if value in ("", "0"):
+        return None
+    return Ring() if value == "1" else Ring(*(int(v) for v in value.split(",")))
+
+
+def fits(weight: torch.Tensor) -> bool:
+    """TMA reads rows of 16-byte multiples from a 16-byte aligned start."""
+    row_bytes = weight.stride(0) * weight.element_size()
+    return weight.stride(1) == 1 and weight.data_ptr() % 16 == 0 and row_bytes % 16 == 0
+
+
 @triton.jit
-def _gemv_tma(x_ptr, w_desc, y_ptr, res_ptr, N, K, RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    """y[n] = sum_k W[n, k] x[k] for this program's BLOCK_N rows (the descriptor zero-fills past N and K), then
-    layers.gemv's epilogue (RESIDUAL 1: res[n] + y, rounded where it rounds)."""
+def _gemv_tma(x_ptr, w_desc, b_ptr, y_ptr, res_ptr, g_ptr, eps, N, K, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
+              NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+              PDL: tl.constexpr):  # fmt: skip
+    """layers.gemv's one-row arithmetic for this program's BLOCK_N rows (the descriptor zero-fills past the weight's
+    end): NORM, x RMS-normed with weight g on the way; EPILOGUE 1, residual + y; 2, W is [gate | up] (up rows N
+    further; the gate tile of a block past N reads up rows, never stored) and y = silu(gate) * up."""
     n0 = tl.program_id(0) * BLOCK_N
     wait_then_release(PDL)
+    TWO: tl.constexpr = EPILOGUE == 2
     lanes = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    lanes_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+        if NORM:
+            squares += x * x
+            x = x * (tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32) + (1.0 if NORM == 2 else 0.0))
         lanes += w_desc.load([n0, k0]).to(tl.float32) * x[None, :]
+        if TWO:
+            lanes_up += w_desc.load([n0 + N, k0]).to(tl.float32) * x[None, :]
+    total, total_up = tl.sum(lanes, 1)[None, :], tl.sum(lanes_up, 1)[None, :]
+    if NORM:
+        inv_rms = tl.rsqrt(tl.sum(squares, 0) / K + eps)
+        total, total_up = total * inv_rms, total_up * inv_rms
     n, m = n0 + tl.arange(0, BLOCK_N), tl.arange(0, 1)
-    total = tl.sum(lanes, 1)[None, :]
-    y = finish(total, total, res_ptr, res_ptr, m, n, m < 1, n < N, 0, y_ptr.dtype.element_ty, False, RESIDUAL)
+    y = finish(total, total_up, b_ptr, res_ptr, m, n, m < 1, n < N, 0, y_ptr.dtype.element_ty, HAS_BIAS, EPILOGUE)
     tl.store(y_ptr + n[None, :], y, mask=(n < N)[None, :])
 
 
-def gemv_tma(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None, ring: Ring = Ring()):
-    """F.linear(x, weight) (+ residual) for one row x [1, K] or [K], weight [N, K] row-major with 16-byte aligned
-    rows (TMA's rule); rounded once to x's dtype."""
-    N, K = weight.shape
-    aligned = weight.data_ptr() % 16 == 0 and (weight.stride(0) * weight.element_size()) % 16 == 0
-    if x.numel() != K or weight.stride(1) != 1 or not aligned:
-        raise ValueError(f"gemv_tma: one row of {K} against a row-major [N, K] weight with 16-byte aligned rows; got "
-                         f"x {tuple(x.shape)}, weight {tuple(weight.shape)} strides {weight.stride()}")  # fmt: skip
-    if residual is not None and residual.numel() != N:
-        raise ValueError(f"gemv_tma: residual {tuple(residual.shape)} should hold the output's {N} values")
-    y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
+def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, ring: Ring,
+           epilogue: int = PLAIN, residual: torch.Tensor | None = None, norm=None) -> torch.Tensor:  # fmt: skip
+    """y [1, N] from x2 [1, K] as layers.gemv.launch computes it (its checks done by the caller; `fits(weight)`),
+    the weight read through a `ring`."""
+    N, K = y.shape[1], x2.shape[1]
     desc = TensorDescriptor.from_tensor(weight, block_shape=[ring.block_n, ring.block_k])
+    flavour = 0 if norm is None else 2 if norm.offset else 1  # layers.gemv's NORM: none, g * x, (1 + g) * x
     _gemv_tma[(triton.cdiv(N, ring.block_n),)](
-        x.reshape(K), desc, y, y if residual is None else residual.reshape(N), N, K, RESIDUAL=residual is not None,
-        BLOCK_N=ring.block_n, BLOCK_K=ring.block_k, STAGES=ring.stages, num_warps=ring.num_warps,
-        **pdl.launch(x.device),
+        x2, desc, y if bias is None else bias, y, y if residual is None else residual,
+        y if norm is None else norm.weight, 0.0 if norm is None else norm.eps, N, K, HAS_BIAS=bias is not None,
+        EPILOGUE=epilogue, NORM=flavour, BLOCK_N=ring.block_n, BLOCK_K=ring.block_k, STAGES=ring.stages,
+        num_warps=ring.num_warps, **pdl.launch(x2.device),
     )  # fmt: skip
     return y
