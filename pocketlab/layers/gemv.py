@@ -200,7 +200,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _check_conv(conv, x2.shape[0], N)
     y = torch.empty(x2.shape[0], N, dtype=x.dtype, device=x.device)
     res = None if residual is None else as_rows(residual, N)
-    ring = gemv_tma.ring_from_env() if x2.shape[0] == 1 and gemv_tma.fits(weight) else None
+    ring = gemv_tma.ring_from_env() if x2.shape[0] == 1 else None
+    ring = ring if ring and gemv_tma.fits(weight) else None
     after = conv if conv is not None and (ring or (K < CONV_MIN_K and x.is_cuda)) else None
     if ring:  # the TMA-ring experiment (layers.gemv_tma), switched on for measuring
         gemv_tma.launch(x2, weight, bias, y, ring, epilogue_of(residual, swiglu), res, norm)
