@@ -11,7 +11,7 @@ Per token count N: the experts its routing reads (random weights, random router)
 (distinct experts x an expert's weights) over the measured copy bandwidth, and its flops over the matmul rate.
 The loop path (one matmul per expert hit, host syncs: HF's eager way) runs eagerly as the baseline. On CUDA the
 routing itself too: torch's ops (softmax, topk, rescale) against the one-launch kernel; and "gemv_tma", the TMA-ring
-experiment (layers.gemv_tma.experts_tma), beside "gemv".
+experiment (layers.moe_gemv_tma.experts_tma), beside "gemv".
 """
 
 from __future__ import annotations
