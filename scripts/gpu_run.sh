@@ -279,11 +279,13 @@
 #     GEMV_SWEEP_ARGS=--tma-chain GEMV_SWEEP_FILE=gemv-tma-chain GEMV_SWEEP_CAP_S=300
 #   and the MoE experts' TMA form (path gemv_tma, its rings in the sweep): STEPS=moe MOE_TESTS="" MOE_MODELS=
 #     "qwen3-30b-a3b qwen3.5-35b-a3b" MOE_ARGS="--sweep --tokens 1"
-#   and the engine with its one-row GEMVs through the ring (the best chain ring as n,k,stages in place of 1):
+#   and the engine with its one-row GEMVs through the ring (the best chain ring as n:k:stages in place of 1):
 #   STEPS=ab AB_MODELS="qwen3-0.6b qwen3-8b qwen3.5-9b" AB_VARIANTS=";POCKETLAB_GEMV_TMA=1" AB_ARGS="--batch-sizes 1
 #     --rounds 4 --steps 30" AB_FILE=gemv-tma AB_CAP_S=100
-# then, where a ring wins, make it layers.gemv's launch there; where the experts' form beats moe_gemv at one token
-# (~52% of the copy rate), give gemv_experts its ring (with the norm and the shared expert) and A/B it likewise.
+#   and the MoE engines with their decode experts through the ring (norm and shared expert inside):
+#   STEPS=ab AB_MODELS="qwen3-30b-a3b-4-layers qwen3.5-35b-a3b-4-layers" AB_VARIANTS=";POCKETLAB_MOE_TMA=1;
+#     POCKETLAB_MOE_TMA=1,POCKETLAB_GEMV_TMA=1" AB_ARGS="--batch-sizes 1 --rounds 4 --steps 30" AB_FILE=moe-tma
+# then, where a ring wins, make it the kernel's launch there (and the bench at the full MoE shapes says the b1 roofline).
 # MoE at real shapes (issue 17), one H200, one call each (the engine runs on the HF peer's own tensors, so the weights
 # are on the GPU once: peak ~86 GiB at 30B-A3B, ~81 GiB at 35B-A3B, most of it the weights and, at 30B, 24 GiB of K/V
 # for 64 slots x 4,097 positions; the JSON's "memory" has the measured peak). Engine warm-up, latency and serving

@@ -265,20 +265,32 @@ def test_gemv_experts_equal_the_torch_path(offset):
 
 
 @needs_triton
-def test_tma_ring_experts_equal_the_torch_path():
-    """The TMA-ring experiment's experts (layers.gemv_tma.experts_tma: gate_up per pair and columns through a ring,
-    then gemv_experts' down launch) against the reference loop: 1-3 tokens, column blocks past I (their rows belong
-    to the up half or the next expert), with the residual and the gated shared expert."""
+@pytest.mark.parametrize("offset", [False, True], ids=["w*x", "(1+w)*x"])
+def test_tma_ring_experts_equal_the_torch_path(offset):
+    """The TMA-ring experiment's experts (layers.moe_gemv_tma: gate_up per pair and columns through a ring, then
+    gemv_experts' down launch) against the reference loop on the float32 norm of x: 1-3 tokens, column blocks past I
+    (their rows belong to the up half or the next expert), with the residual and the gated shared expert, given as an
+    output or as weights run as N more pairs."""
     from pocketlab.layers.gemv_tma import Ring
     from pocketlab.layers.moe_gemv_tma import experts_tma
+    from pocketlab.layers.norm import RMSNorm
 
-    g = torch.Generator().manual_seed(12)
+    g, ring = torch.Generator().manual_seed(12), Ring(block_n=16, block_k=32, stages=2)
     for N in (1, 3):
         x, gu, d, w, ids = expert_inputs(N, seed=40 + N)
+        x = x * torch.logspace(-2, 1, N, device=DEVICE)[:, None]
         residual, shared, gate = (torch.randn(N, n, generator=g).to(DEVICE) for n in (72, 72, 1))
-        for extra in ({}, dict(residual=residual, shared=shared, shared_gate=gate)):
-            want = moe.looped_experts(x, gu, d, w, ids, **extra)
-            got = experts_tma(x, gu, d, w, ids, **extra, ring=Ring(block_n=16, block_k=32, stages=2))
+        for norm in (None, RMSNorm(torch.randn(72, generator=g).to(DEVICE), 1e-2, offset)):
+            normed = x if norm is None else norm(x)
+            for extra in ({}, dict(residual=residual, shared=shared, shared_gate=gate)):
+                want = moe.looped_experts(normed, gu, d, w, ids, **extra)
+                got = experts_tma(x, gu, d, w, ids, **extra, norm=norm, ring=ring)
+                torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+            shared_gu, shared_d = gu[N % 8] * 2, d[(N + 1) % 8] * 2  # unlike any routed pair's
+            own = F.linear(swiglu(F.linear(normed, shared_gu)), shared_d)
+            want = moe.looped_experts(normed, gu, d, w, ids, shared=own, shared_gate=gate, residual=residual)
+            got = experts_tma(x, gu, d, w, ids, residual, None, gate, norm, shared_weights=(shared_gu, shared_d),
+                              ring=ring)  # fmt: skip
             torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
 
 
@@ -369,6 +381,25 @@ def test_engine_with_the_triton_experts_matches_the_torch_path(fused_linear, sha
         assert set(calls) == {(1, inside, not inside)} and len(calls) >= eng.cfg.num_hidden_layers
     else:
         assert calls == []
+
+
+@needs_triton
+@pytest.mark.parametrize("shared_width", [32, 48])
+def test_engine_with_the_tma_ring_experts_matches_the_torch_path(shared_width, checkpoint, monkeypatch):
+    """POCKETLAB_MOE_TMA sends decode's experts through layers.moe_gemv_tma (the norm, and a shared expert as wide as
+    a routed one, inside): the torch path's greedy tokens and logits, every decode layer through the ring."""
+    from pocketlab.layers import moe_gemv_tma
+
+    real, calls = moe_gemv_tma.experts_tma, []
+    monkeypatch.setattr(moe_gemv_tma, "experts_tma", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setenv("POCKETLAB_MOE_TMA", "8:32:2")
+    path = checkpoint("tiny-qwen3_5_moe", **({"shared_expert_intermediate_size": 48} if shared_width == 48 else {}))
+    prompt = random_prompt(20, seed=3)
+    want = greedy_run(engine(path, moe_kernel="torch"), prompt, 4)
+    eng = engine(path, moe_kernel="triton", fused_linear="triton")
+    got = greedy_run(eng, prompt, 4)
+    assert got[0] == want[0] and close(got[1], want[1])
+    assert len(calls) >= eng.cfg.num_hidden_layers
 
 
 # -- engine guarantees on the MoE presets ---------------------------------------------------------

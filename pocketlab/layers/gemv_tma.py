@@ -36,13 +36,14 @@ class Ring:
     num_warps: int = 4
 
 
-def ring_from_env() -> Ring | None:
-    """POCKETLAB_GEMV_TMA: unset or "0", layers.gemv's own launches; "1", the default ring; "n,k,stages", that ring.
-    A switch for measuring (tools.ab), not an engine option, while this is an experiment."""
-    value = os.environ.get("POCKETLAB_GEMV_TMA", "0")
+def ring_from_env(name: str = "POCKETLAB_GEMV_TMA") -> Ring | None:
+    """The switch `name`: unset or "0", the kernels' own launches; "1", the default ring; "n:k:stages" (or with
+    commas), that ring. For measuring (tools.ab, whose variants are comma-separated), not an engine option, while
+    this is an experiment."""
+    value = os.environ.get(name, "0")
     if value in ("", "0"):
         return None
-    return Ring() if value == "1" else Ring(*(int(v) for v in value.split(",")))
+    return Ring() if value == "1" else Ring(*(int(v) for v in value.replace(":", ",").split(",")))
 
 
 def fits(weight: torch.Tensor) -> bool:

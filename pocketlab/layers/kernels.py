@@ -93,9 +93,9 @@ def _moe_kernels(options) -> dict:
     kernels = dict(moe_route=route_in_one_launch if on_cuda else moe.route, moe_experts=fused_experts)
     if options.batch_invariant or not fuses_linear(options) or not options.moe_gemv_tokens:
         return kernels
-    from . import moe_gemv  # decode's token streams its experts' rows as the linears do (layers.gemv)
+    from . import moe_gemv_tma  # decode's token streams its experts' rows as the linears do (layers.moe_gemv)
 
-    return kernels | dict(moe_few_experts=moe_gemv.gemv_experts, moe_few_tokens=options.moe_gemv_tokens)
+    return kernels | dict(moe_few_experts=moe_gemv_tma.few_experts, moe_few_tokens=options.moe_gemv_tokens)
 
 
 def _kernels_for(options) -> Kernels:

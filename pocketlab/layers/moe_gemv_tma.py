@@ -1,8 +1,9 @@
 """An experiment: layers.moe_gemv.gemv_experts with its gate_up launch reading the experts' weights through a TMA ring
 in shared memory (layers.gemv_tma's form): one program per (token pair, columns), its expert's gate and up rows two
-tiles a step. moe_gemv's gate_up holds all k experts' tiles in registers (252 a thread on sm_90); this form takes
-25-120 (`python -m pocketlab.layers.gemv_sweep --resources`). `python -m pocketlab.tools.moe_bench` times it as path
-"gemv_tma" beside "gemv"; the down launch is gemv_experts' own.
+tiles a step, the block's norm and the shared expert included. moe_gemv's gate_up holds all k experts' tiles in
+registers (252 a thread on sm_90); this form takes far fewer (`python -m pocketlab.layers.gemv_sweep --resources`).
+`python -m pocketlab.tools.moe_bench` times it as path "gemv_tma" beside "gemv"; POCKETLAB_MOE_TMA sends the engine's
+decode experts here (`few_experts`), for tools.ab. The down launch is gemv_experts' own.
 """
 
 from __future__ import annotations
@@ -12,52 +13,98 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from . import moe_gemv, pdl
+from . import gemv_tma, moe_gemv, pdl
 from .gemv_tma import Ring
 from .invariant.matmul import finish
 from .pdl import wait_then_release
 
 
 @triton.jit
-def _expert_gate_up_tma(x_ptr, w_desc, ids_ptr, h_ptr, I, H, stride_x, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    """h[pair, n] = silu(x . gate[e, n]) * (x . up[e, n]) for the pair program_id(1) (token pair // TOP_K, expert
-    e = ids[pair]) and this program's BLOCK_N columns, gate_up read as [E * 2I, H]: two tiles a step. Columns past I
-    read the next rows (the up half, the next expert, zeros past the end) and are never stored."""
-    pair = tl.program_id(1).to(tl.int64)
-    n0 = tl.program_id(0) * BLOCK_N
-    wait_then_release(PDL)  # the routing launch just before wrote the ids
-    gate_row = tl.load(ids_ptr + pair).to(tl.int32) * 2 * I + n0
-    x_row = x_ptr + (pair // TOP_K) * stride_x
+def _swiglu_sums(desc, gate_row, up_row, x_row, g_ptr, H, NORM: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
+    """(x . gate rows, x . up rows, sum of x's squares) over H, the rows read through `desc`'s ring; NORM (layers.gemv's
+    flavours): x times the norm's weight g on the way."""
     lanes_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     lanes_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for k0 in tl.range(0, H, BLOCK_K, num_stages=STAGES):
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_row + k, mask=k < H, other=0.0).to(tl.float32)
-        lanes_gate += w_desc.load([gate_row, k0]).to(tl.float32) * x[None, :]
-        lanes_up += w_desc.load([gate_row + I, k0]).to(tl.float32) * x[None, :]
+        if NORM:
+            squares += x * x
+            x = x * (tl.load(g_ptr + k, mask=k < H, other=0.0).to(tl.float32) + (1.0 if NORM == 2 else 0.0))
+        lanes_gate += desc.load([gate_row, k0]).to(tl.float32) * x[None, :]
+        lanes_up += desc.load([up_row, k0]).to(tl.float32) * x[None, :]
+    return tl.sum(lanes_gate, 1), tl.sum(lanes_up, 1), tl.sum(squares, 0)
+
+
+@triton.jit
+def _expert_gate_up_tma(x_ptr, w_desc, s_desc, g_ptr, ids_ptr, h_ptr, eps, I, H, stride_x, PAIRS,
+                        TOP_K: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """h[pair, n] = silu(x . gate[e, n]) * (x . up[e, n]) for the pair program_id(1) (token pair // TOP_K, expert
+    e = ids[pair]) and this program's BLOCK_N columns, gate_up read as [E * 2I, H]; with SHARED the programs past the
+    PAIRS routed pairs compute the shared expert's rows (s_desc, [2I, H]) for token pair - PAIRS, h's row N * k +
+    token as in moe_gemv. NORM: x is the block's RMSNorm of the token's row, taken on the way. Columns past I read the
+    next rows (the up half, the next expert, zeros past the end) and are never stored."""
+    pair = tl.program_id(1).to(tl.int64)
+    n0 = tl.program_id(0) * BLOCK_N
+    wait_then_release(PDL)  # the routing launch just before wrote the ids
+    if SHARED and pair >= PAIRS:
+        x_row = x_ptr + (pair - PAIRS) * stride_x
+        gate, up, squares = _swiglu_sums(s_desc, n0, n0 + I, x_row, g_ptr, H, NORM, BLOCK_N, BLOCK_K, STAGES)
+    else:
+        x_row = x_ptr + (pair // TOP_K) * stride_x
+        gate_row = tl.load(ids_ptr + pair).to(tl.int32) * 2 * I + n0
+        gate, up, squares = _swiglu_sums(w_desc, gate_row, gate_row + I, x_row, g_ptr, H, NORM, BLOCK_N, BLOCK_K,
+                                         STAGES)  # fmt: skip
+    inv_rms = tl.rsqrt(squares / H + eps) if NORM else 1.0
     n, m = n0 + tl.arange(0, BLOCK_N), tl.arange(0, 1)
-    gate, up = tl.sum(lanes_gate, 1)[None, :], tl.sum(lanes_up, 1)[None, :]
-    y = finish(gate, up, h_ptr, h_ptr, m, n, m < 1, n < I, 0, h_ptr.dtype.element_ty, False, 2)  # SwiGLU
+    y = finish((gate * inv_rms)[None, :], (up * inv_rms)[None, :], h_ptr, h_ptr, m, n, m < 1, n < I, 0,
+               h_ptr.dtype.element_ty, False, 2)  # SwiGLU  # fmt: skip
     tl.store(h_ptr + pair * I + n[None, :], y, mask=(n < I)[None, :])
 
 
-def experts_tma(x, gate_up, down, weights, ids, residual=None, shared=None, shared_gate=None, ring: Ring | None = None):
-    """layers.moe_gemv.gemv_experts' contract (x [N, H], gate_up [E, 2I, H], down [E, H, I], weights/ids [N, k];
-    no norm, the shared expert given as an output) with the gate_up launch through a TMA ring per (pair, columns)."""
+def fits(*weights: torch.Tensor) -> bool:
+    """Every weight contiguous, its rows TMA-readable (layers.gemv_tma.fits)."""
+    return all(w.is_contiguous() and gemv_tma.fits(w.view(-1, w.shape[-1])) for w in weights)
+
+
+def experts_tma(x, gate_up, down, weights, ids, residual=None, shared=None, shared_gate=None, norm=None,
+                t: moe_gemv.Tiles | None = None, ids_ready: bool = False, shared_weights=None,
+                ring: Ring | None = None):  # fmt: skip
+    """layers.moe_gemv.gemv_experts' contract, the gate_up launch through a TMA ring per (pair, columns), the shared
+    expert's [gate | up] as N more pairs when `shared_weights` are given; the down launch is gemv_experts' own
+    (t.down). ids_ready changes nothing here: the ring starts after the PDL wait."""
     (N, top_k), (E, two_i, H), ring = ids.shape, gate_up.shape, ring or Ring()
-    rows = gate_up.view(E * two_i, H)  # a view: gate_up must be contiguous
-    if rows.data_ptr() % 16 or (H * rows.element_size()) % 16:
-        raise ValueError(f"experts_tma: TMA reads rows of 16-byte multiples from a 16-byte aligned start; H = {H}")
+    if not fits(gate_up, *(shared_weights or ())[:1]):
+        raise ValueError(f"experts_tma: TMA reads contiguous rows of 16-byte multiples from a 16-byte aligned start; "
+                         f"H = {H}")  # fmt: skip
     x, ids = x.contiguous(), ids.contiguous()
-    h = torch.empty(N * top_k, two_i // 2, dtype=x.dtype, device=x.device)
+    inside = shared_weights is not None
+    h = torch.empty(N * top_k + (N if inside else 0), two_i // 2, dtype=x.dtype, device=x.device)
     total = torch.empty(N, H, dtype=x.dtype, device=x.device)
     if not N:
         return total
-    desc = TensorDescriptor.from_tensor(rows, block_shape=[ring.block_n, ring.block_k])
-    _expert_gate_up_tma[(triton.cdiv(two_i // 2, ring.block_n), N * top_k)](
-        x, desc, ids, h, two_i // 2, H, x.stride(0), TOP_K=top_k, BLOCK_N=ring.block_n, BLOCK_K=ring.block_k,
-        STAGES=ring.stages, num_warps=ring.num_warps, **pdl.launch(x.device),
+    rows = TensorDescriptor.from_tensor(gate_up.view(E * two_i, H), block_shape=[ring.block_n, ring.block_k])
+    own = TensorDescriptor.from_tensor(shared_weights[0], block_shape=[ring.block_n, ring.block_k]) if inside else rows
+    flavour = 0 if norm is None else 2 if norm.offset else 1  # layers.gemv's NORM: none, g * x, (1 + g) * x
+    _expert_gate_up_tma[(triton.cdiv(two_i // 2, ring.block_n), h.shape[0])](
+        x, rows, own, x if norm is None else norm.weight, ids, h, 0.0 if norm is None else norm.eps, two_i // 2, H,
+        x.stride(0), N * top_k, TOP_K=top_k, NORM=flavour, SHARED=inside, BLOCK_N=ring.block_n,
+        BLOCK_K=ring.block_k, STAGES=ring.stages, num_warps=ring.num_warps, **pdl.launch(x.device),
     )  # fmt: skip
-    down_launch = moe_gemv.tiles(x.device).down
-    return moe_gemv.down_sum(h, down, weights.contiguous(), ids, total, shared, shared_gate, residual, down_launch)
+    down_launch = (t or moe_gemv.tiles(x.device)).down
+    shared_down = shared_weights[1] if inside else None
+    return moe_gemv.down_sum(h, down, weights.contiguous(), ids, total, shared, shared_gate, residual, down_launch,
+                             shared_down, inside)  # fmt: skip
+
+
+def few_experts(*args, **kwargs) -> torch.Tensor:
+    """The engine's experts for decode's few tokens: moe_gemv.gemv_experts, or with POCKETLAB_MOE_TMA (a switch for
+    measuring, as layers.gemv_tma.ring_from_env reads it) this ring form where the weights fit it."""
+    ring = gemv_tma.ring_from_env("POCKETLAB_MOE_TMA")
+    gate_up, shared_weights = args[1], kwargs.get("shared_weights")
+    if ring is None or not fits(gate_up, *(shared_weights or ())[:1]):  # the [gate | up] weights TMA reads
+        return moe_gemv.gemv_experts(*args, **kwargs)
+    return experts_tma(*args, **kwargs, ring=ring)
