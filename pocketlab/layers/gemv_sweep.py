@@ -234,10 +234,11 @@ def resources() -> None:
     constants = dict(TOP_K=8, NORM=2, KP=8, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SHARED=True, IDS_READY=True)
     print(f"{'experts, top-8':<20} moe_gemv gate_up {(t.block_n, t.block_k)!s:<11}"
           f"{compiled(moe_gemv._gate_up, experts, constants, t.num_warps)}")  # fmt: skip
-    pairs = {"x_ptr": "*bf16", "ids_ptr": "*i64", "h_ptr": "*bf16", "I": "i32", "H": "i32", "stride_x": "i32"}
+    pairs = {"x_ptr": "*bf16", "g_ptr": "*bf16", "ids_ptr": "*i64", "h_ptr": "*bf16", "eps": "fp32"}
+    pairs |= dict.fromkeys(("I", "H", "stride_x", "PAIRS"), "i32")
     for r in RINGS:
-        signature = pairs | {"w_desc": f"tensordesc<bf16[{r.block_n}, {r.block_k}]>"}
-        constants = dict(TOP_K=8, BLOCK_N=r.block_n, BLOCK_K=r.block_k, STAGES=r.stages)
+        signature = pairs | dict.fromkeys(("w_desc", "s_desc"), f"tensordesc<bf16[{r.block_n}, {r.block_k}]>")
+        constants = dict(TOP_K=8, NORM=2, SHARED=True, BLOCK_N=r.block_n, BLOCK_K=r.block_k, STAGES=r.stages)
         print(f"{'experts, top-8':<20} TMA ring {(r.block_n, r.block_k, r.stages)!s:<19}"
               f"{compiled(_expert_gate_up_tma, signature, constants, r.num_warps)}")  # fmt: skip
 
