@@ -53,15 +53,11 @@ def fits(weight: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _gemv_tma(x_ptr, w_desc, b_ptr, y_ptr, res_ptr, g_ptr, eps, N, K, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
-              NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-              PDL: tl.constexpr):  # fmt: skip
-    """layers.gemv's one-row arithmetic for this program's BLOCK_N rows (the descriptor zero-fills past the weight's
-    end): NORM, x RMS-normed with weight g on the way; EPILOGUE 1, residual + y; 2, W is [gate | up] (up rows N
-    further; the gate tile of a block past N reads up rows, never stored) and y = silu(gate) * up."""
-    n0 = tl.program_id(0) * BLOCK_N
-    wait_then_release(PDL)
-    TWO: tl.constexpr = EPILOGUE == 2
+def ring_sums(desc, row, up_row, x_ptr, g_ptr, K, NORM: tl.constexpr, TWO: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
+    """(x . the rows from `row`, x . the rows from `up_row` when TWO, the sum of x's squares) over K, the rows read
+    through `desc`'s ring of STAGES tiles (zeros past the weight's end); NORM (layers.gemv's flavours): x times the
+    norm's weight g on the way."""
     lanes = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     lanes_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
@@ -71,15 +67,27 @@ def _gemv_tma(x_ptr, w_desc, b_ptr, y_ptr, res_ptr, g_ptr, eps, N, K, HAS_BIAS: 
         if NORM:
             squares += x * x
             x = x * (tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32) + (1.0 if NORM == 2 else 0.0))
-        lanes += w_desc.load([n0, k0]).to(tl.float32) * x[None, :]
+        lanes += desc.load([row, k0]).to(tl.float32) * x[None, :]
         if TWO:
-            lanes_up += w_desc.load([n0 + N, k0]).to(tl.float32) * x[None, :]
-    total, total_up = tl.sum(lanes, 1)[None, :], tl.sum(lanes_up, 1)[None, :]
-    if NORM:
-        inv_rms = tl.rsqrt(tl.sum(squares, 0) / K + eps)
-        total, total_up = total * inv_rms, total_up * inv_rms
+            lanes_up += desc.load([up_row, k0]).to(tl.float32) * x[None, :]
+    return tl.sum(lanes, 1), tl.sum(lanes_up, 1), tl.sum(squares, 0)
+
+
+@triton.jit
+def _gemv_tma(x_ptr, w_desc, b_ptr, y_ptr, res_ptr, g_ptr, eps, N, K, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
+              NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+              PDL: tl.constexpr):  # fmt: skip
+    """layers.gemv's one-row arithmetic for this program's BLOCK_N rows: NORM, x RMS-normed with weight g on the way;
+    EPILOGUE 1, residual + y; 2, W is [gate | up] (up rows N further; the gate tile of a block past N reads up rows,
+    never stored) and y = silu(gate) * up."""
+    n0 = tl.program_id(0) * BLOCK_N
+    wait_then_release(PDL)
+    total, total_up, squares = ring_sums(w_desc, n0, n0 + N, x_ptr, g_ptr, K, NORM, EPILOGUE == 2, BLOCK_N, BLOCK_K,
+                                         STAGES)  # fmt: skip
+    inv_rms = tl.rsqrt(squares / K + eps) if NORM else 1.0
     n, m = n0 + tl.arange(0, BLOCK_N), tl.arange(0, 1)
-    y = finish(total, total_up, b_ptr, res_ptr, m, n, m < 1, n < N, 0, y_ptr.dtype.element_ty, HAS_BIAS, EPILOGUE)
+    y = finish((total * inv_rms)[None, :], (total_up * inv_rms)[None, :], b_ptr, res_ptr, m, n, m < 1, n < N, 0,
+               y_ptr.dtype.element_ty, HAS_BIAS, EPILOGUE)  # fmt: skip
     tl.store(y_ptr + n[None, :], y, mask=(n < N)[None, :])
 
 

@@ -14,28 +14,9 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import gemv_tma, moe_gemv, pdl
-from .gemv_tma import Ring
+from .gemv_tma import Ring, ring_sums
 from .invariant.matmul import finish
 from .pdl import wait_then_release
-
-
-@triton.jit
-def _swiglu_sums(desc, gate_row, up_row, x_row, g_ptr, H, NORM: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
-    """(x . gate rows, x . up rows, sum of x's squares) over H, the rows read through `desc`'s ring; NORM (layers.gemv's
-    flavours): x times the norm's weight g on the way."""
-    lanes_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    lanes_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for k0 in tl.range(0, H, BLOCK_K, num_stages=STAGES):
-        k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_row + k, mask=k < H, other=0.0).to(tl.float32)
-        if NORM:
-            squares += x * x
-            x = x * (tl.load(g_ptr + k, mask=k < H, other=0.0).to(tl.float32) + (1.0 if NORM == 2 else 0.0))
-        lanes_gate += desc.load([gate_row, k0]).to(tl.float32) * x[None, :]
-        lanes_up += desc.load([up_row, k0]).to(tl.float32) * x[None, :]
-    return tl.sum(lanes_gate, 1), tl.sum(lanes_up, 1), tl.sum(squares, 0)
 
 
 @triton.jit
@@ -52,12 +33,12 @@ def _expert_gate_up_tma(x_ptr, w_desc, s_desc, g_ptr, ids_ptr, h_ptr, eps, I, H,
     wait_then_release(PDL)  # the routing launch just before wrote the ids
     if SHARED and pair >= PAIRS:
         x_row = x_ptr + (pair - PAIRS) * stride_x
-        gate, up, squares = _swiglu_sums(s_desc, n0, n0 + I, x_row, g_ptr, H, NORM, BLOCK_N, BLOCK_K, STAGES)
+        gate, up, squares = ring_sums(s_desc, n0, n0 + I, x_row, g_ptr, H, NORM, True, BLOCK_N, BLOCK_K, STAGES)
     else:
         x_row = x_ptr + (pair // TOP_K) * stride_x
         gate_row = tl.load(ids_ptr + pair).to(tl.int32) * 2 * I + n0
-        gate, up, squares = _swiglu_sums(w_desc, gate_row, gate_row + I, x_row, g_ptr, H, NORM, BLOCK_N, BLOCK_K,
-                                         STAGES)  # fmt: skip
+        gate, up, squares = ring_sums(w_desc, gate_row, gate_row + I, x_row, g_ptr, H, NORM, True, BLOCK_N, BLOCK_K,
+                                      STAGES)  # fmt: skip
     inv_rms = tl.rsqrt(squares / H + eps) if NORM else 1.0
     n, m = n0 + tl.arange(0, BLOCK_N), tl.arange(0, 1)
     y = finish((gate * inv_rms)[None, :], (up * inv_rms)[None, :], h_ptr, h_ptr, m, n, m < 1, n < I, 0,
