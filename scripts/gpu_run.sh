@@ -286,6 +286,13 @@
 #   STEPS=ab AB_MODELS="qwen3-30b-a3b-4-layers qwen3.5-35b-a3b-4-layers" AB_VARIANTS=";POCKETLAB_MOE_TMA=1;
 #     POCKETLAB_MOE_TMA=1,POCKETLAB_GEMV_TMA=1" AB_ARGS="--batch-sizes 1 --rounds 4 --steps 30" AB_FILE=moe-tma
 # then, where a ring wins, make it the kernel's launch there (and the bench at the full MoE shapes says the b1 roofline).
+# Calls made late in the session (one H200, 5 calls, ~17 min of device time): the TMA and prompt-graph CUDA tests
+#   (tests/test_fused_linear.py tests/test_moe.py -k tma; tests/test_graphs.py tests/test_warmup.py -k prompt) and
+#   gemv_sweep --tma-chain in one call; then STEPS=ab with AB_VARIANTS=";POCKETLAB_GEMV_TMA=16:256:4;
+#   POCKETLAB_GEMV_TMA=8:256:6" (qwen3-8b qwen3.5-0.8b qwen3-0.6b) and ";POCKETLAB_MOE_TMA=1;POCKETLAB_MOE_TMA=8:256:4"
+#   (the two MoE 4-layer presets); then the prompt-graph A/B above at --prefill 128 (0.8B, 0.6B) and 512 (all four).
+# Results in reports/performance-history.md; prefill_graph_tokens is 512 by default since. Still owed: moe_bench
+# --sweep --tokens 1 (the experts' rings alone), the MoE prefill A/B, the serving TTFT, the older list.
 # MoE at real shapes (issue 17), one H200, one call each (the engine runs on the HF peer's own tensors, so the weights
 # are on the GPU once: peak ~86 GiB at 30B-A3B, ~81 GiB at 35B-A3B, most of it the weights and, at 30B, 24 GiB of K/V
 # for 64 slots x 4,097 positions; the JSON's "memory" has the measured peak). Engine warm-up, latency and serving

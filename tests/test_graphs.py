@@ -45,8 +45,9 @@ def test_graphed_decode_equals_eager(make_engine, graphs):
     slot; keys crossing from the 128 to the 160 bucket), or through its eager fallback, give eager decoding's
     tokens and logits."""
     prompts = [random_prompt(n, seed=40 + n) for n in (3, 9, 115)]
-    want = batch_decode(make_engine("tiny-qwen3_5", max_slots=4, max_seq_len=160), prompts, 20)
-    eng = make_engine("tiny-qwen3_5", max_slots=4, max_seq_len=160)
+    decode_only = dict(max_slots=4, max_seq_len=160, prefill_graph_tokens=0)  # prompt graphs: test_graphed_prompts_*
+    want = batch_decode(make_engine("tiny-qwen3_5", **decode_only), prompts, 20)
+    eng = make_engine("tiny-qwen3_5", **decode_only)
     eng.graphs = graphs(eng.model, eng.cache, eng.options)
     if graphs is FailingGraphs:
         with pytest.warns(RuntimeWarning, match="runs eagerly"):
