@@ -27,6 +27,7 @@ import triton.language as tl
 from ..config import GEMV_MAX_ROWS as MAX_ROWS
 from . import gemv_tma, pdl
 from .invariant.matmul import PLAIN, as_rows, checked_width, epilogue_of, finish
+from .norm import norm_flavour
 from .pdl import wait_then_release
 
 
@@ -64,14 +65,6 @@ def launch_for(M: int, N: int, K: int, device: torch.device, normed: bool = Fals
         return Launch(1, 4, 1024, 4, ahead=2)
     block_k = min(1024 if N <= 1024 else 512, triton.next_power_of_2(K))
     return Launch(1, 2 if N <= 3072 and K > 512 else 4, block_k, 4)
-
-
-NO_NORM, NORM, NORM_OFFSET = 0, 1, 2  # the input's RMSNorm: none, `g * x` (Qwen2/3), `(1 + g) * x` (Qwen3.5)
-
-
-def norm_flavour(norm) -> int:
-    """The NORM constexpr for an optional layers.norm.RMSNorm folded into a launch."""
-    return NO_NORM if norm is None else NORM_OFFSET if norm.offset else NORM
 
 
 @triton.jit

@@ -22,6 +22,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import pdl
 from .invariant.matmul import PLAIN, finish
+from .norm import norm_flavour
 from .pdl import wait_then_release
 
 
@@ -97,11 +98,10 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
     the weight read through a `ring`."""
     N, K = y.shape[1], x2.shape[1]
     desc = TensorDescriptor.from_tensor(weight, block_shape=[ring.block_n, ring.block_k])
-    flavour = 0 if norm is None else 2 if norm.offset else 1  # layers.gemv's NORM: none, g * x, (1 + g) * x
     _gemv_tma[(triton.cdiv(N, ring.block_n),)](
         x2, desc, y if bias is None else bias, y, y if residual is None else residual,
         y if norm is None else norm.weight, 0.0 if norm is None else norm.eps, N, K, HAS_BIAS=bias is not None,
-        EPILOGUE=epilogue, NORM=flavour, BLOCK_N=ring.block_n, BLOCK_K=ring.block_k, STAGES=ring.stages,
+        EPILOGUE=epilogue, NORM=norm_flavour(norm), BLOCK_N=ring.block_n, BLOCK_K=ring.block_k, STAGES=ring.stages,
         num_warps=ring.num_warps, **pdl.launch(x2.device),
     )  # fmt: skip
     return y

@@ -20,10 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
-from . import gemv, pdl
+from . import pdl
 from .invariant.matmul import finish
 from .invariant.rounding import cast
 from .moe_kernel import finish_token
+from .norm import norm_flavour
 from .pdl import wait_then_release
 
 
@@ -205,7 +206,7 @@ def gemv_experts(x, gate_up, down, weights, ids, residual=None, shared=None, sha
     _gate_up[(triton.cdiv(I, t.gate_up.block_n), N)](
         x, gate_up, shared_gu, x if norm is None else norm.weight, ids, h, 0.0 if norm is None else norm.eps, H, I,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), shared_gu.stride(0), TOP_K=top_k,
-        NORM=gemv.norm_flavour(norm), KP=kp, BLOCK_N=t.gate_up.block_n, BLOCK_K=t.gate_up.block_k,
+        NORM=norm_flavour(norm), KP=kp, BLOCK_N=t.gate_up.block_n, BLOCK_K=t.gate_up.block_k,
         SHARED=shared_weights is not None, IDS_READY=ids_ready, num_warps=t.gate_up.num_warps,
         **pdl.launch(x.device),
     )  # fmt: skip

@@ -16,6 +16,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from . import gemv_tma, moe_gemv, pdl
 from .gemv_tma import Ring, ring_sums
 from .invariant.matmul import finish
+from .norm import norm_flavour
 from .pdl import wait_then_release
 
 
@@ -69,10 +70,9 @@ def experts_tma(x, gate_up, down, weights, ids, residual=None, shared=None, shar
         return total
     rows = TensorDescriptor.from_tensor(gate_up.view(E * two_i, H), block_shape=[ring.block_n, ring.block_k])
     own = TensorDescriptor.from_tensor(shared_weights[0], block_shape=[ring.block_n, ring.block_k]) if inside else rows
-    flavour = 0 if norm is None else 2 if norm.offset else 1  # layers.gemv's NORM: none, g * x, (1 + g) * x
     _expert_gate_up_tma[(triton.cdiv(two_i // 2, ring.block_n), h.shape[0])](
         x, rows, own, x if norm is None else norm.weight, ids, h, 0.0 if norm is None else norm.eps, two_i // 2, H,
-        x.stride(0), N * top_k, TOP_K=top_k, NORM=flavour, SHARED=inside, BLOCK_N=ring.block_n,
+        x.stride(0), N * top_k, TOP_K=top_k, NORM=norm_flavour(norm), SHARED=inside, BLOCK_N=ring.block_n,
         BLOCK_K=ring.block_k, STAGES=ring.stages, num_warps=ring.num_warps, **pdl.launch(x.device),
     )  # fmt: skip
     down_launch = (t or moe_gemv.tiles(x.device)).down

@@ -25,6 +25,14 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return (weight * xf.to(x.dtype) * torch.nn.functional.silu(gate.float())).to(x.dtype)
 
 
+NO_NORM, NORM, NORM_OFFSET = 0, 1, 2  # a norm folded into a launch: none, `g * x` (Qwen2/3), `(1 + g) * x` (Qwen3.5)
+
+
+def norm_flavour(norm) -> int:
+    """The NORM constexpr of the kernels that fold an optional RMSNorm into their launch (layers.gemv and its kin)."""
+    return NO_NORM if norm is None else NORM_OFFSET if norm.offset else NORM
+
+
 class RMSNorm:
     """A pre-norm: its weight, eps and flavour, applied by `kernels.rms_norm` (None: the torch one) when called.
     Handed to the projection that reads it (`linear(h, w, norm=...)`), which may instead norm each row itself."""
