@@ -252,7 +252,7 @@ class EngineOptions:
     dtype: str = "float32"
     cuda_graphs: bool = True  # replay batch decode from captured graphs on CUDA
     compile: bool = True  # fuse elementwise chains with torch.compile in captured decode graphs
-    prefill_graph_tokens: int = 0  # cuda_graphs: prompt forwards of at most this many padded tokens replay graphs
+    prefill_graph_tokens: int = 512  # cuda_graphs: prompt forwards of at most this many padded tokens replay graphs
     decode_attention: str = "auto"  # "triton" (live keys read in place), "sdpa", or "auto": triton on CUDA
     linear_decode: str = "auto"  # Gated DeltaNet decode: "triton" (states updated in place), "torch", "auto"
     linear_in_place_tokens: int = 0  # with linear_decode's in-place kernels: forwards of at most this many tokens too

@@ -155,7 +155,10 @@ class StepGraphs:
 
     def _prefill(self, ctx: ForwardContext) -> torch.Tensor:
         b, T = ctx.tokens.shape
-        return self.prompt_hidden[: b * T].view(b, T, -1).copy_(self.model.forward(ctx, self.cache))
+        # the eager prompt's kernels (compiled only from LARGE on): no torch.compile graph for a new process to trace
+        with fused.compiled_kernels(self.compile, min_elements=fused.LARGE):
+            hidden = self.model.forward(ctx, self.cache)
+        return self.prompt_hidden[: b * T].view(b, T, -1).copy_(hidden)
 
     @contextlib.contextmanager
     def prompts_eager(self):

@@ -54,15 +54,20 @@ def fits(weight: torch.Tensor) -> bool:
 
 
 @triton.jit
-def ring_sums(desc, row, up_row, x_ptr, g_ptr, K, NORM: tl.constexpr, TWO: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
-    """(x . the rows from `row`, x . the rows from `up_row` when TWO, the sum of x's squares) over K, the rows read
-    through `desc`'s ring of STAGES tiles (zeros past the weight's end); NORM (layers.gemv's flavours): x times the
-    norm's weight g on the way."""
-    lanes = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    lanes_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+def ring_sums(desc, row, up_row, x_ptr, g_ptr, K, first, first_up, NORM: tl.constexpr, TWO: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
+    """(x . the rows from `row`, x . the rows from `up_row` when TWO, the sum of x's squares) over K: `first` and
+    `first_up` are the rows' first tiles (the caller may load them before its PDL wait, as layers.gemv does), the
+    rest is read through `desc`'s ring of STAGES tiles (zeros past the weight's end); NORM (layers.gemv's flavours):
+    x times the norm's weight g on the way."""
+    k = tl.arange(0, BLOCK_K)
+    x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+    squares = x * x
+    if NORM:
+        x = x * (tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32) + (1.0 if NORM == 2 else 0.0))
+    lanes = first.to(tl.float32) * x[None, :]
+    lanes_up = first_up.to(tl.float32) * x[None, :] if TWO else tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
         if NORM:
@@ -82,9 +87,11 @@ def _gemv_tma(x_ptr, w_desc, b_ptr, y_ptr, res_ptr, g_ptr, eps, N, K, HAS_BIAS: 
     EPILOGUE 1, residual + y; 2, W is [gate | up] (up rows N further; the gate tile of a block past N reads up rows,
     never stored) and y = silu(gate) * up."""
     n0 = tl.program_id(0) * BLOCK_N
+    first = w_desc.load([n0, 0])  # the first tiles before the wait: weights, which no kernel writes
+    first_up = w_desc.load([n0 + N, 0]) if EPILOGUE == 2 else first
     wait_then_release(PDL)
-    total, total_up, squares = ring_sums(w_desc, n0, n0 + N, x_ptr, g_ptr, K, NORM, EPILOGUE == 2, BLOCK_N, BLOCK_K,
-                                         STAGES)  # fmt: skip
+    total, total_up, squares = ring_sums(w_desc, n0, n0 + N, x_ptr, g_ptr, K, first, first_up, NORM, EPILOGUE == 2,
+                                         BLOCK_N, BLOCK_K, STAGES)  # fmt: skip
     inv_rms = tl.rsqrt(squares / K + eps) if NORM else 1.0
     n, m = n0 + tl.arange(0, BLOCK_N), tl.arange(0, 1)
     y = finish((total * inv_rms)[None, :], (total_up * inv_rms)[None, :], b_ptr, res_ptr, m, n, m < 1, n < N, 0,
