@@ -102,14 +102,14 @@ def _kernels_for(options) -> Kernels:
     if not (options.batch_invariant or fuses_linear(options)):
         return DEFAULT
     from . import invariant
+    from .invariant.rotate import norm_rotate_store
 
     rows = (invariant.rms_norm, invariant.gated_rms_norm, invariant.sigmoid_gate, invariant.decay_and_beta)
     if not options.batch_invariant:  # rows never mix in these, so the row kernels cost no speed: only the matmul
         from .gemv import gemv
 
         linear = fused_at_few_rows(invariant.linear, gemv, options.gemv_rows)  # stays cuBLAS beyond decode's rows
-        return Kernels(linear, *rows)
+        return Kernels(linear, *rows, norm_rotate_store=norm_rotate_store)  # a prompt's q/k norms, RoPE, K/V write
     from .invariant.attention import attention
-    from .invariant.rotate import norm_rotate_store
 
     return Kernels(invariant.linear, *rows, attention, norm_rotate_store, delta_rule_in_place=True)

@@ -75,8 +75,11 @@ class Attention:
                 q, k_cache, v_cache, ctx.slot_ids, ctx.start, ctx.lengths, self.hd**-0.5, ctx.kv_len
             )
         else:
-            q, k = norm_and_rotate(q, k, self.q_norm, self.k_norm, *ctx.rope, eps, self.gated)
-            write_kv(k_cache, v_cache, k, v, ctx.kv_targets)
+            if self.kernels.norm_rotate_store is not None:  # one row kernel, not torch's chain of a dozen
+                q = self.kernels.norm_rotate_store(q, k, v, k_cache, v_cache, ctx.kv_targets, ctx.rope, norms)
+            else:
+                q, k = norm_and_rotate(q, k, self.q_norm, self.k_norm, *ctx.rope, eps, self.gated)
+                write_kv(k_cache, v_cache, k, v, ctx.kv_targets)
             out = cached_attention(q, k_cache, v_cache, ctx, self.hd**-0.5)
         if self.gated:
             out = self.kernels.sigmoid_gate(out, gate)
