@@ -303,13 +303,21 @@
 #     tests/test_speculative.py tests/test_prefix_cache.py tests/test_interrupts.py" TESTS_CAP_S=320 FUSED_TESTS="-n 4
 #     tests/test_fused_linear.py tests/test_moe.py -k tma" FUSED_SWEEP=0 GEMV_NORM_CHAIN=0 FUSED_MODELS=""
 #     GEMV_SWEEP_ARGS=--tma-chain GEMV_SWEEP_FILE=gemv-tma-chain GEMV_SWEEP_CAP_S=180 BUDGET_S=560   (103 + 94 + 34 s)
-# Owed: the prefill A/B with the prompt graphs' eager chains (STEPS=ab AB_MODELS="qwen3-0.6b qwen3.5-0.8b qwen3.5-9b
-#   qwen3-8b" AB_VARIANTS=";prefill_graph_tokens=0" AB_ARGS="--prefill 512 --rounds 4 --steps 5 --warm 2"
-#   AB_FILE=prompt-graphs-512-eager-chains AB_CAP_S=100); the engine A/B of the rings with their first tiles early
-#   (AB_VARIANTS=";POCKETLAB_GEMV_TMA=16:256:4;POCKETLAB_GEMV_TMA=8:256:6" AB_ARGS="--batch-sizes 1 --rounds 6 --steps
-#   30"); warm-up time and the serving trace's TTFT with and without prompt graphs (STEPS=bench MODELS=qwen3-0.6b
-#   PEER_MODES="" BENCH_ARGS="--no-peer --skip decode,latency,prefill", then with --engine-option
-#   prefill_graph_tokens=0); then the twenty-fifth session's list above.
+#   then STEPS=ab AB_MODELS="qwen3-0.6b qwen3.5-0.8b qwen3.5-9b qwen3-8b" AB_VARIANTS=";prefill_graph_tokens=0"
+#     AB_ARGS="--prefill 512 --rounds 4 --steps 5 --warm 2" AB_FILE=prompt-graphs-512-eager-chains AB_CAP_S=100
+#     (22-78 s a model), and STEPS=ab AB_MODELS="qwen3-0.6b qwen3.5-0.8b" AB_VARIANTS=";POCKETLAB_GEMV_TMA=16:256:4;
+#     POCKETLAB_GEMV_TMA=8:256:6" AB_ARGS="--batch-sizes 1 --rounds 6 --steps 30" AB_FILE=gemv-tma-first-tiles
+#     (30-35 s a model), in one call (two OUT folders).
+# Owed, first (the default CUDA kernels now run a prompt's q/k norms, RoPE and K/V write in the invariant mode's row
+#   kernel, commit cdb6347, not yet run on CUDA in the default mode):
+#   STEPS="tests ab" TESTS="-n 8 tests/test_graphs.py tests/test_parity.py tests/test_speculative.py
+#     tests/test_prefix_cache.py" TESTS_CAP_S=240 AB_MODELS="qwen3-0.6b qwen3-8b qwen3.5-0.8b" AB_VARIANTS=
+#     ";prefill_graph_tokens=0" AB_ARGS="--prefill 512 --rounds 4 --steps 5 --warm 2" AB_FILE=prompt-graphs-512-row-rotate
+#   then the 4,096-token prefill at 8B and 9B (STEPS=bench PEER_MODES=static BENCH_ARGS="--skip decode,latency,serving")
+#   against 128.9 ms and 159.4 ms; the rings at 8B and 9B in the engine with 8:256:6; warm-up time and the serving
+#   trace's TTFT with and without prompt graphs (STEPS=bench MODELS=qwen3-0.6b PEER_MODES="" BENCH_ARGS="--no-peer
+#   --skip decode,latency,prefill", then with --engine-option prefill_graph_tokens=0); then the twenty-fifth
+#   session's list above.
 # MoE at real shapes (issue 17), one H200, one call each (the engine runs on the HF peer's own tensors, so the weights
 # are on the GPU once: peak ~86 GiB at 30B-A3B, ~81 GiB at 35B-A3B, most of it the weights and, at 30B, 24 GiB of K/V
 # for 64 slots x 4,097 positions; the JSON's "memory" has the measured peak). Engine warm-up, latency and serving
