@@ -316,8 +316,9 @@
 #   then the 4,096-token prefill at 8B and 9B (STEPS=bench PEER_MODES=static BENCH_ARGS="--skip decode,latency,serving")
 #   against 128.9 ms and 159.4 ms; the rings at 8B and 9B in the engine with 8:256:6; warm-up time and the serving
 #   trace's TTFT with and without prompt graphs (STEPS=bench MODELS=qwen3-0.6b PEER_MODES="" BENCH_ARGS="--no-peer
-#   --skip decode,latency,prefill", then with --engine-option prefill_graph_tokens=0); then the twenty-fifth
-#   session's list above.
+#   --skip decode,latency,prefill", then with --engine-option prefill_graph_tokens=0); STEPS=tp on two GPUs (its
+#   prompts now replay graphs that capture NCCL's all-reduce, as decode graphs do); then the twenty-fifth session's
+#   list above.
 # MoE at real shapes (issue 17), one H200, one call each (the engine runs on the HF peer's own tensors, so the weights
 # are on the GPU once: peak ~86 GiB at 30B-A3B, ~81 GiB at 35B-A3B, most of it the weights and, at 30B, 24 GiB of K/V
 # for 64 slots x 4,097 positions; the JSON's "memory" has the measured peak). Engine warm-up, latency and serving
