@@ -69,18 +69,18 @@ class Attention:
                 rope,
                 norms,
             )[:, None]
-        elif ctx.attention is AttentionPath.INVARIANT:  # one row kernel norms, rotates and stores; then attend
-            q = self.kernels.norm_rotate_store(q, k, v, k_cache, v_cache, ctx.kv_targets, ctx.rope, norms)
-            out = self.kernels.attention(
-                q, k_cache, v_cache, ctx.slot_ids, ctx.start, ctx.lengths, self.hd**-0.5, ctx.kv_len
-            )
         else:
-            if self.kernels.norm_rotate_store is not None:  # one row kernel, not torch's chain of a dozen
+            if self.kernels.norm_rotate_store is not None:  # one row kernel norms, rotates and stores
                 q = self.kernels.norm_rotate_store(q, k, v, k_cache, v_cache, ctx.kv_targets, ctx.rope, norms)
-            else:
+            else:  # torch's chain of a dozen kernels
                 q, k = norm_and_rotate(q, k, self.q_norm, self.k_norm, *ctx.rope, eps, self.gated)
                 write_kv(k_cache, v_cache, k, v, ctx.kv_targets)
-            out = cached_attention(q, k_cache, v_cache, ctx, self.hd**-0.5)
+            if ctx.attention is AttentionPath.INVARIANT:
+                out = self.kernels.attention(
+                    q, k_cache, v_cache, ctx.slot_ids, ctx.start, ctx.lengths, self.hd**-0.5, ctx.kv_len
+                )
+            else:
+                out = cached_attention(q, k_cache, v_cache, ctx, self.hd**-0.5)
         if self.gated:
             out = self.kernels.sigmoid_gate(out, gate)
         return self.kernels.project_out(out.reshape(B, T, self.nq * self.hd), self.o, h)
