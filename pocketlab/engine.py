@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -81,6 +82,14 @@ class QwenEngine:
         self.num_slots = self.options.max_slots
         self.forward_count = 0  # model forwards run; batch calls must add exactly one
         use_graphs = self.options.cuda_graphs and torch.device(self.options.device).type == "cuda"
+        if use_graphs and self.model.syncs_with_host:  # every capture would fail: say so once, not per shape
+            warnings.warn(
+                "CUDA graphs off: the MoE experts' torch path reads expert ids on the host in this dtype "
+                "(grouped_mm takes 16-bit inputs on CUDA); moe_kernel='triton' or a 16-bit dtype keeps them",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            use_graphs = False
         self.graphs = StepGraphs(self.model, self.cache, self.options) if use_graphs else None
         self.speculator = Speculator(self) if self.options.speculative_tokens else None  # drafts + one verify forward
         if device == "cuda":  # the interpreter compiles nothing: on the CPU there is nothing to count

@@ -5,6 +5,7 @@ the fused Triton experts against the torch path (Triton's interpreter on the CPU
 
 import json
 import os
+import warnings
 
 import pytest
 import torch
@@ -400,6 +401,22 @@ def test_engine_with_the_tma_ring_experts_matches_the_torch_path(shared_width, c
     got = greedy_run(eng, prompt, 4)
     assert got[0] == want[0] and close(got[1], want[1])
     assert len(calls) >= eng.cfg.num_hidden_layers
+
+
+def test_an_engine_whose_experts_sync_with_the_host_captures_no_graph(checkpoint, monkeypatch):
+    """The torch experts path where grouped_mm cannot run (float32 on CUDA) loops over experts on the host: the
+    engine turns its graphs off up front with one warning, instead of failing every shape's capture twice."""
+    path = checkpoint("tiny-qwen3_moe")
+    syncs = DEVICE == "cuda" and DTYPE == "float32"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        eng = engine(path, moe_kernel="torch")
+    assert eng.model.syncs_with_host == syncs
+    assert [str(w.message).startswith("CUDA graphs off") for w in caught].count(True) == int(syncs)
+    if DEVICE == "cuda":
+        assert (eng.graphs is None) == syncs and not (eng.graphs and eng.graphs.failed)
+    monkeypatch.setattr(moe, "grouped_mm_fits", lambda *args: False)  # rows it cannot take: the loop
+    assert eng.model.syncs_with_host
 
 
 # -- engine guarantees on the MoE presets ---------------------------------------------------------

@@ -130,6 +130,13 @@ class SparseMoE:
         self.few_experts, self.few_tokens = kernels.moe_few_experts, kernels.moe_few_tokens
         self.all_reduce = kernels.all_reduce  # tensor parallelism: each rank computes its slice of every expert
 
+    @property
+    def syncs_with_host(self) -> bool:
+        """Whether its experts take the reference loop (torch's path where grouped_mm cannot run, as in float32 on
+        CUDA), which reads the expert ids on the host: no CUDA graph can hold its forwards."""
+        probe = self.gate_up.new_empty(0, self.gate_up.shape[2])
+        return self.experts is grouped_experts and not grouped_mm_fits(probe, self.gate_up, self.down)
+
     def __call__(self, h: torch.Tensor, norm) -> torch.Tensor:
         """h + moe(norm(h)): the residual add and the shared expert's gate ride on the routed experts' last launch
         (on one device; split over ranks the partial sums are all-reduced before the residual)."""

@@ -17,6 +17,8 @@ from ..layers.rotary import Rotary, norm_and_rotate
 
 
 class MLP:
+    syncs_with_host = False
+
     def __init__(self, w: dict, p: str, kernels: Kernels):
         # gate and up fused into one matmul: one weight read per step instead of two launches
         self.gate_up = torch.cat([w.pop(p + "gate_proj.weight"), w.pop(p + "up_proj.weight")])
@@ -128,6 +130,11 @@ class DecoderModel:
             p = f"model.layers.{i}."
             mlp = make_mlp(cfg, w, p + "mlp.", self.kernels, cfg.is_moe_layer(i))
             self.layers.append(DecoderLayer(w, p, self.make_mixer(w, p, i), mlp, eps, self.norm_offset, self.kernels))
+
+    @property
+    def syncs_with_host(self) -> bool:
+        """Whether a forward reads device values on the host (then no CUDA graph can hold it)."""
+        return any(layer.mlp.syncs_with_host for layer in self.layers)
 
     def make_mixer(self, w: dict, p: str, i: int):
         return Attention(self.cfg, w, p + "self_attn.", i, self.kernels)
