@@ -274,4 +274,11 @@ def validate_weights(
             raise ValueError(f"tensor {name!r} has dtype {t.dtype}, expected a floating-point tensor")
     # A_log and dt_bias drive an exp(); keep them (and the fp32 state they feed) in float32.
     keep_fp32 = ("A_log", "dt_bias")
-    return {n: t.to(device=device, dtype=torch.float32 if n.endswith(keep_fp32) else dtype) for n, t in tensors.items()}
+    return {n: _placed(t, device, torch.float32 if n.endswith(keep_fp32) else dtype) for n, t in tensors.items()}
+
+
+def _placed(t: torch.Tensor, device, dtype) -> torch.Tensor:
+    """t on device in dtype, starting 16-byte aligned as vectorized and TMA loads want it: a tensor the file's own
+    buffer already holds as asked (the CPU in the file's dtype) can sit at any 8-byte offset there, and is copied."""
+    t = t.to(device=device, dtype=dtype)
+    return t if t.data_ptr() % 16 == 0 else t.clone()

@@ -319,6 +319,13 @@
 #   --skip decode,latency,prefill", then with --engine-option prefill_graph_tokens=0); STEPS=tp on two GPUs (its
 #   prompts now replay graphs that capture NCCL's all-reduce, as decode graphs do); then the twenty-fifth session's
 #   list above.
+# Twenty-seventh session (2026-12-05, no device lent): the experts' down launch through a TMA ring too
+#   (POCKETLAB_MOE_TMA_DOWN, layers.moe_gemv_tma._expert_down_tma; compiled for sm_90 on the CPU). Owed after the
+#   list above, in one call (~4 minutes): the down's rings alone at one token, then in the engine:
+#   STEPS=ab AB_MODELS="qwen3-30b-a3b-4-layers qwen3.5-35b-a3b-4-layers" AB_VARIANTS=";POCKETLAB_MOE_TMA_DOWN=1;
+#     POCKETLAB_MOE_TMA_DOWN=8:256:4;POCKETLAB_MOE_TMA=8:256:4,POCKETLAB_MOE_TMA_DOWN=8:256:4" AB_ARGS="--batch-sizes 1
+#     --rounds 6 --steps 30" AB_FILE=moe-tma-down   (and `python -m pocketlab.tools.moe_bench --model qwen3-30b-a3b
+#     --tokens 1 --sweep`: its "tma sweep ... down" line ranks the down's rings against moe_gemv's launch)
 # MoE at real shapes (issue 17), one H200, one call each (the engine runs on the HF peer's own tensors, so the weights
 # are on the GPU once: peak ~86 GiB at 30B-A3B, ~81 GiB at 35B-A3B, most of it the weights and, at 30B, 24 GiB of K/V
 # for 64 slots x 4,097 positions; the JSON's "memory" has the measured peak). Engine warm-up, latency and serving

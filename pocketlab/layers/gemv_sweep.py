@@ -41,7 +41,7 @@ from .invariant import linear as fused_linear
 from .invariant import rms_norm
 from .invariant.matmul import PLAIN, RESIDUAL, SWIGLU
 from .invariant.sweep import graph_ms
-from .moe_gemv_tma import _expert_gate_up_tma
+from .moe_gemv_tma import _expert_down_tma, _expert_gate_up_tma
 from .norm import RMSNorm
 
 SHAPES = {  # name: (N, K, epilogue); for swiglu N is the output width and the weight holds 2N rows
@@ -241,6 +241,21 @@ def resources() -> None:
         constants = dict(TOP_K=8, NORM=2, SHARED=True, BLOCK_N=r.block_n, BLOCK_K=r.block_k, STAGES=r.stages)
         print(f"{'experts, top-8':<20} TMA ring {(r.block_n, r.block_k, r.stages)!s:<19}"
               f"{compiled(_expert_gate_up_tma, signature, constants, r.num_warps)}")  # fmt: skip
+    down_args = dict.fromkeys(("h_ptr", "out_ptr", "shared_ptr", "gate_ptr", "residual_ptr"), "*bf16")
+    down_args |= {"weights_ptr": "*fp32", "ids_ptr": "*i64"} | dict.fromkeys(("H", "I", "stride_s", "stride_g",
+                                                                               "stride_r"), "i32")  # fmt: skip
+    t = moe_gemv.tiles(torch.device("cuda")).down
+    signature = down_args | dict.fromkeys(("w_ptr", "sw_ptr"), "*bf16")
+    signature |= dict.fromkeys(("stride_we", "stride_wn", "stride_sn"), "i32")
+    constants = dict(TOP_K=8, KP=8, SHARED=False, SHARED_W=True, RESIDUAL=True, BLOCK_N=t.block_n, BLOCK_K=t.block_k)
+    print(f"{'experts down, top-8':<20} moe_gemv down {(t.block_n, t.block_k)!s:<14}"
+          f"{compiled(moe_gemv._down_sum, signature, constants, t.num_warps)}")  # fmt: skip
+    for r in RINGS:
+        signature = down_args | dict.fromkeys(("w_desc", "s_desc"), f"tensordesc<bf16[{r.block_n}, {r.block_k}]>")
+        constants = dict(TOP_K=8, KP=8, SHARED=False, SHARED_W=True, RESIDUAL=True, BLOCK_N=r.block_n,
+                         BLOCK_K=r.block_k, STAGES=r.stages)  # fmt: skip
+        print(f"{'experts down, top-8':<20} TMA ring {(r.block_n, r.block_k, r.stages)!s:<19}"
+              f"{compiled(_expert_down_tma, signature, constants, r.num_warps)}")  # fmt: skip
 
 
 def main(argv=None):

@@ -37,6 +37,9 @@ class Ring:
     num_warps: int = 4
 
 
+DEFAULT_RING = Ring()
+
+
 def ring_from_env(name: str = "POCKETLAB_GEMV_TMA") -> Ring | None:
     """The switch `name`: unset or "0", the kernels' own launches; "1", the default ring; "n:k:stages" (or with
     commas), that ring. For measuring (tools.ab, whose variants are comma-separated), not an engine option, while
@@ -44,7 +47,7 @@ def ring_from_env(name: str = "POCKETLAB_GEMV_TMA") -> Ring | None:
     value = os.environ.get(name, "0")
     if value in ("", "0"):
         return None
-    return Ring() if value == "1" else Ring(*(int(v) for v in value.replace(":", ",").split(",")))
+    return DEFAULT_RING if value == "1" else Ring(*(int(v) for v in value.replace(":", ",").split(",")))
 
 
 def fits(weight: torch.Tensor) -> bool:

@@ -184,47 +184,58 @@ def gemv_experts(x, gate_up, down, weights, ids, residual=None, shared=None, sha
     launches back (the shared expert ran between), so gate_up may read them before its PDL wait. shared_weights
     (the shared expert's [gate | up] [2I, H] and down [H, I], as wide as an expert) in place of `shared`: the shared
     expert runs in the same two launches."""
-    N, top_k = ids.shape
-    E, two_i, H = gate_up.shape
-    I = two_i // 2  # noqa: E741
+    check(gate_up, down, shared, shared_gate, shared_weights)
+    t = t or tiles(x.device)
+    h = gate_up_sums(x, gate_up, ids, norm, t.gate_up, ids_ready, shared_weights)
+    return down_sum(h, down, weights, ids, shared, shared_gate, residual, t.down, shared_weights)
+
+
+def check(gate_up, down, shared, shared_gate, shared_weights) -> None:
+    """The weight layouts the experts' launches read, and a shared expert given one way only."""
+    two_i, H = gate_up.shape[1:]
     if gate_up.stride(2) != 1 or down.stride(2) != 1:
         raise ValueError("gemv_experts needs expert weights contiguous along their input dimension")
     if shared_weights is not None:
         if shared is not None or shared_gate is None:
             raise ValueError("gemv_experts: shared_weights replace `shared` and need `shared_gate`")
         shapes = tuple(tuple(w.shape) for w in shared_weights)
-        if shapes != ((two_i, H), (H, I)):
-            raise ValueError(f"gemv_experts: shared expert {shapes} is not as wide as an expert {((two_i, H), (H, I))}")
-    x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
-    h = torch.empty(N * top_k + (N if shared_weights is not None else 0), I, dtype=x.dtype, device=x.device)
-    total = torch.empty(N, H, dtype=x.dtype, device=x.device)
+        if shapes != ((two_i, H), (H, two_i // 2)):
+            raise ValueError(
+                f"gemv_experts: shared expert {shapes} is not as wide as an expert {((two_i, H), (H, two_i // 2))}"
+            )
+
+
+def gate_up_sums(x, gate_up, ids, norm, launch: Launch, ids_ready: bool = False, shared_weights=None) -> torch.Tensor:
+    """The gate_up launch of gemv_experts (`_gate_up`): h [N * k (+ N), I], the shared expert's rows last."""
+    (N, top_k), (_, two_i, H) = ids.shape, gate_up.shape
+    x, ids = x.contiguous(), ids.contiguous()
+    h = torch.empty(N * top_k + (N if shared_weights is not None else 0), two_i // 2, dtype=x.dtype, device=x.device)
+    if not N:
+        return h
+    shared_gu = gate_up[0] if shared_weights is None else shared_weights[0]
+    _gate_up[(triton.cdiv(two_i // 2, launch.block_n), N)](
+        x, gate_up, shared_gu, x if norm is None else norm.weight, ids, h, 0.0 if norm is None else norm.eps, H,
+        two_i // 2, x.stride(0), gate_up.stride(0), gate_up.stride(1), shared_gu.stride(0), TOP_K=top_k,
+        NORM=norm_flavour(norm), KP=triton.next_power_of_2(top_k), BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
+        SHARED=shared_weights is not None, IDS_READY=ids_ready, num_warps=launch.num_warps, **pdl.launch(x.device),
+    )  # fmt: skip
+    return h
+
+
+def down_sum(h, down, weights, ids, shared, shared_gate, residual, launch: Launch, shared_weights=None) -> torch.Tensor:
+    """The down launch of gemv_experts (`_down_sum`): total [N, H] from h [N * k (+ N), I], the gate_up launch's
+    output (its last N rows the shared expert's where shared_weights are given)."""
+    (N, top_k), H, I = ids.shape, down.shape[1], down.shape[2]  # noqa: E741
+    total = torch.empty(N, H, dtype=h.dtype, device=h.device)
     if not N:
         return total
-    t = t or tiles(x.device)
-    kp = triton.next_power_of_2(top_k)
-    shared_gu, shared_down = shared_weights if shared_weights is not None else (gate_up[0], down[0])
-    _gate_up[(triton.cdiv(I, t.gate_up.block_n), N)](
-        x, gate_up, shared_gu, x if norm is None else norm.weight, ids, h, 0.0 if norm is None else norm.eps, H, I,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), shared_gu.stride(0), TOP_K=top_k,
-        NORM=norm_flavour(norm), KP=kp, BLOCK_N=t.gate_up.block_n, BLOCK_K=t.gate_up.block_k,
-        SHARED=shared_weights is not None, IDS_READY=ids_ready, num_warps=t.gate_up.num_warps,
-        **pdl.launch(x.device),
-    )  # fmt: skip
-    return down_sum(h, down, weights, ids, total, shared, shared_gate, residual, t.down, shared_down,
-                    shared_weights is not None)  # fmt: skip
-
-
-def down_sum(h, down, weights, ids, total, shared, shared_gate, residual, launch: Launch, shared_down=None,
-             shared_inside: bool = False) -> torch.Tensor:  # fmt: skip
-    """The down launch of gemv_experts (`_down_sum`) into total [N, H] from h [N * k (+ N), I], the gate_up launch's
-    output; shared_inside: h's last N rows are the shared expert's, shared_down its weight."""
-    (N, top_k), H, I = ids.shape, down.shape[1], down.shape[2]  # noqa: E741
-    shared_down = down[0] if shared_down is None else shared_down
+    weights, ids = weights.contiguous(), ids.contiguous()
+    shared_down = down[0] if shared_weights is None else shared_weights[1]
     s, g, r = (total if a is None else a for a in (shared, shared_gate, residual))  # absent: a pointer never read
     _down_sum[(triton.cdiv(H, launch.block_n), N)](
         h, down, shared_down, weights, ids, total, s, g, r, H, I, down.stride(0), down.stride(1),
         shared_down.stride(0), s.stride(0), g.stride(0), r.stride(0), TOP_K=top_k, KP=triton.next_power_of_2(top_k),
-        SHARED=shared is not None, SHARED_W=shared_inside, RESIDUAL=residual is not None, BLOCK_N=launch.block_n,
-        BLOCK_K=launch.block_k, num_warps=launch.num_warps, **pdl.launch(h.device),
+        SHARED=shared is not None, SHARED_W=shared_weights is not None, RESIDUAL=residual is not None,
+        BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, num_warps=launch.num_warps, **pdl.launch(h.device),
     )  # fmt: skip
     return total

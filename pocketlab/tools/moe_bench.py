@@ -10,8 +10,8 @@ Per token count N: the experts its routing reads (random weights, random router)
 (captured in a CUDA graph for N <= 64, as decode runs it; eager beyond, as prefill does), the bytes it must read
 (distinct experts x an expert's weights) over the measured copy bandwidth, and its flops over the matmul rate.
 The loop path (one matmul per expert hit, host syncs: HF's eager way) runs eagerly as the baseline. On CUDA the
-routing itself too: torch's ops (softmax, topk, rescale) against the one-launch kernel; and "gemv_tma", the TMA-ring
-experiment (layers.moe_gemv_tma.experts_tma), beside "gemv".
+routing itself too: torch's ops (softmax, topk, rescale) against the one-launch kernel; and the TMA-ring experiment
+(layers.moe_gemv_tma.experts_tma) beside "gemv": "gemv_tma" its gate_up through a ring, "gemv_tma_both" the down too.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import json
 from pathlib import Path
 
@@ -37,11 +38,13 @@ GRAPH_MAX_TOKENS = 64  # decode batches: the engine replays these from CUDA grap
 def paths(device: str) -> dict:
     out = {"grouped_mm": moe.grouped_experts, "loop": moe.looped_experts}
     if torch.device(device).type == "cuda":
+        from ..layers.gemv_tma import DEFAULT_RING
         from ..layers.moe_gemv import gemv_experts
         from ..layers.moe_gemv_tma import experts_tma
         from ..layers.moe_kernel import fused_experts
 
-        out = {"triton": fused_experts, "gemv": gemv_experts, "gemv_tma": experts_tma} | out
+        both = functools.partial(experts_tma, down_ring=DEFAULT_RING)
+        out = {"triton": fused_experts, "gemv": gemv_experts, "gemv_tma": experts_tma, "gemv_tma_both": both} | out
     return out
 
 
@@ -129,14 +132,16 @@ def sweep_gemv_tiles(args, clock: Clock, repeats: int) -> list[dict]:
 
 
 def sweep_tma_rings(args, clock: Clock, repeats: int) -> list[dict]:
-    """The TMA-ring experiment's gate_up launch at each ring (layers.gemv_sweep.RINGS), graphed."""
+    """The TMA-ring experiment's launches at each ring (layers.gemv_sweep.RINGS), one through the ring and the other
+    moe_gemv's own, graphed."""
     from ..layers.gemv_sweep import RINGS
     from ..layers.moe_gemv_tma import experts_tma
 
     out = []
-    for ring in RINGS:
-        run = in_graph(functools.partial(experts_tma, *args, ring=ring), ())
-        out.append({"projection": "gate_up", **dataclasses.asdict(ring), "seconds": clock.measure(run, repeats, 3)})
+    for proj, ring in itertools.product(("gate_up", "down"), RINGS):
+        rings = dict(ring=ring, down_ring=None) if proj == "gate_up" else dict(ring=None, down_ring=ring)
+        run = in_graph(functools.partial(experts_tma, *args, **rings), ())
+        out.append({"projection": proj, **dataclasses.asdict(ring), "seconds": clock.measure(run, repeats, 3)})
     return out
 
 
@@ -196,7 +201,7 @@ def main(argv=None) -> dict:
     sweeps = (
         ("sweep", "triton", "n{block_n} w{num_warps} s{num_stages}"),
         ("gemv_sweep", "gemv", "n{block_n} k{block_k} w{num_warps}"),
-        ("tma_sweep", "gemv_tma", "n{block_n} k{block_k} s{stages}"),
+        ("tma_sweep", "gemv", "n{block_n} k{block_k} s{stages}"),  # a ring in place of one of its launches
     )
     for key, path, label in sweeps:
         for r in (r for r in rows if key in r):
