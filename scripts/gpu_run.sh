@@ -326,6 +326,14 @@
 #     POCKETLAB_MOE_TMA_DOWN=8:256:4;POCKETLAB_MOE_TMA=8:256:4,POCKETLAB_MOE_TMA_DOWN=8:256:4" AB_ARGS="--batch-sizes 1
 #     --rounds 6 --steps 30" AB_FILE=moe-tma-down   (and `python -m pocketlab.tools.moe_bench --model qwen3-30b-a3b
 #     --tokens 1 --sweep`: its "tma sweep ... down" line ranks the down's rings against moe_gemv's launch)
+#   Three Qwen3.5 decode launches folded by default, untimed: the gated norm and (below K 2,048, so at 0.8B) the conv
+#   into the state step, the attention's output gate into its merge. Their CUDA tests, then the A/B (b1 and b32; the
+#   first variant undoes all three) and a profile (kernels a layer, 7.5 at 0.8B b1 before):
+#   STEPS="tests ab profile" TESTS="tests/test_linear_decode.py tests/test_decode_attention.py" AB_MODELS="qwen3.5-0.8b
+#     qwen3.5-9b qwen3.5-35b-a3b-4-layers" AB_VARIANTS="POCKETLAB_GDN_NORM_APART=1,POCKETLAB_GATE_APART=1,
+#     POCKETLAB_CONV_IN_STEP=0;;POCKETLAB_CONV_IN_STEP=0;POCKETLAB_CONV_IN_STEP=1" AB_ARGS="--batch-sizes 1,32
+#     --rounds 4 --steps 30" AB_FILE=qwen3.5-folds MODELS=qwen3.5-0.8b   (the profile step runs first; its table
+#     goes to the log). CONV_IN_STEP=1 at 9B and 35B-A3B asks whether the step beats in_proj's epilogue there too.
 # MoE at real shapes (issue 17), one H200, one call each (the engine runs on the HF peer's own tensors, so the weights
 # are on the GPU once: peak ~86 GiB at 30B-A3B, ~81 GiB at 35B-A3B, most of it the weights and, at 30B, 24 GiB of K/V
 # for 64 slots x 4,097 positions; the JSON's "memory" has the measured peak). Engine warm-up, latency and serving

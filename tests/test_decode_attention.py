@@ -49,6 +49,35 @@ def test_matches_reference_and_stores_the_new_token(heads, kv_heads, dim, max_le
         assert (out[b] - torch.einsum("hn,hnd->hd", probs, v)).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_output_gate_in_the_merge_is_sigmoid_gate_after_it(dtype):
+    """gate= (Qwen3.5's output gate, a strided view as of the q projection): the merged output times sigmoid(gate),
+    bit for bit what the row kernel's sigmoid_gate gives after an ungated call (torch's too in bf16; in float32 its
+    sigmoid differs by an ulp); several key splits to merge."""
+    from pocketlab.layers.activations import sigmoid_gate
+    from pocketlab.layers.invariant import sigmoid_gate as row_sigmoid_gate
+
+    dev = "cuda" if on_gpu else "cpu"
+    gen = torch.Generator(device="cpu").manual_seed(5)
+    heads, kv_heads, dim, max_len = 8, 2, 32, 600
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(dev, dtype)
+
+    k_cache, v_cache = randn(4, kv_heads, max_len, dim), randn(4, kv_heads, max_len, dim)
+    q_and_gate = randn(3, heads, 2 * dim) * 2
+    q, gate = q_and_gate[..., :dim], q_and_gate[..., dim:]
+    k_new, v_new = randn(3, kv_heads, dim), randn(3, kv_heads, dim)
+    cos, sin = randn(3, dim), randn(3, dim)
+    slots, lengths = torch.tensor([2, 0, 3], device=dev), torch.tensor([max_len - 5, 1, 300], device=dev)
+    args = (q, k_new, v_new, k_cache, v_cache, slots, lengths, max_len, dim**-0.5, (cos, sin))
+    out = da.decode_attention(*args)
+    got = da.decode_attention(*args, gate=gate)
+    assert da.split_length(3 * kv_heads, max_len, 64) < max_len  # more than one split to merge
+    assert torch.equal(got, row_sigmoid_gate(out, gate))
+    torch.testing.assert_close(got, sigmoid_gate(out, gate), atol=0, rtol=0 if dtype == torch.bfloat16 else 1e-6)
+
+
 @pytest.mark.parametrize("programs,max_len", [(1, 128), (8, 4096), (256, 4096), (2048, 64), (1, 10**6)])
 def test_splits_are_whole_blocks_and_few(programs, max_len):
     split = da.split_length(programs, max_len, 64)
@@ -56,12 +85,13 @@ def test_splits_are_whole_blocks_and_few(programs, max_len):
     assert split % 64 == 0 and splits <= 64 and (splits == 1 or programs * (splits - 1) < 256)
 
 
-def test_engine_decodes_the_same_with_either_attention(make_engine):
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen3_5"])  # Qwen3.5: its output gate in the merge
+def test_engine_decodes_the_same_with_either_attention(make_engine, preset):
     from conftest import LOGIT_TOL, greedy_run, random_prompt
 
     runs = {}
     for kind in ("triton", "sdpa"):
-        engine = make_engine("tiny-qwen3", decode_attention=kind)
+        engine = make_engine(preset, decode_attention=kind)
         runs[kind] = greedy_run(engine, random_prompt(20, seed=1), 12)
     assert runs["triton"][0] == runs["sdpa"][0]
     scale = runs["sdpa"][1].abs().max().item() if runs["sdpa"][1].dtype != torch.float32 else 1.0

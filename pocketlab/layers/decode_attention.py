@@ -21,6 +21,7 @@ except ImportError:  # CPU-only installs: the engine uses SDPA there
 
 if triton is not None:
     from . import pdl
+    from .invariant.elementwise import gated
     from .pdl import wait_then_release
 
     @triton.jit
@@ -94,12 +95,16 @@ if triton is not None:
         stride_lh,
         stride_yb,
         stride_yh,
+        gate_ptr,
+        stride_gb,
+        stride_gh,
         G: tl.constexpr,
         BLOCK_G: tl.constexpr,
         D: tl.constexpr,
         ROT: tl.constexpr,
         HAS_NORM: tl.constexpr,
         OFFSET: tl.constexpr,
+        GATED: tl.constexpr,
         BLOCK_N: tl.constexpr,
         SPLIT_LEN: tl.constexpr,
         BLOCK_S: tl.constexpr,
@@ -207,7 +212,12 @@ if triton is not None:
                                mask=g[:, None] < G, other=0.0, volatile=True)  # fmt: skip
                 merged += w_t[:, None] * part
             y = out_ptr + b * stride_yb + heads[:, None] * stride_yh + d[None, :]
-            tl.store(y, merged.to(out_ptr.dtype.element_ty), mask=g[:, None] < G)
+            merged = merged.to(out_ptr.dtype.element_ty)
+            if GATED:  # Qwen3.5's output gate, as invariant.sigmoid_gate applies it
+                gate = gate_ptr + b * stride_gb + heads[:, None] * stride_gh + d[None, :]
+                gate = tl.load(gate, mask=g[:, None] < G, other=0.0).to(tl.float32)
+                merged = gated(merged.to(tl.float32), gate, out_ptr.dtype.element_ty)
+            tl.store(y, merged, mask=g[:, None] < G)
             tl.atomic_xchg(arrivals, 0)  # ready for the next launch
 
 
@@ -230,10 +240,12 @@ def decode_attention(
     scale: float,
     rope: tuple[torch.Tensor, torch.Tensor],
     norms=None,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Raw q [B, H, D] and new k/v [B, kv_heads, D] -> [B, H, D]. q and k get the per-head RMSNorm of `norms`
     ((q_weight, k_weight, eps, offset), or None: Qwen2) and RoPE from `rope` (cos, sin rows [B, rotary_dim]);
-    k/v are stored at cache[slot, :, length - 1]; then attention over cache[slot_ids[b], :, :lengths[b]].
+    k/v are stored at cache[slot, :, length - 1]; then attention over cache[slot_ids[b], :, :lengths[b]], times
+    sigmoid(gate) ([B, H, D], Qwen3.5's output gate) where one is given, in the merge.
 
     `max_len` (a bound on every length, e.g. the key bucket) fixes the grid, so CUDA graphs can replay it.
     """
@@ -285,12 +297,16 @@ def decode_attention(
         lse.stride(1),
         out.stride(0),
         out.stride(1),
+        out if gate is None else gate,  # absent: never read
+        0 if gate is None else gate.stride(0),
+        0 if gate is None else gate.stride(1),
         G=G,
         BLOCK_G=max(triton.next_power_of_2(G), 16),
         D=D,
         ROT=cos.shape[-1],
         HAS_NORM=norms is not None,
         OFFSET=bool(offset),
+        GATED=gate is not None,
         BLOCK_N=block_n,
         SPLIT_LEN=split_len,
         BLOCK_S=max(triton.next_power_of_2(splits), 2),

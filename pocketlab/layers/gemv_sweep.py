@@ -16,14 +16,16 @@ own kernel, and folded into the GEMV at `launch_for`'s launch and at every candi
 `--tma-chain`: the same chain without the norm, layers.gemv at `launch_for`'s launches against layers.gemv_tma's
 TMA ring at every `RINGS` shape: whether weight tiles staged in shared memory, more of them in flight, read faster.
 
-`--resources` (no GPU needed): both kernels compiled for sm_90 by this Triton (one row, no folded norm), and the MoE
-experts' gate_up launch of layers.moe_gemv beside the TMA-ring form of layers.gemv_tma, with the registers a thread,
-the shared memory a program and the TMA loads in the machine code (Triton's cuobjdump).
+`--resources` (no GPU needed): both kernels compiled for sm_90 by this Triton (one row, no folded norm), the MoE
+experts' gate_up and down launches of layers.moe_gemv beside their TMA-ring forms (layers.moe_gemv_tma), and the Gated
+DeltaNet decode state step with what it folds in, with the registers a thread, the shared memory a program and the
+TMA loads in the machine code (Triton's cuobjdump).
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import itertools
 import os
 import re
@@ -33,9 +35,10 @@ import tempfile
 import torch
 import torch.nn.functional as F
 import triton
+import triton.language as tl
 from tqdm import tqdm
 
-from . import gemv, gemv_tma, moe_gemv
+from . import gemv, gemv_tma, linear_decode, moe_gemv
 from .gemv_tma import Ring, _gemv_tma
 from .invariant import linear as fused_linear
 from .invariant import rms_norm
@@ -256,6 +259,25 @@ def resources() -> None:
                          BLOCK_K=r.block_k, STAGES=r.stages)  # fmt: skip
         print(f"{'experts down, top-8':<20} TMA ring {(r.block_n, r.block_k, r.stages)!s:<19}"
               f"{compiled(_expert_down_tma, signature, constants, r.num_warps)}")  # fmt: skip
+    state_step_resources()
+
+
+def state_step_resources() -> None:
+    """The Gated DeltaNet decode step (dk = dv = 128, as Qwen3.5's) as it runs alone, with the gated norm, and with
+    the conv too."""
+    names = ("q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr", "o_ptr", "z_ptr", "norm_w_ptr", "conv_ptr", "cw_ptr")
+    signature = dict.fromkeys(names, "*bf16") | dict.fromkeys(("state_ptr", "neg_a_ptr", "dt_ptr"), "*fp32")
+    signature |= {"slot_ptr": "*i64", "arrived_ptr": "*i32", "conv_arrived_ptr": "*i32"}
+    signature |= dict.fromkeys(("scale", "eps", "norm_eps"), "fp32")
+    signature |= {name: "i32" for name in inspect.signature(linear_decode._recurrent_step.fn).parameters
+                  if name.startswith("stride_")}  # fmt: skip
+    for norm, conv_k in ((False, 0), (True, 0), (True, 4)):
+        constants = dict(GROUP=1, DK=128, DV=128, BLOCK_V=linear_decode.STATE_BLOCK_V, RAW_GATES=True, NORM=norm,
+                         CONV_K=conv_k, X_DTYPE=tl.bfloat16, WX_DTYPE=tl.bfloat16)  # fmt: skip
+        print(
+            f"{'gdn state step':<20} norm {norm!s:<5} conv {conv_k:<12}"
+            f"{compiled(linear_decode._recurrent_step, signature, constants, linear_decode.STATE_WARPS)}"
+        )
 
 
 def main(argv=None):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from itertools import pairwise
 
 import torch
@@ -19,7 +20,7 @@ from ..layers.gated_delta import (
     gated_delta_rule_segments,
 )
 from ..layers.kernels import Kernels
-from ..layers.linear_decode import ConvStep, conv_steps, recurrent_step, recurrent_steps
+from ..layers.linear_decode import ConvStep, conv_in_state_step, conv_steps, recurrent_step, recurrent_steps
 from .qwen3 import Attention, DecoderModel
 
 
@@ -52,16 +53,19 @@ class GatedDeltaNet:
         conv, rec = cache.conv[self.layer], cache.rec[self.layer]
         invariant = self.kernels.delta_rule_in_place
         plain = ctx.delta_rule is None and ctx.gdn_log is None  # not a speculative verify, which keeps its own rule
-        if not invariant and T == 1 and self.in_place and plain:
+        if not invariant and T == 1 and self.in_place and plain:  # the state step runs the gated norm (and conv) too
             step = ConvStep(conv, self.conv_weight, ctx.slot_ids)
-            y, z, b, a = self.kernels.linear(h, self.in_proj, norm=norm, conv=step).split(self.splits, dim=-1)
-            o = self._step_in_place(y[:, 0], b, a, rec, ctx.slot_ids)[:, None]
+            in_step = conv_in_state_step(self.in_proj.shape[1])
+            y, z, b, a = self.kernels.linear(h, self.in_proj, norm=norm, conv=None if in_step else step).split(
+                self.splits, dim=-1
+            )
+            o = self._step_in_place(y[:, 0], z[:, 0], b, a, rec, ctx.slot_ids, step if in_step else None)
         else:
             qkv, z, b, a = self.kernels.linear(h, self.in_proj, norm=norm).split(self.splits, dim=-1)
             token_by_token = invariant or (plain and T <= self.in_place_tokens)
             run = self._run_invariant if token_by_token else self._run_gathered
             o = run(qkv, b, a, conv, rec, ctx)
-        o = self.kernels.gated_rms_norm(o, z.reshape(B, T, self.hv, self.dv), self.norm, self.cfg.rms_norm_eps)
+            o = self.kernels.gated_rms_norm(o, z.reshape(B, T, self.hv, self.dv), self.norm, self.cfg.rms_norm_eps)
         return self.kernels.project_out(o.reshape(B, T, self.hv * self.dv), self.out, h)
 
     def _run_gathered(self, qkv_in, b, a, conv, rec, ctx: ForwardContext) -> torch.Tensor:
@@ -88,11 +92,15 @@ class GatedDeltaNet:
             ctx.gdn_log[self.layer] = (qkv_in, conv0, (q, k, v, g, beta, rec0))
         return o
 
-    def _step_in_place(self, y, b, a, rec, slot_ids) -> torch.Tensor:
-        """One token per row, y its conv's output: [B, Hv, dv] outputs, each slot's state advanced where it lives."""
+    def _step_in_place(self, y, z, b, a, rec, slot_ids, conv: ConvStep | None) -> torch.Tensor:
+        """One token per row, y its conv's output (or, with `conv`, its input, convolved in the step's launch), z its
+        gate: [B, Hv, dv] outputs after the gated norm, each slot's state advanced where it lives.
+        POCKETLAB_GDN_NORM_APART=1 (a switch for tools.ab while the fold is new) runs the norm as a launch of its
+        own."""
         q, k, v = y.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
-        B = y.shape[0]
-        return recurrent_step(
+        B, eps = y.shape[0], self.cfg.rms_norm_eps
+        apart = os.environ.get("POCKETLAB_GDN_NORM_APART", "0") == "1"
+        o = recurrent_step(
             q.view(B, self.hk, self.dk),
             k.view(B, self.hk, self.dk),
             v.view(B, self.hv, self.dv),
@@ -102,7 +110,10 @@ class GatedDeltaNet:
             slot_ids,
             L2_EPS,
             gates=(self.neg_A, self.dt_bias),  # the decay and beta computed in the step's kernel
+            gated_norm=None if apart else (z, self.norm, eps),
+            conv=conv,
         )
+        return self.kernels.gated_rms_norm(o, z.view_as(o), self.norm, eps) if apart else o
 
     def _run_invariant(self, qkv_in, b, a, conv, rec, ctx: ForwardContext) -> torch.Tensor:
         """Every token through the in-place kernels, whose per-token arithmetic is the same for one token or many:

@@ -54,8 +54,13 @@ def _sigmoid_gate(x_ptr, g_ptr, y_ptr, M, N, stride_x, g_inner, stride_go, strid
     rows, cols, live = _tile(M, N, ROWS, BLOCK)
     x = tl.load(x_ptr + rows * stride_x + cols, mask=live, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + head_row(rows, g_inner, stride_go, stride_gi) + cols, mask=live, other=0.0).to(tl.float32)
-    dtype = y_ptr.dtype.element_ty
-    tl.store(y_ptr + rows * stride_y + cols, cast(x * cast(sigmoid(g), dtype).to(tl.float32), dtype), mask=live)
+    tl.store(y_ptr + rows * stride_y + cols, gated(x, g, y_ptr.dtype.element_ty), mask=live)
+
+
+@triton.jit
+def gated(x, g, dtype: tl.constexpr):
+    """x * sigmoid(g) in `dtype`, x (float32 holding dtype values) times the sigmoid rounded to the dtype first."""
+    return cast(x * cast(sigmoid(g), dtype).to(tl.float32), dtype)
 
 
 @triton.jit(do_not_specialize=["M"])

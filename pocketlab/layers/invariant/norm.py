@@ -73,16 +73,32 @@ def _rms_norm_rows(
         w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
         if OFFSET:  # Qwen3.5: (x * (1 + w)) in float32, rounded once
             y = normed * (1.0 + w)
-        else:  # w * x rounded to x's dtype, the product rounded to the common dtype of w and x
-            y = cast(w * cast(normed, X_DTYPE).to(tl.float32), WX_DTYPE).to(tl.float32)
-            if GATED:  # that times silu(gate) in float32
-                g_rows = g_ptr + head_row(rows, g_inner, stride_go, stride_gi)
-                g = tl.load(g_rows + cols, mask=live, other=0.0).to(tl.float32)
-                y = y * (g / (1.0 + tl.exp(-g)))
+        elif GATED:
+            g = tl.load(g_ptr + head_row(rows, g_inner, stride_go, stride_gi) + cols, mask=live, other=0.0)
+            y = gated_weighted(normed, w, g.to(tl.float32), X_DTYPE, WX_DTYPE)
+        else:
+            y = weighted(normed, w, X_DTYPE, WX_DTYPE)
         tl.store(y_ptr + rows * stride_y + cols, cast(y, y_ptr.dtype.element_ty), mask=live)
 
 
+@triton.jit
+def weighted(normed, w, X_DTYPE: tl.constexpr, WX_DTYPE: tl.constexpr):
+    """w * x: x rounded to its dtype, the product rounded to the common dtype of w and x (as torch rounds them)."""
+    return cast(w * cast(normed, X_DTYPE).to(tl.float32), WX_DTYPE).to(tl.float32)
+
+
+@triton.jit
+def gated_weighted(normed, w, g, X_DTYPE: tl.constexpr, WX_DTYPE: tl.constexpr):
+    """`weighted` times silu(g) in float32: the Gated DeltaNet output norm after its sum of squares."""
+    return weighted(normed, w, X_DTYPE, WX_DTYPE) * (g / (1.0 + tl.exp(-g)))
+
+
 _TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def rounding_dtypes(x_dtype: torch.dtype, weight_dtype: torch.dtype) -> dict:
+    """The constexprs of `weighted`: x's dtype and that of `w * x` (the two promoted)."""
+    return dict(X_DTYPE=_TL[x_dtype], WX_DTYPE=_TL[torch.promote_types(weight_dtype, x_dtype)])
 
 
 def _launch(x, weight, gate, eps, offset, out_dtype):
@@ -105,8 +121,7 @@ def _launch(x, weight, gate, eps, offset, out_dtype):
             float(eps),
             OFFSET=offset,
             GATED=gate is not None,
-            X_DTYPE=_TL[x.dtype],
-            WX_DTYPE=_TL[torch.promote_types(weight.dtype, x.dtype)],
+            **rounding_dtypes(x.dtype, weight.dtype),
             ROWS=per_program,
             BLOCK=block,
             num_warps=4 if block <= 2048 else 8,
