@@ -251,6 +251,8 @@ def decode_attention(
     """
     B, H, D = q.shape
     kvh = k_cache.shape[1]
+    if gate is not None and (gate.shape != q.shape or gate.stride(-1) != 1):
+        raise ValueError(f"decode_attention: gate {tuple(gate.shape)} should be q's shape {tuple(q.shape)}, rows whole")
     # K and V tiles of 16 KiB each keep two pipeline stages well inside shared memory (fp32, head_dim 256 too)
     block_n = max(16, min(64, 16384 // (D * k_cache.element_size())))
     split_len = split_length(B * kvh, max_len, block_n)

@@ -159,13 +159,23 @@ def _down_sum(h_ptr, w_ptr, sw_ptr, weights_ptr, ids_ptr, out_ptr, shared_ptr, g
             shared_h = tl.load(h_ptr + shared_row * I + k, mask=k < I, other=0.0).to(tl.float32)
             shared_lanes += shared_h[None, :] * shared_w.to(tl.float32)
             shared_w = shared_next
-    dtype = out_ptr.dtype.element_ty
-    products = cast(tl.sum(lanes, axis=2) * routing[:, None], dtype).to(tl.float32)
+    products = cast(tl.sum(lanes, axis=2) * routing[:, None], out_ptr.dtype.element_ty).to(tl.float32)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for i in tl.static_range(TOP_K):  # k order: adding the zeros of the other pairs is exact
         acc += tl.sum(tl.where((j == i)[:, None], products, 0.0), axis=0)
+    shared_sum = tl.sum(shared_lanes, axis=1) if SHARED_W else acc
+    store_token(acc, shared_sum, token, n, H, out_ptr, shared_ptr, gate_ptr, residual_ptr, stride_s, stride_g,
+                stride_r, SHARED, SHARED_W, RESIDUAL)  # fmt: skip
+
+
+@triton.jit
+def store_token(acc, shared_sum, token, n, H, out_ptr, shared_ptr, gate_ptr, residual_ptr, stride_s, stride_g,
+                stride_r, SHARED: tl.constexpr, SHARED_W: tl.constexpr, RESIDUAL: tl.constexpr):  # fmt: skip
+    """out[token, n] = finish_token of the k-sum acc, with the shared expert's output: its down sum (float32,
+    SHARED_W) rounded once as the plain GEMV rounds it, or read from `shared` (SHARED)."""
+    dtype = out_ptr.dtype.element_ty
     if SHARED_W:
-        shared = cast(tl.sum(shared_lanes, axis=1), dtype).to(tl.float32)
+        shared = cast(shared_sum, dtype).to(tl.float32)
     elif SHARED:
         shared = tl.load(shared_ptr + token * stride_s + n, mask=n < H, other=0.0).to(tl.float32)
     else:

@@ -18,7 +18,7 @@ from . import gemv_tma, moe_gemv, pdl
 from .gemv_tma import DEFAULT_RING, Ring, ring_sums
 from .invariant.matmul import finish
 from .invariant.rounding import cast
-from .moe_kernel import finish_token
+from .moe_gemv import store_token
 from .norm import norm_flavour
 from .pdl import wait_then_release
 
@@ -87,21 +87,14 @@ def _expert_down_tma(h_ptr, w_desc, s_desc, weights_ptr, ids_ptr, out_ptr, share
         lanes += w_desc.load([e * H + n0, k0]).to(tl.float32) * h[None, :]
     weight = tl.sum(tl.where(j == TOP_K - 1, routing, 0.0), 0)
     acc += cast(tl.sum(lanes, 1) * weight, dtype).to(tl.float32)
-    n = n0 + tl.arange(0, BLOCK_N)
+    shared_lanes = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     if SHARED_W:
         shared_h = h_ptr + (tl.num_programs(1) * TOP_K + token) * I
-        shared_lanes = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in tl.range(0, I, BLOCK_K, num_stages=STAGES):
             h = tl.load(shared_h + k0 + k, mask=k0 + k < I, other=0.0).to(tl.float32)
             shared_lanes += s_desc.load([n0, k0]).to(tl.float32) * h[None, :]
-        shared = cast(tl.sum(shared_lanes, 1), dtype).to(tl.float32)
-    elif SHARED:
-        shared = tl.load(shared_ptr + token * stride_s + n, mask=n < H, other=0.0).to(tl.float32)
-    else:
-        shared = acc
-    y = finish_token(acc, token, n, n < H, shared, gate_ptr, residual_ptr, stride_g, stride_r, dtype,
-                     SHARED or SHARED_W, RESIDUAL)  # fmt: skip
-    tl.store(out_ptr + token * H + n, y, mask=n < H)
+    store_token(acc, tl.sum(shared_lanes, 1), token, n0 + tl.arange(0, BLOCK_N), H, out_ptr, shared_ptr, gate_ptr,
+                residual_ptr, stride_s, stride_g, stride_r, SHARED, SHARED_W, RESIDUAL)  # fmt: skip
 
 
 def fits(*weights: torch.Tensor) -> bool:
