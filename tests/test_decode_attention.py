@@ -53,7 +53,7 @@ def test_matches_reference_and_stores_the_new_token(heads, kv_heads, dim, max_le
 def test_the_output_gate_in_the_merge_is_sigmoid_gate_after_it(dtype):
     """gate= (Qwen3.5's output gate, a strided view as of the q projection): the merged output times sigmoid(gate),
     bit for bit what the row kernel's sigmoid_gate gives after an ungated call (torch's too in bf16; in float32 its
-    sigmoid differs by an ulp); several key splits to merge."""
+    sigmoid differs by an ulp); several key splits to merge. A gate of another shape is refused."""
     from pocketlab.layers.activations import sigmoid_gate
     from pocketlab.layers.invariant import sigmoid_gate as row_sigmoid_gate
 
@@ -75,6 +75,8 @@ def test_the_output_gate_in_the_merge_is_sigmoid_gate_after_it(dtype):
     got = da.decode_attention(*args, gate=gate)
     assert da.split_length(3 * kv_heads, max_len, 64) < max_len  # more than one split to merge
     assert torch.equal(got, row_sigmoid_gate(out, gate))
+    with pytest.raises(ValueError, match="gate"):
+        da.decode_attention(*args, gate=gate[..., : dim // 2])
     torch.testing.assert_close(got, sigmoid_gate(out, gate), atol=0, rtol=0 if dtype == torch.bfloat16 else 1e-6)
 
 
