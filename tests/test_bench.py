@@ -8,6 +8,7 @@ import os
 import re
 import time
 
+import pandas as pd
 import pytest
 import torch
 
@@ -249,6 +250,22 @@ def test_serving_peer_for_a_model_hf_continuous_batching_refuses():
     assert out["hf_batches"]["latency_p50_s"] == out["hf_batches"]["latency_p99_s"]  # one batch
 
 
+def test_ab_summary_pairs_each_round_with_the_baselines():
+    """A variant 5% faster in every round of a machine drifting by 40% over the rounds: the medians' ranges overlap,
+    the paired ratios say 0.95 in 4 of 4 rounds; one 10% slower in one round and 10% faster in the others."""
+    from pocketlab.tools import ab
+
+    drift = [100.0, 140.0, 110.0, 130.0]
+    rows = [("base", r, t) for r, t in enumerate(drift)] + [("fast", r, 0.95 * t) for r, t in enumerate(drift)]
+    rows += [("mixed", r, t * (1.1 if r == 0 else 0.9)) for r, t in enumerate(drift)]
+    df = pd.DataFrame([{"batch": 1, "variant": v, "round": r, "step_us": t} for v, r, t in rows])
+    out = ab.summary(df, "base").set_index("variant")
+    assert out.loc["fast", "min"] < out.loc["base", "max"]  # overlapping ranges
+    assert out.loc["fast", ["paired_median", "paired_min", "paired_max"]].tolist() == pytest.approx([0.95] * 3)
+    assert out.loc["fast", "faster_rounds"] == "4/4" and out.loc["base", "faster_rounds"] == "0/4"
+    assert out.loc["mixed", "paired_max"] == pytest.approx(1.1) and out.loc["mixed", "faster_rounds"] == "3/4"
+
+
 def test_ab_alternates_variants_and_restores_the_environment(capsys, monkeypatch):
     """tools.ab: one row per (batch, variant, round), each variant's switch set only during its rounds, and an engine
     of its own for a variant with engine options."""
@@ -260,9 +277,9 @@ def test_ab_alternates_variants_and_restores_the_environment(capsys, monkeypatch
     monkeypatch.delenv("POCKETLAB_AB_TEST", raising=False)
     ab.main(["--model", "tiny-qwen3", "--device", "cpu", "--variants", "POCKETLAB_AB_TEST=a;POCKETLAB_AB_TEST=b",
              "--rounds", "2", "--steps", "2", "--warm", "1"])  # fmt: skip
-    assert seen == ["a", "b", "a", "b"] and "POCKETLAB_AB_TEST" not in os.environ
-    table = capsys.readouterr().out.split("vs_first")[1]
-    assert re.search(r"POCKETLAB_AB_TEST=a\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+1\.000", table)
+    assert seen == ["a", "b", "b", "a"] and "POCKETLAB_AB_TEST" not in os.environ  # odd rounds in reverse
+    table = capsys.readouterr().out.split("faster_rounds")[1]
+    assert re.search(r"POCKETLAB_AB_TEST=a(\s+[\d.]+){3}\s+1\.000\s+1\.000\s+1\.000\s+1\.000\s+0/2", table)
     assert "POCKETLAB_AB_TEST=b" in table
     seen.clear()
     ab.main(["--model", "tiny-qwen3_5", "--device", "cpu", "--variants", ";POCKETLAB_AB_TEST=b", "--rounds", "1",

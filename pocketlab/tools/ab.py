@@ -2,7 +2,9 @@
 captured again for each variant, the variants alternated round by round.
 
 Why: the H200's step time drifts by a few percent between device calls (and within one), more than the effect of
-most kernel changes; alternating variants in one process spreads that drift over all of them alike.
+most kernel changes; alternating variants in one process (odd rounds in reverse order) spreads that drift over all
+of them alike, and each variant's step is also compared with the baseline's of the same round (paired ratios, and
+in how many rounds it was the faster), which the drift between rounds does not reach.
 
     python -m pocketlab.tools.ab --model qwen3-30b-a3b --variants "POCKETLAB_PDL=1;POCKETLAB_PDL=0" [--rounds 5]
     python -m pocketlab.tools.ab --model qwen3.5-0.8b --variants ";linear_in_place_tokens=2048" --prefill 512
@@ -60,9 +62,10 @@ def median_call(engine, batch: int, steps: int, warm: int, prefill: int = 0) -> 
 def run(engines: dict[str, object], variants: list[str], batch_sizes, rounds: int, steps: int, warm: int,
         prefill: int = 0) -> pd.DataFrame:  # fmt: skip
     """One row per (batch, variant, round): the median graphed step (or prefill) of that round, in us, each variant
-    on its engine (`engines[variant]`)."""
+    on its engine (`engines[variant]`). Odd rounds run the variants in reverse order, so a drift that is linear in
+    time weighs on every variant alike over each pair of rounds."""
     rows = []
-    work = [(b, r, v) for b in batch_sizes for r in range(rounds) for v in variants]
+    work = [(b, r, v) for b in batch_sizes for r in range(rounds) for v in (variants[:: -1 if r % 2 else 1])]
     for batch, rnd, variant in tqdm(work, desc="A/B rounds"):
         env, engine = parse_variant(variant)[0], engines[variant]
         saved = {k: os.environ.get(k) for k in env}
@@ -93,12 +96,19 @@ def engines_for(cfg: BenchConfig, variants: list[str]) -> dict[str, object]:
     return {v: built[key] for v, key in keys.items()}
 
 
-def summary(df: pd.DataFrame) -> pd.DataFrame:
-    """Per (batch, variant): median, min and max of the round medians, and the median against the baseline's."""
-    order = list(dict.fromkeys(df.variant))
+def summary(df: pd.DataFrame, baseline: str) -> pd.DataFrame:
+    """Per (batch, variant): median, min and max of the round medians, and the median against the baseline's; then
+    paired, round by round against the baseline's step of the same round (the machine's drift between rounds cancels):
+    the median, least and greatest of those ratios and in how many rounds the variant was the faster."""
     out = df.groupby(["batch", "variant"], sort=False).step_us.agg(["median", "min", "max"]).reset_index()
-    base = out[out.variant == order[0]].set_index("batch")["median"]
+    base = out[out.variant == baseline].set_index("batch")["median"]
     out["vs_first"] = out["median"] / out.batch.map(base)
+    same_round = df[df.variant == baseline].set_index(["batch", "round"]).step_us
+    ratio = df.step_us / pd.Series(list(zip(df.batch, df["round"], strict=True))).map(same_round).to_numpy()
+    paired = df.assign(ratio=ratio).groupby(["batch", "variant"], sort=False).ratio
+    out["paired_median"] = paired.median().to_numpy()
+    out["paired_min"], out["paired_max"] = paired.min().to_numpy(), paired.max().to_numpy()
+    out["faster_rounds"] = [f"{(r < 1).sum()}/{len(r)}" for _, r in paired]
     return out
 
 
@@ -125,7 +135,7 @@ def main(argv=None) -> None:
     print(f"\n{a.model} on {a.device}: {what}, us (median of {a.steps} per round, {a.rounds} rounds)")
     rounds = df.pivot_table(index=["batch", "round"], columns="variant", values="step_us", sort=False)
     print(rounds.round(1).to_string())
-    print("\n" + summary(df).to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+    print("\n" + summary(df, variants[0] or "(as is)").to_string(index=False, float_format=lambda x: f"{x:.3f}"))
 
 
 if __name__ == "__main__":
