@@ -266,6 +266,28 @@ def test_ab_summary_pairs_each_round_with_the_baselines():
     assert out.loc["mixed", "paired_max"] == pytest.approx(1.1) and out.loc["mixed", "faster_rounds"] == "3/4"
 
 
+def test_ab_reads_its_saved_tables_back(tmp_path, capsys):
+    """--summary-of: the per-round table a run printed (two batch sizes), saved under a header line, reads back as
+    the run's rows and gives the run's summary (to the table's one decimal)."""
+    from pocketlab.tools import ab
+
+    ab.main(["--model", "tiny-qwen3", "--device", "cpu", "--variants", ";POCKETLAB_AB_TEST=b", "--batch-sizes", "1,2",
+             "--rounds", "3", "--steps", "1", "--warm", "0"])  # fmt: skip
+    printed = capsys.readouterr().out
+    saved = tmp_path / "ab.txt"
+    saved.write_text("# session, commit\n" + printed)
+    df = ab.rounds_of(saved.read_text())
+    assert len(df) == 12 and set(df.batch) == {1, 2} and set(df["round"]) == {0, 1, 2}
+    assert list(dict.fromkeys(df.variant)) == ["(as is)", "POCKETLAB_AB_TEST=b"]
+    ab.main(["--summary-of", str(saved)])
+    again = capsys.readouterr().out
+    assert again.startswith(str(saved))
+    column = [line.split()[-1] for line in printed.split("faster_rounds")[1].strip().splitlines()]
+    assert [line.split()[-1] for line in again.split("faster_rounds")[1].strip().splitlines()] == column
+    with pytest.raises(SystemExit):
+        ab.main(["--model", "tiny-qwen3"])  # neither variants nor tables
+
+
 def test_ab_alternates_variants_and_restores_the_environment(capsys, monkeypatch):
     """tools.ab: one row per (batch, variant, round), each variant's switch set only during its rounds, and an engine
     of its own for a variant with engine options."""

@@ -8,6 +8,7 @@ in how many rounds it was the faster), which the drift between rounds does not r
 
     python -m pocketlab.tools.ab --model qwen3-30b-a3b --variants "POCKETLAB_PDL=1;POCKETLAB_PDL=0" [--rounds 5]
     python -m pocketlab.tools.ab --model qwen3.5-0.8b --variants ";linear_in_place_tokens=2048" --prefill 512
+    python -m pocketlab.tools.ab --summary-of reports/gpu/ab-*.txt   (the summary of tables saved by earlier runs)
 
 A variant is comma-separated NAME=VALUE pairs: environment variables (set for its rounds, restored after), and
 EngineOptions fields, for which the variant gets an engine of its own over the same weights (built once, before the
@@ -19,6 +20,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
+from pathlib import Path
 
 import pandas as pd
 from tqdm.auto import tqdm
@@ -112,17 +115,47 @@ def summary(df: pd.DataFrame, baseline: str) -> pd.DataFrame:
     return out
 
 
+def rounds_of(text: str) -> pd.DataFrame:
+    """The per-round table a run printed (its header line `variant ...`, then `batch round`, then one line per round)
+    back as run()'s rows: so the paired summary can be read off tables saved before it existed."""
+    lines = text.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("variant "))
+    names = re.split(r"\s{2,}", lines[at].strip())[1:]
+    rows, batch = [], None
+    for line in lines[at + 2 :]:
+        if not line.strip():
+            break
+        cells = line.split()
+        if len(cells) == len(names) + 2:
+            batch = int(cells.pop(0))
+        rnd, values = int(cells[0]), cells[1:]
+        rows += [
+            {"batch": batch, "variant": n, "round": rnd, "step_us": float(v)}
+            for n, v in zip(names, values, strict=True)
+        ]
+    return pd.DataFrame(rows)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m pocketlab.tools.ab", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="qwen3-0.6b")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--variants", required=True, help="';'-separated variants, each NAME=VALUE[,NAME=VALUE]")
+    p.add_argument("--variants", help="';'-separated variants, each NAME=VALUE[,NAME=VALUE]")
+    p.add_argument("--summary-of", nargs="+", default=(), metavar="FILE",
+                   help="no run: the summary of the per-round tables saved in these files")  # fmt: skip
     p.add_argument("--batch-sizes", type=ints, default=(1,))
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warm", type=int, default=5)
     p.add_argument("--prefill", type=int, default=0, help="N: time N-token prefills instead of decode steps")
     a = p.parse_args(argv)
+    for path in a.summary_of:
+        df = rounds_of(Path(path).read_text())
+        print(f"{path}\n{summary(df, df.variant.iloc[0]).to_string(index=False, float_format=lambda x: f'{x:.3f}')}\n")
+    if a.summary_of:
+        return
+    if not a.variants:
+        p.error("--variants is needed for a run")
     variants = [v.strip() for v in a.variants.split(";")]
     for v in variants:
         parse_variant(v)
