@@ -319,21 +319,28 @@
 #   --skip decode,latency,prefill", then with --engine-option prefill_graph_tokens=0); STEPS=tp on two GPUs (its
 #   prompts now replay graphs that capture NCCL's all-reduce, as decode graphs do); then the twenty-fifth session's
 #   list above.
-# Twenty-seventh session (2026-12-05, no device lent): the experts' down launch through a TMA ring too
-#   (POCKETLAB_MOE_TMA_DOWN, layers.moe_gemv_tma._expert_down_tma; compiled for sm_90 on the CPU). Owed after the
-#   list above, in one call (~4 minutes): the down's rings alone at one token, then in the engine:
-#   STEPS=ab AB_MODELS="qwen3-30b-a3b-4-layers qwen3.5-35b-a3b-4-layers" AB_VARIANTS=";POCKETLAB_MOE_TMA_DOWN=1;
-#     POCKETLAB_MOE_TMA_DOWN=8:256:4;POCKETLAB_MOE_TMA=8:256:4,POCKETLAB_MOE_TMA_DOWN=8:256:4" AB_ARGS="--batch-sizes 1
-#     --rounds 6 --steps 30" AB_FILE=moe-tma-down   (and `python -m pocketlab.tools.moe_bench --model qwen3-30b-a3b
-#     --tokens 1 --sweep`: its "tma sweep ... down" line ranks the down's rings against moe_gemv's launch)
-#   Three Qwen3.5 decode launches folded by default, untimed: the gated norm and (below K 2,048, so at 0.8B) the conv
-#   into the state step, the attention's output gate into its merge. Their CUDA tests, then the A/B (b1 and b32; the
-#   first variant undoes all three) and a profile (kernels a layer, 7.5 at 0.8B b1 before):
-#   STEPS="tests ab profile" TESTS="tests/test_linear_decode.py tests/test_decode_attention.py" AB_MODELS="qwen3.5-0.8b
-#     qwen3.5-9b qwen3.5-35b-a3b-4-layers" AB_VARIANTS="POCKETLAB_GDN_NORM_APART=1,POCKETLAB_GATE_APART=1,
-#     POCKETLAB_CONV_IN_STEP=0;;POCKETLAB_CONV_IN_STEP=0;POCKETLAB_CONV_IN_STEP=1" AB_ARGS="--batch-sizes 1,32
-#     --rounds 4 --steps 30" AB_FILE=qwen3.5-folds MODELS=qwen3.5-0.8b   (the profile step runs first; its table
-#     goes to the log). CONV_IN_STEP=1 at 9B and 35B-A3B asks whether the step beats in_proj's epilogue there too.
+# Twenty-seventh session (2026-12-05, no device lent). New and untimed: three Qwen3.5 decode launches folded by
+#   default (the gated norm and, below in_proj K 2,048, i.e. at 0.8B, the conv into the state step; the attention's
+#   output gate into its merge; switches POCKETLAB_GDN_NORM_APART=1, POCKETLAB_CONV_IN_STEP=0|1, POCKETLAB_GATE_APART=1)
+#   and the experts' down launch through a TMA ring (switch POCKETLAB_MOE_TMA_DOWN). tools.ab now prints paired ratios
+#   per round ("rounds faster"): decide by those. The next calls, in this order, before the twenty-sixth's list:
+#   1. (~8 min) the CUDA tests of everything new since the last run in the default mode (this session's folds and the
+#      twenty-sixth's prompt row kernel, cdb6347), a profile at 0.8B (kernels a layer: 7.5 at b1 before; the profile
+#      step runs first, its table goes to the log), then the folds' A/B, b1 and b32, the first variant undoing all
+#      three; CONV_IN_STEP=1 asks at 9B and 35B-A3B whether the step beats in_proj's epilogue there too:
+#      STEPS="profile tests ab" MODELS=qwen3.5-0.8b TESTS="-n 8 tests/test_linear_decode.py tests/test_decode_attention.py
+#        tests/test_graphs.py tests/test_parity.py tests/test_speculative.py tests/test_prefix_cache.py" TESTS_CAP_S=240
+#        AB_MODELS="qwen3.5-0.8b qwen3.5-9b qwen3.5-35b-a3b-4-layers" AB_VARIANTS="POCKETLAB_GDN_NORM_APART=1,
+#        POCKETLAB_GATE_APART=1,POCKETLAB_CONV_IN_STEP=0;;POCKETLAB_CONV_IN_STEP=0;POCKETLAB_CONV_IN_STEP=1"
+#        AB_ARGS="--batch-sizes 1,32 --rounds 4 --steps 30" AB_FILE=qwen3.5-folds AB_CAP_S=120 BUDGET_S=560
+#   2. (~5 min) the rings, paired: the one-row ring at the small shapes (faster in 5/6 and 6/6 paired rounds at 0.6B
+#      and 0.8B in the twenty-sixth's run; a default for them if this agrees) and 8B, and the experts' down ring:
+#      STEPS=ab AB_MODELS="qwen3-0.6b qwen3.5-0.8b qwen3-8b" AB_VARIANTS=";POCKETLAB_GEMV_TMA=8:256:6" AB_ARGS=
+#        "--batch-sizes 1 --rounds 6 --steps 30" AB_FILE=gemv-tma-paired, then AB_MODELS="qwen3-30b-a3b-4-layers
+#        qwen3.5-35b-a3b-4-layers" AB_VARIANTS=";POCKETLAB_MOE_TMA_DOWN=8:256:4;POCKETLAB_MOE_TMA=8:256:4,
+#        POCKETLAB_MOE_TMA_DOWN=8:256:4" AB_FILE=moe-tma-down (two OUT folders), and `python -m
+#        pocketlab.tools.moe_bench --model qwen3-30b-a3b --tokens 1 --sweep` (its "tma sweep ... down" line)
+#   3. the twenty-sixth's prompt A/B (prompt-graphs-512-row-rotate above) and the rest of its list.
 # MoE at real shapes (issue 17), one H200, one call each (the engine runs on the HF peer's own tensors, so the weights
 # are on the GPU once: peak ~86 GiB at 30B-A3B, ~81 GiB at 35B-A3B, most of it the weights and, at 30B, 24 GiB of K/V
 # for 64 slots x 4,097 positions; the JSON's "memory" has the measured peak). Engine warm-up, latency and serving
