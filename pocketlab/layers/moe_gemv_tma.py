@@ -56,14 +56,13 @@ def _expert_gate_up_tma(x_ptr, w_desc, s_desc, g_ptr, ids_ptr, h_ptr, eps, I, H,
 @triton.jit
 def _expert_down_tma(h_ptr, w_desc, s_desc, weights_ptr, ids_ptr, out_ptr, shared_ptr, gate_ptr, residual_ptr, H, I,
                      stride_s, stride_g, stride_r, TOP_K: tl.constexpr, KP: tl.constexpr, SHARED: tl.constexpr,
-                     SHARED_W: tl.constexpr,
-                     RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                     PDL: tl.constexpr):  # fmt: skip
+                     SHARED_W: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     STAGES: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """moe_gemv._down_sum's out[token, n] for this program's BLOCK_N columns (token program_id(1)), the k pairs' down
     rows (down read as [E * H, I]) streamed pair after pair through one ring: each pair's float32 lanes summed once
-    and rounded with its routing weight, the k products added in k order, then finish_token. SHARED_W: the shared
-    expert's down rows (s_desc, [H, I]) against h's row N * k + token, through a ring of their own. The first
-    pair's id and tile load before the PDL wait (the routing ran two launches back)."""
+    and rounded with its routing weight, the k products added in k order, then moe_gemv.store_token. SHARED_W: the
+    shared expert's down rows (s_desc, [H, I]) against h's row N * k + token, through a ring of their own. The
+    first pair's id and tile load before the PDL wait (the routing ran two launches back)."""
     token = tl.program_id(1).to(tl.int64)
     n0 = tl.program_id(0) * BLOCK_N
     k, j = tl.arange(0, BLOCK_K), tl.arange(0, KP)
