@@ -250,3 +250,52 @@ def test_gpu_fused_launches_keep_the_bits():
             for t in sweep.FUSED_FEW + [matmul.tiles(200, N, x.dtype, x.device, extras["swiglu"])]:
                 y = matmul.launch(x, w, None, torch.empty(200, N, dtype=x.dtype, device=DEV), o, t, fused)
                 assert torch.equal(y[:16], want), (epilogue, N, K, t)
+
+
+FIVE_A_LAYER = {  # a decode step's Triton launches per layer with the fused kernels, in order
+    "linear_attention": ["_gemv", "_recurrent_step", "_gemv", "_gemv", "_gemv"],  # conv and gated norm inside
+    "full_attention": ["_gemv", "_partial_attention", "_gemv", "_gemv", "_gemv"],  # norms, RoPE, K/V, output gate
+}
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="counts the interpreter's launches")
+@pytest.mark.parametrize(
+    "preset, switch",
+    [("tiny-qwen3", ""), ("tiny-qwen3_5", ""), ("tiny-qwen3_5", "POCKETLAB_GDN_NORM_APART"),
+     ("tiny-qwen3_5", "POCKETLAB_GATE_APART")],
+)  # fmt: skip
+def test_a_decode_layer_is_five_launches(make_engine, monkeypatch, preset, switch):
+    """Issue 14's kernels a layer, pinned: one decode step with the fused kernels runs five Triton launches in every
+    layer, Qwen3's or Qwen3.5's, Gated DeltaNet or attention; each switch brings back the one launch it undoes."""
+    from conftest import random_prompt
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from pocketlab.models.qwen3 import DecoderLayer
+
+    engine = make_engine(preset, fused_linear="triton", linear_decode="triton", decode_attention="triton")
+    first = engine.prefill(random_prompt(9, seed=2), slot_id=0)
+    if switch:
+        monkeypatch.setenv(switch, "1")
+    launches, layers = [], []
+    run, call = InterpretedFunction.run, DecoderLayer.__call__
+
+    def counted_call(layer, *args):
+        before = len(launches)
+        out = call(layer, *args)
+        layers.append(launches[before:])
+        return out
+
+    monkeypatch.setattr(
+        InterpretedFunction, "run", lambda self, *a, **k: launches.append(self.fn.__name__) or run(self, *a, **k)
+    )
+    monkeypatch.setattr(DecoderLayer, "__call__", counted_call)
+    engine.decode_step(first.next_token, slot_id=0)
+    kinds = engine.cfg.layer_types or ["full_attention"] * engine.cfg.num_hidden_layers
+    assert len(layers) == len(kinds) and (preset == "tiny-qwen3" or {*kinds} == {*FIVE_A_LAYER})
+    for kind, got in zip(kinds, layers, strict=True):
+        want = list(FIVE_A_LAYER[kind])
+        if switch == "POCKETLAB_GDN_NORM_APART" and kind == "linear_attention":
+            want.insert(2, "_rms_norm_rows")
+        if switch == "POCKETLAB_GATE_APART" and kind == "full_attention":
+            want.insert(2, "_sigmoid_gate")
+        assert got == want, (kind, switch)
