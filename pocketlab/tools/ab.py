@@ -115,6 +115,10 @@ def summary(df: pd.DataFrame, baseline: str) -> pd.DataFrame:
     return out
 
 
+def printed(table: pd.DataFrame) -> str:
+    return table.to_string(index=False, float_format=lambda x: f"{x:.3f}")
+
+
 def rounds_of(text: str) -> pd.DataFrame:
     """The per-round table a run printed (its header line `variant ...`, then `batch round`, then one line per round)
     back as run()'s rows: so the paired summary can be read off tables saved before it existed."""
@@ -151,7 +155,7 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     for path in a.summary_of:
         df = rounds_of(Path(path).read_text())
-        print(f"{path}\n{summary(df, df.variant.iloc[0]).to_string(index=False, float_format=lambda x: f'{x:.3f}')}\n")
+        print(f"{path}\n{printed(summary(df, df.variant.iloc[0]))}\n")
     if a.summary_of:
         return
     if not a.variants:
@@ -168,7 +172,7 @@ def main(argv=None) -> None:
     print(f"\n{a.model} on {a.device}: {what}, us (median of {a.steps} per round, {a.rounds} rounds)")
     rounds = df.pivot_table(index=["batch", "round"], columns="variant", values="step_us", sort=False)
     print(rounds.round(1).to_string())
-    print("\n" + summary(df, variants[0] or "(as is)").to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+    print("\n" + printed(summary(df, variants[0] or "(as is)")))
 
 
 if __name__ == "__main__":
