@@ -86,14 +86,15 @@ def _expert_down_tma(h_ptr, w_desc, s_desc, weights_ptr, ids_ptr, out_ptr, share
         lanes += w_desc.load([e * H + n0, k0]).to(tl.float32) * h[None, :]
     weight = tl.sum(tl.where(j == TOP_K - 1, routing, 0.0), 0)
     acc += cast(tl.sum(lanes, 1) * weight, dtype).to(tl.float32)
-    shared_lanes = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     if SHARED_W:
         shared_h = h_ptr + (tl.num_programs(1) * TOP_K + token) * I
+        shared_lanes = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in tl.range(0, I, BLOCK_K, num_stages=STAGES):
             h = tl.load(shared_h + k0 + k, mask=k0 + k < I, other=0.0).to(tl.float32)
             shared_lanes += s_desc.load([n0, k0]).to(tl.float32) * h[None, :]
-    store_token(acc, tl.sum(shared_lanes, 1), token, n0 + tl.arange(0, BLOCK_N), H, out_ptr, shared_ptr, gate_ptr,
-                residual_ptr, stride_s, stride_g, stride_r, SHARED, SHARED_W, RESIDUAL)  # fmt: skip
+    shared_sum = tl.sum(shared_lanes, 1) if SHARED_W else acc
+    store_token(acc, shared_sum, token, n0 + tl.arange(0, BLOCK_N), H, out_ptr, shared_ptr, gate_ptr, residual_ptr,
+                stride_s, stride_g, stride_r, SHARED, SHARED_W, RESIDUAL)  # fmt: skip
 
 
 def fits(*weights: torch.Tensor) -> bool:

@@ -106,9 +106,8 @@ def summary(df: pd.DataFrame, baseline: str) -> pd.DataFrame:
     out = df.groupby(["batch", "variant"], sort=False).step_us.agg(["median", "min", "max"]).reset_index()
     base = out[out.variant == baseline].set_index("batch")["median"]
     out["vs_first"] = out["median"] / out.batch.map(base)
-    same_round = df[df.variant == baseline].set_index(["batch", "round"]).step_us
-    ratio = df.step_us / pd.Series(list(zip(df.batch, df["round"], strict=True))).map(same_round).to_numpy()
-    paired = df.assign(ratio=ratio).groupby(["batch", "variant"], sort=False).ratio
+    rounds = df.merge(df[df.variant == baseline], on=["batch", "round"], how="left", suffixes=("", "_base"))
+    paired = rounds.assign(ratio=rounds.step_us / rounds.step_us_base).groupby(["batch", "variant"], sort=False).ratio
     out["paired_median"] = paired.median().to_numpy()
     out["paired_min"], out["paired_max"] = paired.min().to_numpy(), paired.max().to_numpy()
     out["faster_rounds"] = [f"{(r < 1).sum()}/{len(r)}" for _, r in paired]
