@@ -90,7 +90,7 @@ def test_gemv_matches_the_unfused_torch_steps(dtype, epilogue):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("epilogue", EPILOGUES)
 def test_tma_ring_gemv_matches_the_unfused_torch_steps(dtype, epilogue, monkeypatch):
-    """layers.gemv's one-row calls through the TMA-ring experiment (POCKETLAB_GEMV_TMA, layers.gemv_tma) against the
+    """layers.gemv's one-row calls through the TMA ring (POCKETLAB_GEMV_TMA, layers.gemv_tma) against the
     same steps, without and with both pre-norm flavours: N and K off the ring's tiles (the descriptor's zero fill),
     K over several laps of a three-tile ring. Rows TMA cannot read (not 16-byte aligned) and several rows keep
     layers.gemv's own launch."""
@@ -111,6 +111,28 @@ def test_tma_ring_gemv_matches_the_unfused_torch_steps(dtype, epilogue, monkeypa
     gemv.gemv(x, w, bias, **extras)  # two rows
     gemv.gemv(x[:1, 1:1025], w[:, 1:1025], bias, **extras | dict(residual=None))  # rows off 16-byte alignment
     assert len(taken) == 6
+
+
+def test_one_row_gemvs_of_small_weights_take_the_ring_where_tma_is(monkeypatch):
+    """Unswitched, a one-row GEMV takes layers.gemv_tma.ONE_ROW_RING where the device has TMA and the weight is at
+    most RING_MAX_BYTES; a larger weight, several rows, a device without TMA or POCKETLAB_GEMV_TMA=0 keep
+    layers.gemv's own launch, and the switch's own ring wins over the rule."""
+    rings = []
+    monkeypatch.setattr(gemv_tma, "launch", lambda x, w, b, y, ring, *a: rings.append(ring))
+    monkeypatch.delenv("POCKETLAB_GEMV_TMA", raising=False)
+    x, w, _, _ = inputs(2, 40, 256, torch.float32, "plain")
+    monkeypatch.setattr(gemv_tma, "RING_MAX_BYTES", w.numel() * w.element_size())
+    for tma in (True, False):
+        monkeypatch.setattr(gemv_tma, "has_tma", lambda device, tma=tma: tma)
+        gemv.gemv(x[:1], w)
+        gemv.gemv(x[:1], torch.cat([w, w[:1]]))  # one weight row past the limit
+        gemv.gemv(x, w)  # two rows
+    monkeypatch.setattr(gemv_tma, "has_tma", lambda device: True)
+    monkeypatch.setenv("POCKETLAB_GEMV_TMA", "0")
+    gemv.gemv(x[:1], w)
+    monkeypatch.setenv("POCKETLAB_GEMV_TMA", "8:64:3")
+    gemv.gemv(x[:1], torch.cat([w, w[:1]]))
+    assert rings == [gemv_tma.ONE_ROW_RING, gemv_tma.Ring(8, 64, 3)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

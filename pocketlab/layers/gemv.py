@@ -193,10 +193,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _check_conv(conv, x2.shape[0], N)
     y = torch.empty(x2.shape[0], N, dtype=x.dtype, device=x.device)
     res = None if residual is None else as_rows(residual, N)
-    ring = gemv_tma.ring_from_env() if x2.shape[0] == 1 else None
-    ring = ring if ring and gemv_tma.fits(weight) else None
+    ring = gemv_tma.one_row_ring(weight) if x2.shape[0] == 1 else None
     after = conv if conv is not None and (ring or (K < CONV_MIN_K and x.is_cuda)) else None
-    if ring:  # the TMA-ring experiment (layers.gemv_tma), switched on for measuring
+    if ring:  # the weight streamed through a TMA ring (layers.gemv_tma)
         gemv_tma.launch(x2, weight, bias, y, ring, epilogue_of(residual, swiglu), res, norm)
     elif x2.shape[0]:
         t = launch_for(x2.shape[0], N, K, x.device, normed=norm is not None and not swiglu)

@@ -1,4 +1,4 @@
-"""An experiment: layers.gemv's one-row read with the weight tiles streamed through a TMA ring in shared memory.
+"""layers.gemv's one-row read with the weight tiles streamed through a TMA ring in shared memory.
 
 layers.gemv holds its weight tiles in registers (one or two ahead of their use), so a program keeps few bytes in
 flight, and the persistent forms tried since were register-bound (reports/performance-history.md, eighteenth and
@@ -6,8 +6,9 @@ twenty-third sessions). Here the weight is read through a Hopper tensor descript
 num_stages=STAGES)` loop, which Triton (3.6 as on the H200, and 3.9) compiles to a ring of STAGES tiles loaded by
 TMA and handed over by mbarriers: STAGES - 1 tiles in flight at a fraction of layers.gemv's registers (`python -m
 pocketlab.layers.gemv_sweep --resources` compiles both; `--tma-chain` times them in a decode-like chain). Same
-arithmetic as layers.gemv at one row (its norm, bias and epilogues: float32 lanes along K, summed once, rounded once);
-`POCKETLAB_GEMV_TMA` sends layers.gemv's one-row calls here, to measure it in the engine.
+arithmetic as layers.gemv at one row (its norm, bias and epilogues: float32 lanes along K, summed once, rounded once).
+layers.gemv sends its one-row calls here for the small weights where the ring was faster in the engine (`one_row_ring`);
+`POCKETLAB_GEMV_TMA` overrides that, to measure.
 """
 
 from __future__ import annotations
@@ -38,22 +39,40 @@ class Ring:
 
 
 DEFAULT_RING = Ring()
+# One-row GEMVs of weights up to RING_MAX_BYTES take this ring on Hopper: every one-row GEMV of Qwen3-0.6B and
+# Qwen3.5-0.8B (12-16 MiB weights) through it was faster in every paired round, at 8B (32 MiB and up) slower in every
+# one (reports/gpu/ab-gemv-tma-paired-*).
+ONE_ROW_RING = Ring(8, 256, 6)
+RING_MAX_BYTES = 24 << 20
 
 
-def ring_from_env(name: str = "POCKETLAB_GEMV_TMA") -> Ring | None:
-    """The switch `name`: unset or "0", the kernels' own launches; "1", the default ring; "n:k:stages" (or with
-    commas), that ring. For measuring (tools.ab, whose variants are comma-separated), not an engine option, while
-    this is an experiment."""
-    value = os.environ.get(name, "0")
+def ring_from_env(name: str = "POCKETLAB_GEMV_TMA", unset: Ring | None = None) -> Ring | None:
+    """The switch `name`: unset or "", `unset`; "0", the kernels' own launches; "1", the default ring; "n:k:stages"
+    (or with commas), that ring. For measuring (tools.ab, whose variants are comma-separated), not an engine option."""
+    value = os.environ.get(name, "")
     if value in ("", "0"):
-        return None
+        return None if value else unset
     return DEFAULT_RING if value == "1" else Ring(*(int(v) for v in value.replace(":", ",").split(",")))
+
+
+def one_row_ring(weight: torch.Tensor) -> Ring | None:
+    """The ring for a one-row GEMV of `weight`, or None for layers.gemv's own launch: ONE_ROW_RING for weights of
+    at most RING_MAX_BYTES on a GPU with TMA (sm_90 and later), unless POCKETLAB_GEMV_TMA says otherwise (the
+    interpreter takes a ring only when it does)."""
+    small = weight.numel() * weight.element_size() <= RING_MAX_BYTES
+    ring = ring_from_env(unset=ONE_ROW_RING if small and has_tma(weight.device) else None)
+    return ring if ring and fits(weight) else None
 
 
 def fits(weight: torch.Tensor) -> bool:
     """TMA reads rows of 16-byte multiples from a 16-byte aligned start."""
     row_bytes = weight.stride(0) * weight.element_size()
     return weight.stride(1) == 1 and weight.data_ptr() % 16 == 0 and row_bytes % 16 == 0
+
+
+def has_tma(device: torch.device) -> bool:
+    """Hopper (sm_90) and later read through tensor descriptors."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 @triton.jit

@@ -389,14 +389,11 @@ def conv_step(
     return y
 
 
-def conv_in_state_step(in_width: int) -> bool:
-    """Whether a decode step's conv runs in the state step's launch (recurrent_step's `conv`): yes, unless in_proj's
-    GEMV takes it in its epilogue (rows of at least gemv.CONV_MIN_K). POCKETLAB_CONV_IN_STEP=1 or 0 says yes or no,
-    a switch for tools.ab while this is new."""
-    from .gemv import CONV_MIN_K
-
-    value = os.environ.get("POCKETLAB_CONV_IN_STEP", "")
-    return value == "1" if value in ("0", "1") else in_width < CONV_MIN_K
+def conv_in_state_step() -> bool:
+    """Whether a decode step's conv runs in the state step's launch (recurrent_step's `conv`): only with
+    POCKETLAB_CONV_IN_STEP=1, since it was slower than its own launch at 0.8B and than in_proj's epilogue at 9B
+    and 35B-A3B (reports/gpu/ab-qwen3.5-folds-*)."""
+    return os.environ.get("POCKETLAB_CONV_IN_STEP", "") == "1"
 
 
 @dataclass(frozen=True)

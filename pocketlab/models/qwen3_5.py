@@ -55,7 +55,7 @@ class GatedDeltaNet:
         plain = ctx.delta_rule is None and ctx.gdn_log is None  # not a speculative verify, which keeps its own rule
         if not invariant and T == 1 and self.in_place and plain:  # the state step runs the gated norm (and conv) too
             step = ConvStep(conv, self.conv_weight, ctx.slot_ids)
-            in_step = conv_in_state_step(self.in_proj.shape[1])
+            in_step = conv_in_state_step()
             y, z, b, a = self.kernels.linear(h, self.in_proj, norm=norm, conv=None if in_step else step).split(
                 self.splits, dim=-1
             )
