@@ -464,6 +464,8 @@ REPORTS_PARALLEL=${REPORTS_PARALLEL:-0}
 START=$(date +%s)
 mkdir -p "$OUT" reports/bench
 LOG="$OUT/gpu_run.log"
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oiE '[a-z][0-9]{2,3}' | head -1 | tr A-Z a-z)
+GPU=${GPU:-gpu}  # h100, h200, ...: the tables below are named by the card that measured them
 SUMMARY="$OUT/summary.txt"
 : >"$LOG"
 : >"$SUMMARY"
@@ -582,7 +584,7 @@ if wants invariant; then
   [ "$INVARIANT_TIMINGS" = 1 ] && step "invariant kernel timings" 120 "$reserve" bash -o pipefail -c \
     "python3 -m pocketlab.layers.invariant.bench --runs 20 && python3 -m pocketlab.layers.invariant.attention_bench"
   [ "$INVARIANT_SWEEP" = 1 ] && step "invariant matmul launches (sweep)" 200 "$reserve" bash -o pipefail -c \
-    "TQDM_DISABLE=1 python3 -m pocketlab.layers.invariant.sweep | tee reports/gpu/invariant-matmul-sweep-h200.txt"
+    "TQDM_DISABLE=1 python3 -m pocketlab.layers.invariant.sweep | tee reports/gpu/invariant-matmul-sweep-$GPU.txt"
   [ -n "$INVARIANT_PROFILE" ] && for bi in False True; do
     step "profile $INVARIANT_PROFILE batch_invariant=$bi" 90 "$reserve" bash -o pipefail -c "python3 -m pocketlab.tools.profile \
       --model $INVARIANT_PROFILE --batch-sizes 1,32 --prefill-lens 4096 --steps 10 --top 25 \
@@ -598,20 +600,20 @@ if wants fused; then
   [ -n "$FUSED_TESTS" ] && step "pytest fused linear (cuda)" 200 "$reserve" \
     env POCKETLAB_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider --tb=short $FUSED_TESTS
   [ "$FUSED_SWEEP" = 1 ] && step "fused linear launches (sweep)" 150 "$reserve" bash -o pipefail -c \
-    "python3 -m pocketlab.layers.invariant.sweep --fused | tee reports/gpu/fused-linear-sweep-h200.txt"
+    "python3 -m pocketlab.layers.invariant.sweep --fused | tee reports/gpu/fused-linear-sweep-$GPU.txt"
   [ "$GEMV_SWEEP" = 1 ] && step "gemv launches (sweep)" "$GEMV_SWEEP_CAP_S" "$reserve" bash -o pipefail -c \
-    "TQDM_DISABLE=1 python3 -m pocketlab.layers.gemv_sweep $GEMV_SWEEP_ARGS | tee reports/gpu/$GEMV_SWEEP_FILE-h200.txt"
+    "TQDM_DISABLE=1 python3 -m pocketlab.layers.gemv_sweep $GEMV_SWEEP_ARGS | tee reports/gpu/$GEMV_SWEEP_FILE-$GPU.txt"
   [ "$GEMV_NORM_CHAIN" = 1 ] && step "gemv pre-norm, own kernel vs folded" 120 "$reserve" bash -o pipefail -c \
-    "python3 -m pocketlab.layers.gemv_sweep --norm-chain | tee reports/gpu/gemv-norm-chain-h200.txt"
+    "python3 -m pocketlab.layers.gemv_sweep --norm-chain | tee reports/gpu/gemv-norm-chain-$GPU.txt"
   [ "$ATTENTION_SWEEP" = 1 ] && step "decode attention splits (sweep)" 200 "$reserve" bash -o pipefail -c \
-    "TQDM_DISABLE=1 python3 -m pocketlab.layers.decode_attention_sweep | tee reports/gpu/decode-attention-splits-h200.txt"
+    "TQDM_DISABLE=1 python3 -m pocketlab.layers.decode_attention_sweep | tee reports/gpu/decode-attention-splits-$GPU.txt"
   for m in $FUSED_MODELS; do
     for mode in $FUSED_MODES; do   # a mode: NAME=VALUE, comma-separated: engine options, or UPPER_CASE env vars
       opts="" envs=""
       for kv in ${mode//,/ }; do if [[ $kv == [A-Z]* ]]; then envs+=" $kv"; else opts+=" --engine-option $kv"; fi; done
       step "profile $m $mode" 150 "$reserve" bash -o pipefail -c "env $envs python3 -m pocketlab.tools.profile --model $m \
         --batch-sizes $FUSED_BATCHES --prefill-lens '$FUSED_PREFILL' --steps 10 --top 25 $opts \
-        | tee reports/gpu/profile-$m-${mode//[=,]/-}-h200.txt"
+        | tee reports/gpu/profile-$m-${mode//[=,]/-}-$GPU.txt"
     done
   done
 fi
@@ -639,11 +641,11 @@ if wants moe; then
     env POCKETLAB_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider --tb=short $MOE_TESTS
   for m in $MOE_MODELS; do
     step "moe experts $m" 200 "$reserve" bash -o pipefail -c "python3 -m pocketlab.tools.moe_bench --model $m \
-      --out reports/gpu/moe-experts-$m.json $MOE_ARGS | tee reports/gpu/moe-experts-$m-h200.txt"
+      --out reports/gpu/moe-experts-$m.json $MOE_ARGS | tee reports/gpu/moe-experts-$m-$GPU.txt"
   done
   for m in $MOE_PROFILE; do
     step "profile $m" 240 "$reserve" bash -o pipefail -c "python3 -m pocketlab.tools.profile --model $m \
-      --batch-sizes 1,32 --prefill-lens 4096 --steps 10 --top 25 | tee reports/gpu/profile-$m-h200.txt"
+      --batch-sizes 1,32 --prefill-lens 4096 --steps 10 --top 25 | tee reports/gpu/profile-$m-$GPU.txt"
   done
 fi
 
@@ -653,7 +655,7 @@ if wants ab; then
   mkdir -p reports/gpu
   for m in $AB_MODELS; do
     step "A/B $m" "$AB_CAP_S" "$reserve" bash -o pipefail -c "TQDM_DISABLE=1 python3 -m pocketlab.tools.ab --model $m \
-      --variants '$AB_VARIANTS' $AB_ARGS | tee reports/gpu/ab-$AB_FILE-$m-h200.txt"
+      --variants '$AB_VARIANTS' $AB_ARGS | tee reports/gpu/ab-$AB_FILE-$m-$GPU.txt"
   done
 fi
 
