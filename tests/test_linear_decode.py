@@ -151,39 +151,6 @@ def test_recurrent_step_runs_the_gated_norm_in_the_heads_last_block(dtype, dv):
                 assert (got != want).float().mean() < 0.02
 
 
-@pytest.mark.parametrize("window_dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("hk,hv,dv", [(2, 4, 64), (2, 2, 32)])  # 4 readers of a key head's windows; 1
-def test_recurrent_step_runs_the_conv_in_its_launch(window_dtype, hk, hv, dv):
-    """conv=ConvStep(...): q, k, v given as the conv's input row [q | k | v] give the bits of conv_step then the step,
-    outputs, states and windows (other slots' untouched), with the gated norm too; three steps in a row (each
-    launch leaves its arrival counts zeroed). Views that are not one row's [q | k | v] are refused."""
-    gen = torch.Generator().manual_seed(13)
-    B, dk, K, slots = 3, 16, 4, torch.tensor([2, 0, 3], device=DEV)
-    C = 2 * hk * dk + hv * dv
-    weight, neg_A, dt_bias = randn(C, K, gen=gen).to(torch.bfloat16), -randn(hv, gen=gen).exp(), randn(hv, gen=gen)
-    norm = ((1 + randn(dv, gen=gen) / 4).to(torch.bfloat16), 1e-6)
-    state, windows = randn(5, hv, dk, dv, gen=gen), randn(5, C, K - 1, gen=gen).to(window_dtype)
-    want_state, want_windows = state.clone(), windows.clone()
-
-    def split(y):  # [B, C + 2 hv] as in_proj's output: q, k, v rows, then the gates
-        q, k, v, a, b = y.split([hk * dk, hk * dk, hv * dv, hv, hv], dim=-1)
-        return q.view(B, hk, dk), k.view(B, hk, dk), v.view(B, hv, dv), a, b
-
-    for _ in range(3):
-        y, z = randn(B, C + 2 * hv, gen=gen).to(torch.bfloat16), randn(B, hv * dv, gen=gen).to(torch.bfloat16)
-        norm_z = (z, *norm)
-        convolved = y.clone()
-        ld.conv_step(convolved[:, :C], want_windows, weight, slots, out=convolved[:, :C])
-        want = ld.recurrent_step(*split(convolved), want_state, slots, gd.L2_EPS, gates=(neg_A, dt_bias),
-                                 gated_norm=norm_z)  # fmt: skip
-        got = ld.recurrent_step(*split(y), state, slots, gd.L2_EPS, gates=(neg_A, dt_bias), gated_norm=norm_z,
-                                conv=ld.ConvStep(windows, weight, slots))  # fmt: skip
-        assert torch.equal(got, want) and torch.equal(state, want_state) and torch.equal(windows, want_windows)
-    q, k, v, a, b = split(y)
-    with pytest.raises(ValueError, match="one row's"):
-        ld.recurrent_step(q, k.clone(), v, a, b, state, slots, gd.L2_EPS, conv=ld.ConvStep(windows, weight, slots))
-
-
 def one_token_at_a_time(lengths, T, step):
     """Drive a one-token kernel over ragged rows: step(rows, t) for the rows still inside their lengths."""
     for t in range(T):
@@ -258,15 +225,12 @@ def test_recurrent_steps_equal_one_token_steps(dtype):
     assert torch.equal(state[[2, 3]], before[[2, 3]])
 
 
-@pytest.mark.parametrize("conv_in_step", ["1", "0"])
-def test_engine_decodes_the_same_either_way(make_engine, monkeypatch, conv_in_step):
-    """Interleaved slots through batch_decode_step: in-place kernels vs the gather / rule / scatter path; the decode
-    conv in the state step's launch, or in in_proj's (POCKETLAB_CONV_IN_STEP=0)."""
+def test_engine_decodes_the_same_either_way(make_engine):
+    """Interleaved slots through batch_decode_step: in-place kernels vs the gather / rule / scatter path."""
     from conftest import DTYPE, LOGIT_TOL, random_prompt
 
     from pocketlab import BatchedRequest
 
-    monkeypatch.setenv("POCKETLAB_CONV_IN_STEP", conv_in_step)
     runs = {}
     for kind in ("triton", "torch"):
         engine = make_engine("tiny-qwen3_5", linear_decode=kind, max_slots=3)

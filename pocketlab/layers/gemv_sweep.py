@@ -263,19 +263,18 @@ def resources() -> None:
 
 
 def state_step_resources() -> None:
-    """The Gated DeltaNet decode step (dk = dv = 128, as Qwen3.5's) as it runs alone, with the gated norm, and with
-    the conv too."""
-    names = ("q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr", "o_ptr", "z_ptr", "norm_w_ptr", "conv_ptr", "cw_ptr")
+    """The Gated DeltaNet decode step (dk = dv = 128, as Qwen3.5's) as it runs alone and with the gated norm."""
+    names = ("q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr", "o_ptr", "z_ptr", "norm_w_ptr")
     signature = dict.fromkeys(names, "*bf16") | dict.fromkeys(("state_ptr", "neg_a_ptr", "dt_ptr"), "*fp32")
-    signature |= {"slot_ptr": "*i64", "arrived_ptr": "*i32", "conv_arrived_ptr": "*i32"}
+    signature |= {"slot_ptr": "*i64", "arrived_ptr": "*i32"}
     signature |= dict.fromkeys(("scale", "eps", "norm_eps"), "fp32")
     signature |= {name: "i32" for name in inspect.signature(linear_decode._recurrent_step.fn).parameters
                   if name.startswith("stride_")}  # fmt: skip
-    for norm, conv_k in ((False, 0), (True, 0), (True, 4)):
+    for norm in (False, True):
         constants = dict(GROUP=1, DK=128, DV=128, BLOCK_V=linear_decode.STATE_BLOCK_V, RAW_GATES=True, NORM=norm,
-                         CONV_K=conv_k, X_DTYPE=tl.bfloat16, WX_DTYPE=tl.bfloat16)  # fmt: skip
+                         X_DTYPE=tl.bfloat16, WX_DTYPE=tl.bfloat16)  # fmt: skip
         print(
-            f"{'gdn state step':<20} norm {norm!s:<5} conv {conv_k:<12}"
+            f"{'gdn state step':<20} norm {norm!s:<20}"
             f"{compiled(linear_decode._recurrent_step, signature, constants, linear_decode.STATE_WARPS)}"
         )
 

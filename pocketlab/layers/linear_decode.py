@@ -11,7 +11,6 @@ per-token helpers, `_conv_token` and `_delta_rule_token`, with the same tile sha
 give bitwise the states and outputs of T one-token steps, which batch-invariant serving relies on.
 """
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -155,24 +154,6 @@ if triton is not None:
         return S, tl.sum(S * q[:, None], 0)
 
     @triton.jit
-    def _conv_in_step(x_row, windows, w_ptr, c, stride_cc, K: tl.constexpr, N: tl.constexpr):
-        """The conv of one token on channels c [N] as conv_step computes and stores it (rounded to x's dtype), in
-        float32; windows: the slot's [C, K-1] windows."""
-        every = c >= 0
-        y = _conv_token(x_row, 0, (windows + c * stride_cc)[None, :], w_ptr, tl.zeros([1], tl.int32), c, every,
-                        every[None, :], K)  # fmt: skip
-        return tl.reshape(y, [N]).to(x_row.dtype.element_ty).to(tl.float32)
-
-    @triton.jit
-    def _shift_windows(x_row, windows, c, stride_cc, K: tl.constexpr):
-        """Channels c's windows move on by one token, x_row[c] coming in last (each cell read before it is
-        overwritten, by the same thread)."""
-        window = windows + c * stride_cc
-        for j in tl.static_range(1, K - 1):
-            tl.store(window + (j - 1), tl.load(window + j))
-        tl.store(window + (K - 2), tl.load(x_row + c).to(windows.dtype.element_ty))
-
-    @triton.jit
     def _recurrent_step(
         q_ptr,
         k_ptr,
@@ -204,18 +185,12 @@ if triton is not None:
         arrived_ptr,
         stride_zb,
         norm_eps,
-        conv_ptr,
-        cw_ptr,
-        conv_arrived_ptr,
-        stride_cs,
-        stride_cc,
         GROUP: tl.constexpr,
         DK: tl.constexpr,
         DV: tl.constexpr,
         BLOCK_V: tl.constexpr,
         RAW_GATES: tl.constexpr,
         NORM: tl.constexpr,
-        CONV_K: tl.constexpr,
         X_DTYPE: tl.constexpr,
         WX_DTYPE: tl.constexpr,
         PDL: tl.constexpr,
@@ -223,27 +198,16 @@ if triton is not None:
         """One token per row: the state block of (slot, value head, value block) loaded, advanced, stored. With
         RAW_GATES g and beta are computed here from the raw a and b, as invariant.decay_and_beta computes them.
         NORM: the last of a head's value blocks to finish runs the gated output norm on the head's whole row (its
-        o as stored, the gate z, the weight), as invariant.gated_rms_norm computes it, and writes it over o.
-        CONV_K: q, k, v are the causal conv's input row [q | k | v] (conv_step's x), convolved here as conv_step
-        convolves them; each block moves its value channels' windows on, and the last of a key head's readers its
-        q and k channels'."""
+        o as stored, the gate z, the weight), as invariant.gated_rms_norm computes it, and writes it over o."""
         wait_then_release(PDL)
         b, hv, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         slot = tl.load(slot_ptr + b).to(tl.int64)
         hk = hv // GROUP  # value head hv reads key head hv // GROUP
         kk = tl.arange(0, DK)
         vv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
-        if CONV_K:
-            x_row, windows = q_ptr + b * stride_qb, conv_ptr + slot * stride_cs
-            key_heads = tl.num_programs(1) // GROUP
-            cq, cv = hk * DK + kk, 2 * key_heads * DK + hv * DV + vv  # channels; k's follow q's
-            q = _conv_in_step(x_row, windows, cw_ptr, cq, stride_cc, CONV_K, DK)
-            k = _conv_in_step(x_row, windows, cw_ptr, key_heads * DK + cq, stride_cc, CONV_K, DK)
-            v = _conv_in_step(x_row, windows, cw_ptr, cv, stride_cc, CONV_K, BLOCK_V)
-        else:
-            q = tl.load(q_ptr + b * stride_qb + hk * stride_qh + kk).to(tl.float32)
-            k = tl.load(k_ptr + b * stride_kb + hk * stride_kh + kk).to(tl.float32)
-            v = tl.load(v_ptr + b * stride_vb + hv * stride_vh + vv).to(tl.float32)
+        q = tl.load(q_ptr + b * stride_qb + hk * stride_qh + kk).to(tl.float32)
+        k = tl.load(k_ptr + b * stride_kb + hk * stride_kh + kk).to(tl.float32)
+        v = tl.load(v_ptr + b * stride_vb + hv * stride_vh + vv).to(tl.float32)
         g = tl.load(g_ptr + b * stride_gb + hv).to(tl.float32)
         beta = tl.load(beta_ptr + b * stride_bb + hv).to(tl.float32)
         if RAW_GATES:  # g holds a, beta holds b
@@ -253,14 +217,6 @@ if triton is not None:
         S, o = _delta_rule_token(tl.load(cells), q, k, v, g, beta, scale, eps)
         tl.store(cells, S)
         tl.store(o_ptr + b * stride_ob + hv * stride_oh + vv, o.to(o_ptr.dtype.element_ty))
-        if CONV_K:  # every thread has read the windows: this block's value channels move on, then the last of the
-            tl.debug_barrier()  # key head's readers moves its q and k channels on
-            _shift_windows(x_row, windows, cv, stride_cc, CONV_K)
-            arrivals = conv_arrived_ptr + b * key_heads + hk
-            if tl.atomic_add(arrivals, 1, sem="acq_rel") == GROUP * (DV // BLOCK_V) - 1:
-                _shift_windows(x_row, windows, cq, stride_cc, CONV_K)
-                _shift_windows(x_row, windows, key_heads * DK + cq, stride_cc, CONV_K)
-                tl.atomic_xchg(arrivals, 0)  # ready for the next launch
         if NORM:  # every thread's store before the one thread's atomic; the last block of the head norms it
             tl.debug_barrier()
             arrivals = arrived_ptr + b * tl.num_programs(1) + hv
@@ -389,13 +345,6 @@ def conv_step(
     return y
 
 
-def conv_in_state_step() -> bool:
-    """Whether a decode step's conv runs in the state step's launch (recurrent_step's `conv`): only with
-    POCKETLAB_CONV_IN_STEP=1, since it was slower than its own launch at 0.8B and than in_proj's epilogue at 9B
-    and 35B-A3B (reports/gpu/ab-qwen3.5-folds-*)."""
-    return os.environ.get("POCKETLAB_CONV_IN_STEP", "") == "1"
-
-
 @dataclass(frozen=True)
 class ConvStep:
     """The causal conv of one token per row on the first `channels` columns of the projection that produces its
@@ -478,16 +427,12 @@ def recurrent_step(
     eps: float,
     gates: tuple[torch.Tensor, torch.Tensor] | None = None,
     gated_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-    conv: ConvStep | None = None,
 ) -> torch.Tensor:
     """q, k [B, Hk, dk] raw; v [B, Hv, dv]; g (log-decay), beta [B, Hv] -> o [B, Hv, dv] in v's dtype, while
     state[slot_ids[b]] ([Hv, dk, dv] float32) advances by one token in place. With `gates` = (neg_A, dt_bias)
     [Hv] float32, g and beta are the raw a and b, and the decay and beta are computed in the same kernel (one
     launch less per layer and step); with `gated_norm` = (z [B, Hv * dv] rows, weight [dv], eps), o is
-    gated_rms_norm(o, z, weight, eps) from the same launch (one more less; its sum of squares in another order).
-    With `conv`, q, k and v are the conv's input (views of one row [q | k | v], as split from in_proj's output),
-    convolved in this launch as conv_step(x, conv.state, conv.weight, slot_ids) would, windows moved on: one more
-    less."""
+    gated_rms_norm(o, z, weight, eps) from the same launch (one more less; its sum of squares in another order)."""
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))  # the kernel reads rows whole
     B, Hk, dk = q.shape
     Hv, dv = v.shape[1], v.shape[2]
@@ -497,10 +442,7 @@ def recurrent_step(
     if z.stride(-1) != 1 or tuple(z.shape) != (B, Hv * dv) or tuple(norm_weight.shape[-1:]) != (dv,):
         raise ValueError(f"recurrent_step: gate rows {tuple(z.shape)} and norm weight {tuple(norm_weight.shape)} "
                          f"for {B} rows of {Hv} x {dv}")  # fmt: skip
-    if conv is not None:
-        _check_one_row(q, k, v, conv, slot_ids)
-    counts = arrival_counts(v.device, B * (Hv + Hk)) if gated_norm is not None or conv is not None else slot_ids
-    windows, taps = (conv.state, conv.weight) if conv is not None else (state, state)  # unread if absent
+    counts = arrival_counts(v.device, B * Hv) if gated_norm is not None else slot_ids  # unread if absent
     _recurrent_step[(B, Hv, triton.cdiv(dv, block_v))](
         q,
         k,
@@ -531,35 +473,17 @@ def recurrent_step(
         counts,
         z.stride(0),
         float(norm_eps),
-        windows,
-        taps,
-        counts[B * Hv :],
-        windows.stride(0),
-        windows.stride(1),
         GROUP=Hv // Hk,
         DK=dk,
         DV=dv,
         BLOCK_V=block_v,
         RAW_GATES=gates is not None,
         NORM=gated_norm is not None,
-        CONV_K=0 if conv is None else taps.shape[1],
         **rounding_dtypes(o.dtype, norm_weight.dtype),
         num_warps=STATE_WARPS,
         **pdl.launch(v.device),
     )
     return o
-
-
-def _check_one_row(q, k, v, conv: ConvStep, slot_ids) -> None:
-    """A ValueError unless q, k, v are [q | k | v] of each row, conv's channels wide, one window per row."""
-    (B, Hk, dk), (Hv, dv), elem = q.shape, v.shape[1:], q.element_size()
-    offsets = (k.data_ptr() - q.data_ptr(), v.data_ptr() - q.data_ptr())
-    rows = B == 1 or q.stride(0) == k.stride(0) == v.stride(0)  # (one row's stride is whatever its view says)
-    one_row = offsets == (Hk * dk * elem, 2 * Hk * dk * elem) and rows
-    heads = q.stride(1) == k.stride(1) == dk and v.stride(1) == dv and conv.channels == 2 * Hk * dk + Hv * dv
-    if not (one_row and heads and conv.slot_ids.shape == slot_ids.shape and conv.state.stride(-1) == 1):
-        raise ValueError(f"recurrent_step: a conv of {conv.channels} channels needs q, k, v as one row's [q | k | v] "
-                         f"views ({Hk} x {dk}, {Hk} x {dk}, {Hv} x {dv}) and a window per row")  # fmt: skip
 
 
 def recurrent_steps(

@@ -20,7 +20,7 @@ from ..layers.gated_delta import (
     gated_delta_rule_segments,
 )
 from ..layers.kernels import Kernels
-from ..layers.linear_decode import ConvStep, conv_in_state_step, conv_steps, recurrent_step, recurrent_steps
+from ..layers.linear_decode import ConvStep, conv_steps, recurrent_step, recurrent_steps
 from .qwen3 import Attention, DecoderModel
 
 
@@ -53,13 +53,10 @@ class GatedDeltaNet:
         conv, rec = cache.conv[self.layer], cache.rec[self.layer]
         invariant = self.kernels.delta_rule_in_place
         plain = ctx.delta_rule is None and ctx.gdn_log is None  # not a speculative verify, which keeps its own rule
-        if not invariant and T == 1 and self.in_place and plain:  # the state step runs the gated norm (and conv) too
+        if not invariant and T == 1 and self.in_place and plain:  # the state step runs the gated norm too
             step = ConvStep(conv, self.conv_weight, ctx.slot_ids)
-            in_step = conv_in_state_step()
-            y, z, b, a = self.kernels.linear(h, self.in_proj, norm=norm, conv=None if in_step else step).split(
-                self.splits, dim=-1
-            )
-            o = self._step_in_place(y[:, 0], z[:, 0], b, a, rec, ctx.slot_ids, step if in_step else None)
+            y, z, b, a = self.kernels.linear(h, self.in_proj, norm=norm, conv=step).split(self.splits, dim=-1)
+            o = self._step_in_place(y[:, 0], z[:, 0], b, a, rec, ctx.slot_ids)
         else:
             qkv, z, b, a = self.kernels.linear(h, self.in_proj, norm=norm).split(self.splits, dim=-1)
             token_by_token = invariant or (plain and T <= self.in_place_tokens)
@@ -92,9 +89,9 @@ class GatedDeltaNet:
             ctx.gdn_log[self.layer] = (qkv_in, conv0, (q, k, v, g, beta, rec0))
         return o
 
-    def _step_in_place(self, y, z, b, a, rec, slot_ids, conv: ConvStep | None) -> torch.Tensor:
-        """One token per row, y its conv's output (or, with `conv`, its input, convolved in the step's launch), z its
-        gate: [B, Hv, dv] outputs after the gated norm, each slot's state advanced where it lives.
+    def _step_in_place(self, y, z, b, a, rec, slot_ids) -> torch.Tensor:
+        """One token per row, y its conv's output, z its gate: [B, Hv, dv] outputs after the gated norm, each slot's
+        state advanced where it lives.
         POCKETLAB_GDN_NORM_APART=1 (a switch for tools.ab while the fold is new) runs the norm as a launch of its
         own."""
         q, k, v = y.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
@@ -111,7 +108,6 @@ class GatedDeltaNet:
             L2_EPS,
             gates=(self.neg_A, self.dt_bias),  # the decay and beta computed in the step's kernel
             gated_norm=None if apart else (z, self.norm, eps),
-            conv=conv,
         )
         return self.kernels.gated_rms_norm(o, z.view_as(o), self.norm, eps) if apart else o
 
