@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ..cache import SlotCache
@@ -58,10 +56,9 @@ class Attention:
         q, k, v = q.reshape(B, T, self.nq, self.hd), k.view(B, T, self.nkv, self.hd), v.view(B, T, self.nkv, self.hd)
         k_cache, v_cache, eps = cache.k[self.kv_key], cache.v[self.kv_key], self.cfg.rms_norm_eps
         norms = (self.q_norm, self.k_norm, eps, self.gated) if self.q_norm is not None else None
-        gate_inside = False
-        if ctx.attention is AttentionPath.DECODE_KERNEL:  # one kernel norms, rotates, stores K/V, attends (and gates)
+        in_one_kernel = ctx.attention is AttentionPath.DECODE_KERNEL
+        if in_one_kernel:  # one kernel norms, rotates, stores K/V, attends (and gates)
             rope = tuple(t[:, 0, 0] for t in ctx.rope)
-            gate_inside = self.gated and os.environ.get("POCKETLAB_GATE_APART", "0") != "1"  # a switch for tools.ab
             out = decode_attention(
                 q[:, 0],
                 k[:, 0],
@@ -74,7 +71,7 @@ class Attention:
                 self.hd**-0.5,
                 rope,
                 norms,
-                gate[:, 0] if gate_inside else None,
+                gate[:, 0] if self.gated else None,
             )[:, None]
         else:
             if self.kernels.norm_rotate_store is not None:  # one row kernel norms, rotates and stores
@@ -88,7 +85,7 @@ class Attention:
                 )
             else:
                 out = cached_attention(q, k_cache, v_cache, ctx, self.hd**-0.5)
-        if self.gated and not gate_inside:
+        if self.gated and not in_one_kernel:
             out = self.kernels.sigmoid_gate(out, gate)
         return self.kernels.project_out(out.reshape(B, T, self.nq * self.hd), self.o, h)
 

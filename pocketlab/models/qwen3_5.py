@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from itertools import pairwise
 
 import torch
@@ -91,13 +90,10 @@ class GatedDeltaNet:
 
     def _step_in_place(self, y, z, b, a, rec, slot_ids) -> torch.Tensor:
         """One token per row, y its conv's output, z its gate: [B, Hv, dv] outputs after the gated norm, each slot's
-        state advanced where it lives.
-        POCKETLAB_GDN_NORM_APART=1 (a switch for tools.ab while the fold is new) runs the norm as a launch of its
-        own."""
+        state advanced where it lives."""
         q, k, v = y.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
-        B, eps = y.shape[0], self.cfg.rms_norm_eps
-        apart = os.environ.get("POCKETLAB_GDN_NORM_APART", "0") == "1"
-        o = recurrent_step(
+        B = y.shape[0]
+        return recurrent_step(
             q.view(B, self.hk, self.dk),
             k.view(B, self.hk, self.dk),
             v.view(B, self.hv, self.dv),
@@ -107,9 +103,8 @@ class GatedDeltaNet:
             slot_ids,
             L2_EPS,
             gates=(self.neg_A, self.dt_bias),  # the decay and beta computed in the step's kernel
-            gated_norm=None if apart else (z, self.norm, eps),
+            gated_norm=(z, self.norm, self.cfg.rms_norm_eps),
         )
-        return self.kernels.gated_rms_norm(o, z.view_as(o), self.norm, eps) if apart else o
 
     def _run_invariant(self, qkv_in, b, a, conv, rec, ctx: ForwardContext) -> torch.Tensor:
         """Every token through the in-place kernels, whose per-token arithmetic is the same for one token or many:
