@@ -319,28 +319,20 @@
 #   --skip decode,latency,prefill", then with --engine-option prefill_graph_tokens=0); STEPS=tp on two GPUs (its
 #   prompts now replay graphs that capture NCCL's all-reduce, as decode graphs do); then the twenty-fifth session's
 #   list above.
-# Twenty-seventh session (2026-12-05, no device lent). New and untimed: three Qwen3.5 decode launches folded by
-#   default (the gated norm and, below in_proj K 2,048, i.e. at 0.8B, the conv into the state step; the attention's
-#   output gate into its merge; switches POCKETLAB_GDN_NORM_APART=1, POCKETLAB_CONV_IN_STEP=0|1, POCKETLAB_GATE_APART=1)
-#   and the experts' down launch through a TMA ring (switch POCKETLAB_MOE_TMA_DOWN). tools.ab now prints paired ratios
-#   per round ("rounds faster"): decide by those. The next calls, in this order, before the twenty-sixth's list:
-#   1. (~8 min) the CUDA tests of everything new since the last run in the default mode (this session's folds and the
-#      twenty-sixth's prompt row kernel, cdb6347), a profile at 0.8B (kernels a layer: 7.5 at b1 before; the profile
-#      step runs first, its table goes to the log), then the folds' A/B, b1 and b32, the first variant undoing all
-#      three; CONV_IN_STEP=1 asks at 9B and 35B-A3B whether the step beats in_proj's epilogue there too:
-#      STEPS="profile tests ab" MODELS=qwen3.5-0.8b TESTS="-n 8 tests/test_linear_decode.py tests/test_decode_attention.py
-#        tests/test_graphs.py tests/test_parity.py tests/test_speculative.py tests/test_prefix_cache.py" TESTS_CAP_S=240
-#        AB_MODELS="qwen3.5-0.8b qwen3.5-9b qwen3.5-35b-a3b-4-layers" AB_VARIANTS="POCKETLAB_GDN_NORM_APART=1,
-#        POCKETLAB_GATE_APART=1,POCKETLAB_CONV_IN_STEP=0;;POCKETLAB_CONV_IN_STEP=0;POCKETLAB_CONV_IN_STEP=1"
-#        AB_ARGS="--batch-sizes 1,32 --rounds 4 --steps 30" AB_FILE=qwen3.5-folds AB_CAP_S=120 BUDGET_S=560
-#   2. (~5 min) the rings, paired: the one-row ring at the small shapes (faster in 5/6 and 6/6 paired rounds at 0.6B
-#      and 0.8B in the twenty-sixth's run; a default for them if this agrees) and 8B, and the experts' down ring:
-#      STEPS=ab AB_MODELS="qwen3-0.6b qwen3.5-0.8b qwen3-8b" AB_VARIANTS=";POCKETLAB_GEMV_TMA=8:256:6" AB_ARGS=
-#        "--batch-sizes 1 --rounds 6 --steps 30" AB_FILE=gemv-tma-paired, then AB_MODELS="qwen3-30b-a3b-4-layers
-#        qwen3.5-35b-a3b-4-layers" AB_VARIANTS=";POCKETLAB_MOE_TMA_DOWN=8:256:4;POCKETLAB_MOE_TMA=8:256:4,
-#        POCKETLAB_MOE_TMA_DOWN=8:256:4" AB_FILE=moe-tma-down (two OUT folders), and `python -m
-#        pocketlab.tools.moe_bench --model qwen3-30b-a3b --tokens 1 --sweep` (its "tma sweep ... down" line)
-#   3. the twenty-sixth's prompt A/B (prompt-graphs-512-row-rotate above) and the rest of its list.
+# Twenty-seventh session (2026-12-05, no device lent): three Qwen3.5 decode folds and the experts' down ring, untimed.
+# Twenty-eighth session (2026-12-05, two calls on one H100; then no machine came): the twenty-seventh's first two
+#   calls ran (470 s and 310 s): the conv fold lost and is removed, the norm and gate folds are within the noise and
+#   stay, the one-row ring won again at 0.6B/0.8B and is the default for weights up to 24 MiB on sm_90, the experts'
+#   down ring lost. Seen: the CUDA tests of six files (-n 8) 121 s; A/B 30-40 s a small model at 4-6 rounds, 95 s
+#   at 9B with b32. Owed next, in order:
+#   1. (~6 min) the CUDA tests with the ring on by default, then the ring's A/B against POCKETLAB_GEMV_TMA=0 at the
+#      shapes it now reaches (the MoE presets' attention weights are 16-20 MiB: unmeasured there):
+#      STEPS="tests ab" TESTS="-n 8 tests/test_fused_linear.py tests/test_linear_decode.py tests/test_graphs.py
+#        tests/test_parity.py tests/test_speculative.py tests/test_slots.py" TESTS_CAP_S=220 AB_MODELS="qwen3.5-0.8b
+#        qwen3-0.6b qwen3-30b-a3b-4-layers qwen3.5-35b-a3b-4-layers" AB_VARIANTS="POCKETLAB_GEMV_TMA=0;" AB_ARGS=
+#        "--batch-sizes 1 --rounds 6 --steps 30" AB_FILE=one-row-ring-default AB_CAP_S=70 BUDGET_S=480
+#   2. the bench at the four dense/hybrid shapes with the static peer (b1/b32) on an H200, for the README's tables;
+#   3. the twenty-sixth's list (prompt-graphs-512-row-rotate, 4,096-token prefill at 8B/9B, warm-up/TTFT, tp).
 # MoE at real shapes (issue 17), one H200, one call each (the engine runs on the HF peer's own tensors, so the weights
 # are on the GPU once: peak ~86 GiB at 30B-A3B, ~81 GiB at 35B-A3B, most of it the weights and, at 30B, 24 GiB of K/V
 # for 64 slots x 4,097 positions; the JSON's "memory" has the measured peak). Engine warm-up, latency and serving
