@@ -20,6 +20,7 @@ export TRITON_INTERPRET := $(if $(filter cuda,$(DEVICE)),0,1)
 lint: .venv/.installed
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 
 test: lint
 	$(PY) -m pytest tests

@@ -16,7 +16,7 @@ import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -62,7 +62,7 @@ class TokensView(Sequence):
     def __eq__(self, other) -> bool:
         return self._tokens == (other._tokens if isinstance(other, TokensView) else other)
 
-    __hash__ = None
+    __hash__ = None  # type: ignore[assignment]  # the documented way to make a class unhashable
 
     def __repr__(self) -> str:
         return f"TokensView({self._tokens!r})"
@@ -206,7 +206,11 @@ def model_id(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> str:
 
 
 class SlotCache:
+    k: dict[int | str, torch.Tensor]
+    v: dict[int | str, torch.Tensor]
+
     def __init__(self, cfg: ModelConfig, opts: EngineOptions):
+        assert isinstance(opts.max_slots, int)
         self.cfg, self.max_seq = cfg, opts.max_seq_len
         self.model_id, self.dtype = "", opts.dtype  # the engine sets model_id once the weights are known
         self.num_slots = opts.max_slots
@@ -306,11 +310,14 @@ class SlotCache:
     def bank_dtype(self, name: str) -> torch.dtype:
         """The dtype of the bank a snapshot tensor name ("k.0", "rec.1", "x.mtp_queue") belongs to."""
         kind, key = name.split(".", 1)
-        bank = {"k": self.k, "v": self.v, "conv": self.conv, "rec": self.rec, "x": self.extra}[kind]
+        bank = cast(
+            "dict[object, torch.Tensor]",
+            {"k": self.k, "v": self.v, "conv": self.conv, "rec": self.rec, "x": self.extra}[kind],
+        )
         return next(t.dtype for k, t in bank.items() if str(k) == key)
 
     def snapshot_shapes(self, n: int) -> dict[str, tuple]:
-        shapes = {}
+        shapes: dict[str, tuple[int, ...]] = {}
         for i in self.k:
             shapes[f"k.{i}"] = shapes[f"v.{i}"] = (self.k[i].shape[1], n, self.k[i].shape[3])
         for i in self.conv:

@@ -150,7 +150,7 @@ def run_chat(engine, args, stdin, out, err) -> None:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     out, err = sys.stdout, sys.stderr
-    engine = None
+    engine: object = None
     try:
         engine = load(args, err)
         if args.command == "generate":

@@ -7,13 +7,14 @@ of calls; the bench reports the difference next to its latency percentiles.
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 import torch._dynamo.utils
 
-_triton = {"compiles": 0, "hooked": False}
+_triton: dict[str, Any] = {"compiles": 0, "hooked": False}
 
 
-def _count_triton(*args, **kwargs) -> None:
+def _count_triton(*args, **kwargs) -> Any:
     _triton["compiles"] += 1
     return _triton["chained"](*args, **kwargs) if _triton.get("chained") else None
 

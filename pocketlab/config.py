@@ -7,6 +7,7 @@ import json
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -15,7 +16,7 @@ HYBRID_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 MOE_TYPES = ("qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text")
 # transformers' config defaults for keys a config.json may omit; Qwen3.5-MoE always renormalizes its top-k and runs
 # every layer (the MTP one too) as a sparse block with a shared expert, whatever the file says
-_MOE_DEFAULTS = {
+_MOE_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3_moe": dict(
         num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, intermediate_size=6144, norm_topk_prob=False
     ),
@@ -23,13 +24,14 @@ _MOE_DEFAULTS = {
         num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512
     ),
 }
-_MOE_FORCED = {
+_MOE_FORCED: dict[str, dict[str, Any]] = {
     "qwen3_moe": dict(shared_expert_intermediate_size=0),
     "qwen3_5_moe": dict(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=(), intermediate_size=0),
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_SPECULATIVE_TOKENS = 7
 GEMV_MAX_ROWS = 4  # the rows of one layers.gemv launch: every projection of up to this many rows can take it
+YARN_KEYS: tuple[str, ...]
 YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "mscale")
 YARN_KEYS += ("mscale_all_dim", "truncate")
 
@@ -181,7 +183,7 @@ def generation_defaults(path: str | Path) -> dict:
 def _moe_values(text: dict, family: str) -> dict:
     """The MoE fields with transformers' defaults (its config.json spells num_experts `num_local_experts`, the hub's
     `num_experts`); a top-k that cannot be routed is a ValueError."""
-    out = dict(_MOE_DEFAULTS[family])
+    out: dict[str, Any] = dict(_MOE_DEFAULTS[family])
     out |= {k: text[k] for k in out if text.get(k) is not None}
     if text.get("num_experts") is None and text.get("num_local_experts") is not None:
         out["num_experts"] = text["num_local_experts"]

@@ -8,6 +8,7 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -79,7 +80,7 @@ class QwenEngine:
         self.cache = SlotCache(local, self.options)
         self.cache.model_id = self.model_id
         self.prefix = PrefixCache(self.cache, self.options) if self.options.prefix_cache else None
-        self.num_slots = self.options.max_slots
+        self.num_slots = cast(int, self.options.max_slots)
         self.forward_count = 0  # model forwards run; batch calls must add exactly one
         use_graphs = self.options.cuda_graphs and torch.device(self.options.device).type == "cuda"
         if use_graphs and self.model.syncs_with_host:  # every capture would fail: say so once, not per shape
@@ -133,12 +134,13 @@ class QwenEngine:
         """Prefill every request in ONE ragged forward (per prefill chunk); allocates missing slots."""
         taken = {r.slot_id for r in requests if r.slot_id is not None}
         free = iter(s for s in self.free_slots() if s not in taken)
-        chosen = [r.slot_id if r.slot_id is not None else next(free, None) for r in requests]
-        if None in chosen:
+        maybe = [r.slot_id if r.slot_id is not None else next(free, None) for r in requests]
+        if None in maybe:
             raise ValueError(
-                f"{chosen.count(None)} request(s) need a slot but only "
+                f"{maybe.count(None)} request(s) need a slot but only "
                 f"{len(self.free_slots())} of {self.num_slots} are free"
             )
+        chosen = cast(list[int], maybe)  # none is None now
         items = [(s, r.prompt_tokens, r.sampling) for s, r in zip(chosen, requests, strict=True)]
         self._check_prefill(items, [f"request {r.request_id} prompt" for r in requests])
         fresh = [(r, s) for r, s in zip(requests, chosen, strict=True) if r.slot_id is None]
@@ -155,7 +157,9 @@ class QwenEngine:
         for r in requests:
             if r.last_token is None:
                 raise ValueError(f"request {r.request_id} has no token to decode; run batch_prefill first")
-        tokens, logits, positions = self._decode([(r.slot_id, r.last_token, r.sampling) for r in requests])
+        tokens, logits, positions = self._decode(
+            cast(list[tuple[int, int, SamplingParams]], [(r.slot_id, r.last_token, r.sampling) for r in requests])
+        )
         for r, t in zip(requests, tokens, strict=True):
             r.generated_tokens.extend(t)
         return BatchDecodeResult([t[-1] for t in tokens], logits, positions, tokens)
@@ -201,7 +205,7 @@ class QwenEngine:
     # -- slots ---------------------------------------------------------------------------------
     def allocate_batch_slots(self, n: int) -> None:
         """Use slots 0..n-1 (n <= max_slots); slots beyond are cleared and freed."""
-        if not 1 <= n <= self.options.max_slots:
+        if not 1 <= n <= cast(int, self.options.max_slots):
             raise ValueError(f"allocate_batch_slots({n}): need 1 <= n <= max_slots={self.options.max_slots}")
         for s in range(n, self.num_slots):
             self.release_slot(s)
@@ -321,7 +325,7 @@ class QwenEngine:
             plan_pieces(p, len(t), self.options.prefill_chunk, stride)
             for (_, t, _), p in zip(items, starts, strict=True)
         ]
-        last_hidden = [None] * len(items)
+        last_hidden: list[torch.Tensor | None] = [None] * len(items)
         for c in range(max(map(len, pieces))):
             rows = [b for b in range(len(items)) if c < len(pieces[b])]
             runs = [Run(items[b][0], pieces[b][c][0], items[b][1][slice(*pieces[b][c])]) for b in rows]
@@ -335,7 +339,7 @@ class QwenEngine:
                     for t in marks[i]:
                         self.prefix.reached(s, lo + t, final=False, state=ctx.checkpoint_states[(i, t)])
                     self.prefix.reached(s, lo + len(piece), final=c == len(pieces[b]) - 1)
-        logits = self.model.logits(torch.stack(last_hidden))
+        logits = self.model.logits(torch.stack(cast(list[torch.Tensor], last_hidden)))
         positions = [len(t) for _, t, _ in items]
         params = [sp for _, _, sp in items]
         tokens = sample(penalize(logits, params, lambda b: items[b][1]), params, positions).tolist()

@@ -12,7 +12,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from tqdm.auto import tqdm
 
@@ -96,7 +96,7 @@ def _run(engine: QwenEngine, prompts, params, progress, arrivals: list[float]) -
             reason = None
             if done:
                 reason = "stop" if tokens and tokens[-1] in r.sampling.stop_token_ids else "length"
-                engine.release_slot(r.slot_id)
+                engine.release_slot(cast(int, r.slot_id))
                 running.remove(r)
                 bar.update()
             steps.append(Step(r.request_id, tokens[sent.get(r.request_id, 0) :], reason, n))
@@ -128,7 +128,7 @@ def _run(engine: QwenEngine, prompts, params, progress, arrivals: list[float]) -
                 yield from advance(batch, [0] * len(batch))
     finally:  # normal end: nothing left; a stream abandoned midway frees what it holds
         for r in running:
-            engine.release_slot(r.slot_id)
+            engine.release_slot(cast(int, r.slot_id))
         bar.close()
 
 
@@ -137,7 +137,7 @@ def _finished(engine: QwenEngine, r: BatchedRequest) -> bool:
     return (
         len(r.generated_tokens) >= r.sampling.max_new_tokens
         or any(t in r.sampling.stop_token_ids for t in r.generated_tokens)
-        or engine.position(r.slot_id) + 1 >= engine.options.max_seq_len
+        or engine.position(cast(int, r.slot_id)) + 1 >= engine.options.max_seq_len
     )
 
 

@@ -148,6 +148,7 @@ class StepGraphs:
         the context's end, or a capture that failed): the caller runs it eagerly."""
         T = bucket(token_buckets(self.prefill_tokens), max(len(run.tokens) for run in runs))
         b = bucket(self.batch_sizes, len(runs))
+        assert b is not None
         if T is None or b * T > self.prefill_tokens or max(run.start for run in runs) + T > self.key_sizes[-1]:
             return None
         out = self.replay("prefill", self._prefill, runs, real_lengths=True, tokens=T)

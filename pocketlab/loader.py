@@ -8,6 +8,7 @@ import re
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
+from typing import cast
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -61,7 +62,7 @@ def mlp_shapes(cfg: ModelConfig, p: str, moe: bool) -> dict:
 def _attention_shapes(cfg: ModelConfig, p: str) -> dict:
     d, hd, nq, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     q_out = nq * hd * (2 if cfg.is_hybrid else 1)  # hybrid q_proj emits [q | gate] per head
-    shapes = {
+    shapes: dict[str, tuple[int, ...]] = {
         p + "q_proj.weight": (q_out, d),
         p + "k_proj.weight": (nkv * hd, d),
         p + "v_proj.weight": (nkv * hd, d),
@@ -212,7 +213,7 @@ def stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     A block missing an expert, or one projection of it, is an error naming it."""
     groups: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     for name in [n for n in tensors if _EXPERT.match(n)]:
-        block, e, proj = _EXPERT.match(name).groups()
+        block, e, proj = cast(re.Match[str], _EXPERT.match(name)).groups()
         groups.setdefault(block, {}).setdefault(int(e), {})[proj] = tensors.pop(name)
     for block, experts in groups.items():
         n = max(experts) + 1

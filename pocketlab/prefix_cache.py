@@ -328,6 +328,7 @@ class PrefixCache:
 
     def _retain(self, prefix: CachedPrefix, keep: int, end: int, pin: CachedPrefix | None) -> None:
         slot, banks = prefix.slot, self._kv_banks()
+        assert slot is not None
         kv_bytes = sum(t[slot, :, :end].numel() * t.element_size() for _, _, t in banks)
         copy_live = self.stateful and prefix.live and end == len(prefix.tokens) and end not in prefix.states
         if not self._make_room(kv_bytes + (self.state_bytes() if copy_live else 0), pinned={prefix, pin}):
@@ -353,7 +354,7 @@ class PrefixCache:
         self.lru[key] = nbytes
         self.used += nbytes
 
-    def _touch(self, prefix: CachedPrefix | None, position: int) -> None:
+    def _touch(self, prefix: CachedPrefix, position: int) -> None:
         key = (prefix, None) if prefix is not None and prefix.slot is None else (prefix, position)
         if key in self.lru:
             self.lru.move_to_end(key)
@@ -398,6 +399,7 @@ class PrefixCache:
             return None
         if position in prefix.states:
             return prefix.states[position]
+        assert prefix.slot is not None
         return self._live_state(prefix.slot, clone=False)  # resume_point guarantees: live and at its end
 
     def _load_state(self, slot: int, state: dict | None) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeGuard
 
 from .generate import stream_tokens
 from .sampling import SamplingParams
@@ -88,7 +88,7 @@ def load_tokenizer(path: str | Path):
         raise ValueError(f"{path}: the tokenizer files could not be loaded: {exc}") from exc
 
 
-def is_token_ids(prompt) -> bool:
+def is_token_ids(prompt) -> TypeGuard[list[int] | tuple[int, ...]]:
     return isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
 
 

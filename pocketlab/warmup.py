@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from tqdm.auto import tqdm
 
@@ -24,6 +24,7 @@ from .requests import BatchedRequest
 
 if TYPE_CHECKING:
     from .engine import QwenEngine
+    from .graphs import StepGraphs
 
 
 @dataclass
@@ -76,6 +77,7 @@ def warm_up(engine: QwenEngine, progress: bool = True) -> WarmupReport:
     with tqdm(total=len(graphs) + len(calls), desc="warm-up", disable=not progress) as bar:
         for key, step, after in graphs:
             bar.set_postfix_str(f"{key[0]} b{key[1]} keys {key[3]}")
+            assert engine.graphs is not None
             captured = engine.graphs.ensure(key, step)
             if captured is not None and after is not None:
                 after(captured.outputs)
@@ -89,7 +91,7 @@ def warm_up(engine: QwenEngine, progress: bool = True) -> WarmupReport:
     engine.forward_count = forwards
     if engine.speculator is not None:
         engine.speculator.stats = type(engine.speculator.stats)()
-    failed = sum(key in engine.graphs.failed for key, _, _ in graphs)
+    failed = sum(key in cast("StepGraphs", engine.graphs).failed for key, _, _ in graphs)
     return WarmupReport(
         len(graphs), failed, len(calls), time.perf_counter() - start, compile_events.since(before, engine.graphs)
     )
@@ -105,7 +107,7 @@ def _run_prompts(engine: QwenEngine, lengths: list[int]) -> None:
         for _ in range(2):
             engine.batch_decode_step(requests)
         if engine.prefix is not None and len(requests) == 1:
-            engine.prefill(requests[0].prompt_tokens + [1, 2, 3], requests[0].slot_id)
+            engine.prefill(requests[0].prompt_tokens + [1, 2, 3], cast(int, requests[0].slot_id))
     finally:
         engine.reset()
         for r in requests:

@@ -37,6 +37,7 @@ def cached_attention(
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True, scale=scale, enable_gqa=True)
         return out.transpose(1, 2)
     qg = q.view(B, T, kvh, G, hd).permute(0, 2, 3, 1, 4).reshape(B, kvh, G * T, hd)
+    assert ctx.mask is not None  # MASKED: ctx.prepare built the mask
     m = ctx.mask.expand(B, 1, T, ctx.kv_len).repeat(1, 1, G, 1) if G > 1 else ctx.mask
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=m, scale=scale)
     return out.view(B, kvh, G, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, H, hd)

@@ -41,7 +41,9 @@ def case_us(shape: str, batch: int, length: int, target: int, copies: int = 3) -
     lengths = torch.full((batch,), length, device=dev, dtype=torch.int32)
     before, da.PROGRAMS_WANTED = da.PROGRAMS_WANTED, target
     try:
-        run = lambda kv: da.decode_attention(q, k, v, *kv, slots, lengths, keys, dim**-0.5, rope, norms)  # noqa: E731
+        run = lambda kv: da.decode_attention(  # type: ignore[call-arg]  # mypy: *kv may fill all  # noqa: E731
+            q, k, v, *kv, slots, lengths, keys, dim**-0.5, rope, norms
+        )
         return graph_ms(run, caches) * 1e3
     finally:
         da.PROGRAMS_WANTED = before

@@ -430,7 +430,7 @@ def _segment_packing(B: int, lengths: tuple[int, ...], device: torch.device) -> 
     pairs. Kept per shape (read-only): every linear layer of a forward, and every forward of that shape, reuses
     them rather than paying a host-to-device copy (which waits for the GPU) each."""
     chunks = [-(-n // FLA_CHUNK) for n in lengths]
-    lists = [
+    lists: list[list[int] | list[tuple[int, int]]] = [
         list(accumulate((n for n in lengths for _ in range(B)), initial=0)),
         [(s * B + b, c) for s, n in enumerate(chunks) for b in range(B) for c in range(n)],
     ]

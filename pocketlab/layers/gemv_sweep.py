@@ -31,6 +31,7 @@ import os
 import re
 import subprocess
 import tempfile
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -205,7 +206,7 @@ def compiled(kernel, signature: dict, constants: dict, num_warps: int) -> str:
         f.flush()
         usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
         sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    regs = re.search(r"REG:(\d+)", usage)[1]
+    regs = cast(re.Match[str], re.search(r"REG:(\d+)", usage))[1]  # cuobjdump -res-usage prints REG:
     return f"{regs:>4} registers {built.metadata.shared:>6} B shared {sass.count('UTMALDG'):>2} TMA loads"
 
 
@@ -214,6 +215,7 @@ def resources() -> None:
     ints = ("rows", "N", "K", "C", "stride_xm", "stride_wn", "stride_ym", "stride_rm", "stride_cs", "stride_cc")
     plain = pointers | {"slot_ptr": "*i64", "eps": "fp32"} | dict.fromkeys(ints, "i32")
     print(f"Triton {triton.__version__}, sm_90")
+    t: gemv.Launch | moe_gemv.Launch  # layers.gemv's launches, then moe_gemv's
     for name, (N, K, epilogue) in SHAPES.items():
         t = gemv.launch_for(1, N, K, torch.device("cuda"))
         constants = dict(HAS_BIAS=False, EPILOGUE=epilogue, NORM=0, CONV_K=0, TAPS=1, ROWS=1,

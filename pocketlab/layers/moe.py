@@ -102,6 +102,7 @@ def grouped_experts(x, gate_up, down, weights, ids, residual=None, shared=None, 
     loop runs the shapes grouped_mm cannot take."""
     if not grouped_mm_fits(x, gate_up, down):
         return looped_experts(x, gate_up, down, weights, ids, residual, shared, shared_gate)
+    assert _GROUPED_MM is not None  # grouped_mm_fits checked it
     N, k = ids.shape
     order, counts = expert_order(ids, gate_up.shape[0])
     offs = counts.cumsum(0).to(torch.int32)

@@ -173,4 +173,4 @@ def few_experts(*args, **kwargs) -> torch.Tensor:
     down_ring = down_ring if fits(down, *shared_weights[1:]) else None
     if ring is None and down_ring is None:
         return moe_gemv.gemv_experts(*args, **kwargs)
-    return experts_tma(*args, **kwargs, ring=ring, down_ring=down_ring)
+    return experts_tma(*args, **kwargs, ring=ring, down_ring=down_ring)  # type: ignore[misc]  # kwargs holds no ring

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from ..cache import SlotCache
@@ -57,8 +59,10 @@ class Attention:
         k_cache, v_cache, eps = cache.k[self.kv_key], cache.v[self.kv_key], self.cfg.rms_norm_eps
         norms = (self.q_norm, self.k_norm, eps, self.gated) if self.q_norm is not None else None
         in_one_kernel = ctx.attention is AttentionPath.DECODE_KERNEL
+        assert ctx.rope is not None  # ctx.prepare set it
         if in_one_kernel:  # one kernel norms, rotates, stores K/V, attends (and gates)
-            rope = tuple(t[:, 0, 0] for t in ctx.rope)
+            assert ctx.kv_lengths is not None  # ctx.prepare set it for DECODE_KERNEL
+            rope = cast(tuple[torch.Tensor, torch.Tensor], tuple(t[:, 0, 0] for t in ctx.rope))
             out = decode_attention(
                 q[:, 0],
                 k[:, 0],
@@ -74,12 +78,14 @@ class Attention:
                 gate[:, 0] if self.gated else None,
             )[:, None]
         else:
+            assert ctx.kv_targets is not None  # ctx.prepare set it for every path but DECODE_KERNEL
             if self.kernels.norm_rotate_store is not None:  # one row kernel norms, rotates and stores
                 q = self.kernels.norm_rotate_store(q, k, v, k_cache, v_cache, ctx.kv_targets, ctx.rope, norms)
             else:  # torch's chain of a dozen kernels
                 q, k = norm_and_rotate(q, k, self.q_norm, self.k_norm, *ctx.rope, eps, self.gated)
                 write_kv(k_cache, v_cache, k, v, ctx.kv_targets)
             if ctx.attention is AttentionPath.INVARIANT:
+                assert self.kernels.attention is not None  # INVARIANT: the model's kernels have one
                 out = self.kernels.attention(
                     q, k_cache, v_cache, ctx.slot_ids, ctx.start, ctx.lengths, self.hd**-0.5, ctx.kv_len
                 )

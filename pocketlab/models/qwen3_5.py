@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from itertools import pairwise
+from typing import cast
 
 import torch
 
@@ -124,18 +125,27 @@ class GatedDeltaNet:
             ctx.state_history.append(history)
         if ctx.gdn_log is not None:  # speculative verify: the conv window of any accepted prefix
             ctx.gdn_log[self.layer] = (qkv_in, conv0, None)
-        outs, full = [], conv_inputs(conv0, qkv_in) if ctx.checkpoints else None
+        outs, full = [], conv_inputs(cast(torch.Tensor, conv0), qkv_in) if ctx.checkpoints else None
         for lo, hi in pairwise([0, *checkpoint_ends(ctx, T)]):
             seg = (ctx.lengths - lo).clamp(0, hi - lo)  # rows that ended stay unchanged
             part = None if history is None else history[:, lo:hi]
             args = (x[:, lo:hi] for x in (q, k, v, g, beta))
-            outs.append(recurrent_steps(*args, rec, ctx.slot_ids, seg, L2_EPS, part))
+            outs.append(
+                recurrent_steps(*args, rec, ctx.slot_ids, seg, L2_EPS, part)  # type: ignore[call-arg]  # *args holds 5
+            )
             for row, t in (c for c in ctx.checkpoints if c[1] == hi):
                 self._keep_checkpoint(ctx, row, t, full, T, conv.dtype, rec[ctx.slot_ids[row]])
         return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
 
     def _with_checkpoints(
-        self, rule, inputs, state, lengths, ctx: ForwardContext, full: torch.Tensor, conv_dtype: torch.dtype
+        self,
+        rule,
+        inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        state,
+        lengths,
+        ctx: ForwardContext,
+        full: torch.Tensor,
+        conv_dtype: torch.dtype,
     ):
         """The delta rule in segments ending at each requested offset, handing back the state there (prefix-cache
         checkpoints without cutting the forward) in ctx.checkpoint_states. full: gated_delta.conv_inputs of this

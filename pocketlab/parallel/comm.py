@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 from datetime import timedelta
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -21,9 +22,12 @@ import torch.nn.functional as F
 
 from .shard import Shard
 
+if TYPE_CHECKING:
+    from ..config import EngineOptions
+
 IDLE_TIMEOUT = timedelta(days=7)  # a follower waiting for rank 0's next call
 STARTUP_TIMEOUT = timedelta(minutes=30)  # starting the processes and loading every rank's shard
-_groups: dict[str, object] = {}  # "compute", "control" and rank 0's "timeout" on control
+_groups: dict[str, Any] = {}  # "compute", "control" and rank 0's "timeout" on control
 
 
 def setup(
@@ -63,7 +67,7 @@ def teardown() -> None:
     _groups.clear()
 
 
-def shard_for(options) -> tuple[Shard, object]:
+def shard_for(options: EngineOptions) -> tuple[Shard, EngineOptions]:
     """(this process's Shard, options with its device) for an engine of `options`: world 1 unless
     tensor_parallel > 1, which needs the group (joined here from torchrun's environment if not yet)."""
     n = options.tensor_parallel
@@ -134,7 +138,7 @@ def broadcast_tensors(tensors: dict[str, torch.Tensor] | None, spec: list) -> di
     out = {}
     for name, dtype, shape in spec:
         t = (
-            tensors[name].contiguous().cpu()
+            cast(dict[str, torch.Tensor], tensors)[name].contiguous().cpu()
             if dist.get_rank() == 0
             else torch.empty(shape, dtype=getattr(torch, dtype))
         )

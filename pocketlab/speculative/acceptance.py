@@ -43,6 +43,7 @@ def accept(logits: torch.Tensor, rows: list[Row], drafts: Drafts) -> tuple[list[
                 a += 1
             emitted.append(greedy[b][: a + 1])
         else:
+            assert p_all is not None  # a sampling row: set above
             a, tok = reject_sample(p_all[samp.index(b)], d, drafts.probs[b], r)
             emitted.append(d[:a] + [tok])
         kept.append(a + 1)

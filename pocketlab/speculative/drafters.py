@@ -259,7 +259,8 @@ class MTPDrafter(Drafter):
         last = self.head.forward(ctx, self.hidden[ctx.slot_ids, :T], cache)
         last = last[torch.arange(B, device=last.device), ctx.lengths - 1]  # o_{n-1} per row
         position = ctx.start + ctx.lengths  # n per row
-        tokens, logits = [], []
+        tokens: list[torch.Tensor] = []
+        logits: list[torch.Tensor] = []
         for i in range(1, k + 1):
             if i > 1:  # recursive row t = n + i - 2, as in `draft`
                 row = ForwardContext(

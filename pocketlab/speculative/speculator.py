@@ -18,6 +18,7 @@ the rollback is a second graph that restores every row that kept fewer than k+1.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import cast
 
 import torch
 
@@ -196,7 +197,7 @@ class Speculator:
         else:
             ctx, states = replace(ctx, gdn_log={}), None
         hidden = eng.model.forward(ctx, eng.cache)
-        return VerifyRun(ctx, hidden, eng.model.logits(hidden), ctx.gdn_log, states)
+        return VerifyRun(ctx, hidden, eng.model.logits(hidden), cast(dict, ctx.gdn_log), states)  # set above
 
     def _roll_back(self, run: VerifyRun, runs: list[Run], kept: list[int]) -> None:
         """Gated DeltaNet conv and recurrent state of every slot that rejected something -> after its kept tokens.
@@ -209,6 +210,7 @@ class Speculator:
         if not short or not run.gdn_log:
             return
         if graphed and self._restore_graph(run):
+            assert run.graphed is not None  # graphed: a verify graph's run
             graph, rows, keep = run.graphed
             keep.copy_(torch.tensor(kept + [T] * (len(rows) - len(kept))))
             graph.replay()
@@ -224,6 +226,7 @@ class Speculator:
 
     def _restore_graph(self, run: VerifyRun) -> bool:
         """Capture (once per verify graph) the rollback of every row; False if that capture failed."""
+        assert run.graphed is not None  # a verify graph's run
         if not run.graphed:
             rows = torch.arange(run.ctx.tokens.shape[0], device=run.ctx.slot_ids.device)
             keep = torch.full_like(rows, run.ctx.tokens.shape[1])  # while capturing every row keeps all: a no-op

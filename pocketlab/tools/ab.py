@@ -22,6 +22,7 @@ import dataclasses
 import os
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pandas as pd
 from tqdm.auto import tqdm
@@ -33,6 +34,9 @@ from .bench_engine import build, engine_over
 from .cli import ints, option
 from .profile import decode_step, prefill_call
 from .timing import Clock
+
+if TYPE_CHECKING:
+    from ..engine import QwenEngine
 
 ENGINE_OPTIONS = {f.name for f in dataclasses.fields(EngineOptions)}
 
@@ -62,7 +66,7 @@ def median_call(engine, batch: int, steps: int, warm: int, prefill: int = 0) -> 
     return clock.measure(decode_step(engine, batch), steps, warm)
 
 
-def run(engines: dict[str, object], variants: list[str], batch_sizes, rounds: int, steps: int, warm: int,
+def run(engines: dict[str, QwenEngine], variants: list[str], batch_sizes, rounds: int, steps: int, warm: int,
         prefill: int = 0) -> pd.DataFrame:  # fmt: skip
     """One row per (batch, variant, round): the median graphed step (or prefill) of that round, in us, each variant
     on its engine (`engines[variant]`). Odd rounds run the variants in reverse order, so a drift that is linear in
@@ -88,11 +92,11 @@ def run(engines: dict[str, object], variants: list[str], batch_sizes, rounds: in
     return pd.DataFrame(rows)
 
 
-def engines_for(cfg: BenchConfig, variants: list[str]) -> dict[str, object]:
+def engines_for(cfg: BenchConfig, variants: list[str]) -> dict[str, QwenEngine]:
     """variant -> its engine: one per distinct set of engine options, all over the weights of one HF build."""
     hf, base = build(cfg)
     keys = {v: tuple(sorted(parse_variant(v)[1].items())) for v in variants}
-    built = {(): base}
+    built: dict[tuple[tuple[str, object], ...], QwenEngine] = {(): base}
     for key in keys.values():
         if key not in built:
             built[key] = engine_over(hf, dataclasses.replace(cfg, engine_options=dict(cfg.engine_options, **dict(key))))

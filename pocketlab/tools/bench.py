@@ -17,6 +17,7 @@ import platform
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -119,7 +120,7 @@ def _run(cfg: BenchConfig, out: Path | None) -> dict:
     gen = torch.Generator().manual_seed(cfg.seed)
     hf, engine = build(cfg)
     cost = ModelCost.of(engine.cfg, torch.finfo(DTYPES[cfg.dtype]).bits // 8)
-    result = {
+    result: dict[str, Any] = {
         "meta": meta(cfg, engine, hf),
         "complete": False,
         "ceilings": {},

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -62,6 +63,7 @@ def bench_prefill(
 ) -> dict:
     """One prompt through engine.prefill, or several through ONE ragged batch_prefill."""
     prompts = [random_tokens(n, engine.cfg.vocab_size, gen) for n in lengths]
+    run: Callable[[], object]
     if kind == "single":
         run = lambda: engine.prefill(prompts[0], slot_id=0)  # noqa: E731
     else:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -68,6 +69,9 @@ def figures(trace: Trace, finished: dict, tokens: dict, seconds: float, first: d
 def serve_pocketlab(engine, trace: Trace) -> dict:
     """The trace through generate()'s loop (stream_tokens, so each request's finish time is seen)."""
     sampling = [SamplingParams(max_new_tokens=n) for n in trace.new_tokens]
+    finished: dict[int, float]
+    tokens: dict[int, int]
+    first: dict[int, float]
     finished, tokens, first = {}, {}, {}
     before = engine.compile_events()
     start = time.perf_counter()
@@ -92,7 +96,7 @@ def _hf_manager_options(hf, gc, trace: Trace) -> dict:
         opts["workload_hints"] = WorkloadHints(
             max_prompt_length=longest, max_generated_length=max(trace.new_tokens), num_requests=len(trace.prompts)
         )
-    config = getattr(transformers, "ContinuousBatchingConfig", None)
+    config: Any = getattr(transformers, "ContinuousBatchingConfig", None)
     fields = inspect.signature(config).parameters if config is not None else {}
     size = next((name for name in ("page_size", "block_size") if name in fields), None)
     page = 256
@@ -115,6 +119,8 @@ def serve_hf(hf, trace: Trace, timeout_s: float = 600.0) -> dict:
 
 
 def _serve_hf(hf, trace: Trace, timeout_s: float, gc) -> dict:
+    finished: dict[int, float]
+    tokens: dict[int, int]
     finished, tokens, submitted = {}, {}, 0
     with hf.continuous_batching_context_manager(**_hf_manager_options(hf, gc, trace)) as manager:
         start = time.perf_counter()

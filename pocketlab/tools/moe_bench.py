@@ -21,7 +21,9 @@ import dataclasses
 import functools
 import itertools
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
@@ -36,7 +38,7 @@ GRAPH_MAX_TOKENS = 64  # decode batches: the engine replays these from CUDA grap
 
 
 def paths(device: str) -> dict:
-    out = {"grouped_mm": moe.grouped_experts, "loop": moe.looped_experts}
+    out: dict[str, Callable[..., torch.Tensor]] = {"grouped_mm": moe.grouped_experts, "loop": moe.looped_experts}
     if torch.device(device).type == "cuda":
         from ..layers.gemv_tma import DEFAULT_RING
         from ..layers.moe_gemv import gemv_experts
@@ -44,7 +46,13 @@ def paths(device: str) -> dict:
         from ..layers.moe_kernel import fused_experts
 
         both = functools.partial(experts_tma, down_ring=DEFAULT_RING)
-        out = {"triton": fused_experts, "gemv": gemv_experts, "gemv_tma": experts_tma, "gemv_tma_both": both} | out
+        out = (
+            cast(
+                dict[str, Callable[..., torch.Tensor]],
+                {"triton": fused_experts, "gemv": gemv_experts, "gemv_tma": experts_tma, "gemv_tma_both": both},
+            )
+            | out
+        )
     return out
 
 
@@ -80,7 +88,7 @@ def bench_layer(
     elem = torch.finfo(dtype).bits // 8
     moved = hit * 3 * I * H * elem + n * H * elem * 2  # the experts read, the tokens in and out
     flops = 2 * n * k * 3 * I * H
-    row = {"tokens": n, "experts_hit": hit, "bytes": moved, "flops": flops}
+    row: dict[str, object] = {"tokens": n, "experts_hit": hit, "bytes": moved, "flops": flops}
     reference = moe.looped_experts(*args)
     decode = clock.cuda and n <= GRAPH_MAX_TOKENS  # replayed from a CUDA graph, as the engine's decode steps are
     if decode:
@@ -139,7 +147,9 @@ def sweep_tma_rings(args, clock: Clock, repeats: int) -> list[dict]:
 
     out = []
     for proj, ring in itertools.product(("gate_up", "down"), RINGS):
-        rings = dict(ring=ring, down_ring=None) if proj == "gate_up" else dict(ring=None, down_ring=ring)
+        rings: dict[str, Any] = (
+            dict(ring=ring, down_ring=None) if proj == "gate_up" else dict(ring=None, down_ring=ring)
+        )
         run = in_graph(functools.partial(experts_tma, *args, **rings), ())
         out.append({"projection": proj, **dataclasses.asdict(ring), "seconds": clock.measure(run, repeats, 3)})
     return out

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import cast
 
 import pandas as pd
 import torch
@@ -30,7 +31,7 @@ from .host_time import profile_call
 def _self_us(event, cuda: bool) -> float:
     if not cuda:
         return event.self_cpu_time_total
-    return getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0)
+    return cast(float, getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0))
 
 
 def kernel_table(prof, cuda: bool = True) -> pd.DataFrame:
@@ -138,7 +139,9 @@ def main(argv=None) -> None:
     hf, engine = build(cfg)
     del hf
     graphs, summaries = engine.graphs, []
-    runs = [(f"decode graphs={g}", b, g) for g in (True, False) for b in a.batch_sizes]
+    runs: list[tuple[str, int, bool | None]] = [
+        (f"decode graphs={g}", b, g) for g in (True, False) for b in a.batch_sizes
+    ]
     runs += [(f"prefill {n}", n, None) for n in a.prefill_lens]
     for what, n, use_graphs in runs:
         if use_graphs is not None:

@@ -97,7 +97,7 @@ class ModelCost:
             + self.linear_flops_per_token * length
         )
 
-    def decode_bytes(self, kv_lens: list[int], experts_read: float | None = None) -> dict:
+    def decode_bytes(self, kv_lens: list[float], experts_read: float | None = None) -> dict:
         """Minimum bytes one decode step moves, for sequences attending over `kv_lens` positions.
 
         Weights and K/V are read once; the recurrent state is read AND written (it is rewritten each step).

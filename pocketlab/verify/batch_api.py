@@ -9,6 +9,7 @@ it runs in. In bf16/fp16 the logit bound is calibrated per step from the engine'
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import pandas as pd
 import torch
@@ -431,7 +432,9 @@ def error_cases(eng, prompt: list[int], ref: Run, tol, noise: list[float] | None
     # and the busy slot still continues exactly as its solo run did
     try:
         r = eng.decode_step(ra.next_token, slot_id=a)
-        m = step_metrics(ref.logits[2], r.logits, ref.tokens[2], r.next_token, tol, noise=noise and noise[2])
+        m = step_metrics(
+            ref.logits[2], r.logits, ref.tokens[2], r.next_token, tol, noise=cast("float | None", noise and noise[2])
+        )
         ok = m["within_tol"] and not m["decisive_mismatch"]
         raised, message = "-", ""
     except Exception as exc:  # noqa: BLE001

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import torch
@@ -20,6 +21,9 @@ from ..config import DTYPES, EngineOptions, ModelConfig
 from ..engine import QwenEngine
 from ..tools.synthetic import PRESETS, build_hf_model, ensure_checkpoint
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 
 # -- the model pair ------------------------------------------------------------------------------
 @dataclass
@@ -27,7 +31,7 @@ class Pair:
     """The engine under test (made on demand, with the options a check needs) and its HF reference."""
 
     name: str
-    hf: torch.nn.Module
+    hf: PreTrainedModel
     make: Callable[[EngineOptions], QwenEngine]
     device: str = "cpu"
     dtype: str = "float32"
@@ -40,7 +44,7 @@ class Pair:
         return self.make(EngineOptions(device=self.device, dtype=self.dtype, **options))
 
     @functools.cached_property
-    def hf32(self) -> torch.nn.Module:
+    def hf32(self) -> PreTrainedModel:
         """HF in float32 on the same (possibly bf16-valued) weights: the reference in every dtype."""
         return self.hf if self.dtype == "float32" else copy.deepcopy(self.hf).float()
 
@@ -69,7 +73,7 @@ def load_pair(
         cfg, weights = ModelConfig.from_dict(hf.config.to_dict()), hf.state_dict()
         return Pair(name, hf, lambda opts: QwenEngine(cfg, weights, opts), device, dtype)
     path = ensure_checkpoint(name, root or checkpoint_root(), seed) if name in PRESETS else Path(name)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device).eval()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device).eval()  # type: ignore[arg-type]  # transformers types to() as unbound Module.to
     return Pair(name, hf, lambda opts: QwenEngine.from_pretrained(path, opts), device, dtype)
 
 
@@ -84,7 +88,7 @@ def random_prompts(vocab_size: int, lengths, seed: int) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def hf_logits(hf: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
+def hf_logits(hf: PreTrainedModel, tokens: list[int]) -> torch.Tensor:
     """HF logits [T, vocab] (float32, CPU) for the whole sequence in one forward: the reference."""
     ids = torch.tensor([tokens], device=hf.device)
     return hf(input_ids=ids).logits[0].float().cpu()
@@ -331,7 +335,7 @@ def write_verdict(*reports: Report, passed: bool | None = None, path: str | Path
         )
         for r in reports
     ]
-    merged = {}
+    merged: dict[str, Any] = {}
     for r in reports:
         merged.update(r.figures if len(reports) == 1 else {f"{r.name}.{k}": v for k, v in r.figures.items()})
     merged.update(figures)

@@ -19,6 +19,7 @@ import os
 import tempfile
 from collections import Counter, OrderedDict
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from hypothesis import HealthCheck, settings
@@ -38,7 +39,7 @@ from .graph_doubles import rerun_graphs
 TOL = tolerance("float32").atol
 VOCAB, MAX_SLOTS, MAX_SEQ = 512, 3, 40
 # small budgets so that prefix reuse, retention, eviction and hybrid checkpoints all happen in short schedules
-OPTIONS = dict(
+OPTIONS: dict[str, Any] = dict(
     max_slots=MAX_SLOTS,
     max_seq_len=MAX_SEQ,
     prefill_chunk=8,
@@ -48,7 +49,7 @@ OPTIONS = dict(
     device="cpu",
     dtype="float32",
 )
-CONFIGS = {
+CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "dense": ("tiny-qwen3", {}),
     "dense, no prefix cache": ("tiny-qwen3", dict(prefix_cache=False)),
     "hybrid": ("tiny-qwen3_5", {}),
@@ -74,6 +75,8 @@ STATS: Counter = Counter()  # what the fuzz runs did: schedules, calls, refused,
 
 class Oracle:
     """Solo replays of token histories in a reference engine, memoized (LRU): (next-token logits, slot tensors)."""
+
+    memo: OrderedDict[tuple[int, ...], tuple[torch.Tensor | None, dict[str, torch.Tensor]]]
 
     def __init__(self, preset: str, size: int = 4096):
         opts = EngineOptions(**(OPTIONS | dict(max_slots=1, prefill_chunk=MAX_SEQ, prefix_cache=False)))
@@ -118,7 +121,7 @@ def fingerprint(eng: QwenEngine) -> list:
     """Everything each slot holds (history, owner, every cache tensor) and the allocated count: compared bitwise."""
     slots = [
         (list(eng.cache.slots[s].tokens), eng.cache.slots[s].owner, eng.cache.snapshot(s).tensors)
-        for s in range(eng.options.max_slots)
+        for s in range(cast(int, eng.options.max_slots))
     ]
     return slots + [eng.num_slots]
 
@@ -225,6 +228,7 @@ class EngineMachine(RuleBasedStateMachine):
             except InjectedInterrupt:
                 pass
         STATS["interrupted"] += 1
+        assert before is not None  # only a fault (then `before` was taken) interrupts a call
         after = fingerprint(self.eng)
         for s in range(MAX_SLOTS):
             if same_slot(before[s], after[s]):  # not touched, or interrupted before it changed anything

@@ -51,7 +51,7 @@ def schedule(name: str, n: int, steps: int, victim: int = VICTIM) -> list[tuple]
     ops = steps + 1
     if name == "snapshot_restore":  # the victim's state taken out and put back mid-run: it must go on unchanged
         half = ops // 2
-        events = [("op", f"s{s}", s) for _ in range(half) for s in range(n)]
+        events: list[tuple] = [("op", f"s{s}", s) for _ in range(half) for s in range(n)]
         events += [("snapshot", victim), ("reset", victim), ("restore", victim)]
         return events + [("op", f"s{s}", s) for _ in range(ops - half) for s in range(n)]
     if name == "interleaved":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from typing import TYPE_CHECKING, cast
 
 from ..config import DTYPES, EngineOptions, ModelConfig
 from ..engine import QwenEngine
@@ -19,13 +20,16 @@ from ..tools.synthetic import PRESETS, build_hf_model, ensure_checkpoint, mtp_we
 from .common import checkpoint_root, solo_run
 from .drafters import AdversarialDrafter, OracleDrafter
 
+if TYPE_CHECKING:
+    from ..speculative import Speculator
+
 DEFAULT_MODEL = "tiny-qwen3_5-mtp"
 DRAFTERS = ("mtp", "oracle", "adversarial", "oracle@0.5")
 
 
 def use_drafter(eng: QwenEngine, name: str, references: dict[int, list[int]] | None):
     """Point the engine's speculator at a drafter by name; returns it."""
-    spec = eng.speculator
+    spec = cast("Speculator", eng.speculator)  # callers pass engines made with speculative_tokens > 0
     if name == "mtp":
         return spec.use(MTPDrafter())
     if name == "adversarial":
@@ -88,6 +92,7 @@ def interleaved(
             break
         if rnd % 3 == 1 or len(live) == 1:
             one = live[-1]
+            assert one.last_token is not None and one.slot_id is not None  # every request is prefilled by now
             res = call(
                 "decode_step", [one], functools.partial(eng.decode_step, one.last_token, one.slot_id, one.sampling)
             )

@@ -92,6 +92,7 @@ def sampling_check(
     wrong = exact_joint(eng, prompt, SamplingParams(temperature=temperature * wrong_temperature, top_k=top_k), depth)
     greedy = plain_greedy(eng, [prompt], depth + k)[0]
     refs = {j: greedy for j in range(slots)}
+    pooled: dict[tuple, int]
     rows, pooled = [], {}
     for d_i, name in enumerate(drafters):
         ctx = plain(eng) if name == "plain" else contextlib.nullcontext()

@@ -20,6 +20,7 @@ import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import cast
 
 import pandas as pd
 import torch
@@ -608,7 +609,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="", help="CSV of every cell")
     a = ap.parse_args(argv)
     dtype = a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32")
-    full = {"": not a.device.startswith("cuda"), "true": True, "false": False, "all": "all"}.get(a.full.lower())
+    full = cast(
+        "dict[str, bool | str]", {"": not a.device.startswith("cuda"), "true": True, "false": False, "all": "all"}
+    ).get(a.full.lower())
     if full is None:
         raise ValueError(f"--full {a.full!r}: use true, false or all")
     r = catch_matrix(a.model, a.device, dtype, steps=a.steps, slots=a.slots, full=full)

@@ -121,7 +121,7 @@ def reuse_bench(model: str, device: str, dtype: str) -> dict | None:
 
 def figures(result: dict, kinds=("vs_hf", "roofline", "prefill")) -> dict[str, float]:
     """The judged figures of one run: all ratios within that run, all higher-is-better."""
-    out = {}
+    out: dict[str, float] = {}
     if "vs_hf" in kinds:
         out |= {k: v for k, v in result["ratios"].items() if k.startswith("pocketlab_over_hf_")}
     if "roofline" in kinds:

@@ -119,6 +119,7 @@ def prefix_cache(
     )
     cold = _Cold(pair.engine(**opts, prefix_cache=False))
     eng = pair.engine(**opts)
+    assert eng.prefix is not None  # prefix_cache is on by default
     hybrid = eng.prefix.stateful
     V = pair.vocab_size
     texts = random_prompts(V, [prompt_len, 12, 16, 16, 16, 16], seed + 1)
@@ -347,7 +348,7 @@ def _chats(eng, V, question_len, turns, steps, seed) -> list[list[int]]:
     """Each slot holds one conversation; every turn appends the answer and a new question to its history."""
     n = eng.options.max_slots
     asks = random_prompts(V, [question_len] * (n * turns), seed + 13)
-    history = [[] for _ in range(n)]
+    history: list[list[int]] = [[] for _ in range(n)]
     outputs = []
     for t in range(turns):
         for s in range(n):

@@ -8,11 +8,15 @@ released slot) against the same prompt cold.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import pandas as pd
 
 from ..tools.timing import Clock
 from .common import as_pair, random_prompts, single_thread_on_cpu
+
+if TYPE_CHECKING:
+    from ..requests import ForwardResult
 
 
 def _cache_prefix(eng, prefix: list[int], cached_in) -> None:
@@ -24,7 +28,7 @@ def _cache_prefix(eng, prefix: list[int], cached_in) -> None:
             eng.release_slot(0)
 
 
-def _prefill_into(result: dict, eng, prompt: list[int], slot: int) -> None:
+def _prefill_into(result: dict[str, ForwardResult], eng, prompt: list[int], slot: int) -> None:
     result["r"] = eng.prefill(prompt, slot_id=slot)
 
 
@@ -68,6 +72,7 @@ def ttft(
         "hit: released slot": ("on", "released", 1),
     }
     for mode, (which, cached_in, slot) in modes.items():
+        result: dict[str, ForwardResult]
         eng, result = engines[which], {}
         setup = functools.partial(_cache_prefix, eng, prefix, cached_in)
         call = functools.partial(_prefill_into, result, eng, prompt, slot)

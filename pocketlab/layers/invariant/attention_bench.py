@@ -9,6 +9,7 @@ prefill; Qwen3.5-9B Gated DeltaNet (16 key heads, 32 value heads, dk = dv = 128,
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +22,7 @@ def median_us(fn, reps: int = 15, inner: int = 5, graphed: bool = False) -> floa
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    sample = lambda: [fn() for _ in range(inner)]  # noqa: E731
+    sample: Callable[[], object] = lambda: [fn() for _ in range(inner)]  # noqa: E731
     if graphed:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):

@@ -8,6 +8,7 @@ CUDA-graph replays cycling over enough weight copies that every call reads its w
 
 import argparse
 import statistics
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +29,7 @@ MANY = [Tiles(128, 128, 8, 3, IN_PROGRAM), Tiles(128, 256, 8, 2, IN_PROGRAM), Ti
         Tiles(64, 128, 4, 4, IN_PROGRAM), Tiles(128, 64, 4, 4, IN_PROGRAM)]  # fmt: skip
 
 
-def graph_ms(fn, weights: list[torch.Tensor], runs: int = 15) -> float:
+def graph_ms(fn, weights: Sequence[object], runs: int = 15) -> float:
     """Median time of one fn(w) call, from graphs that call it once per weight copy."""
     for w in weights:
         fn(w)  # compile, allocate
