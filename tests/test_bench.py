@@ -282,10 +282,31 @@ def test_ab_reads_its_saved_tables_back(tmp_path, capsys):
     ab.main(["--summary-of", str(saved)])
     again = capsys.readouterr().out
     assert again.startswith(str(saved))
-    column = [line.split()[-1] for line in printed.split("faster_rounds")[1].strip().splitlines()]
+    column = [line.split()[-1] for line in printed.split("faster_rounds")[1].strip().split("\n\n")[0].splitlines()]
     assert [line.split()[-1] for line in again.split("faster_rounds")[1].strip().splitlines()] == column
     with pytest.raises(SystemExit):
         ab.main(["--model", "tiny-qwen3"])  # neither variants nor tables
+
+
+def test_ab_holds_each_variant_to_the_baselines_greedy_decode(make_engine, monkeypatch):
+    """tools.ab's agreement: a variant that changes nothing agrees in its logits and every step's tokens (its switch
+    set while it decodes); one whose engine computes something else (here a scaled lm_head row) shows a logit
+    difference at the first step and tokens that part."""
+    from pocketlab.tools import ab
+
+    base, other = make_engine("tiny-qwen3"), make_engine("tiny-qwen3")
+    other.model.lm_head = other.model.lm_head.clone()
+    other.model.lm_head[::7] *= 3.0
+    seen = []
+    real = ab.decode_step
+    monkeypatch.setattr(ab, "decode_step", lambda *a: seen.append(os.environ.get("POCKETLAB_AB_TEST")) or real(*a))
+    monkeypatch.delenv("POCKETLAB_AB_TEST", raising=False)
+    engines = {"": base, "POCKETLAB_AB_TEST=1": base, "wrong=1": other}
+    out = ab.agreement(engines, list(engines), batch=2, steps=6).set_index("variant")
+    assert seen == [None, "1", None] and "POCKETLAB_AB_TEST" not in os.environ
+    assert out.loc["POCKETLAB_AB_TEST=1", "first_logits_rel_diff"] == 0.0
+    assert out.loc["POCKETLAB_AB_TEST=1", "same_tokens_steps"] == "6/6" == out.loc["(as is)", "same_tokens_steps"]
+    assert out.loc["wrong=1", "first_logits_rel_diff"] > 0.1 and out.loc["wrong=1", "same_tokens_steps"] != "6/6"
 
 
 def test_ab_alternates_variants_and_restores_the_environment(capsys, monkeypatch):

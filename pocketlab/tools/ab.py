@@ -12,7 +12,9 @@ in how many rounds it was the faster), which the drift between rounds does not r
 
 A variant is comma-separated NAME=VALUE pairs: environment variables (set for its rounds, restored after), and
 EngineOptions fields, for which the variant gets an engine of its own over the same weights (built once, before the
-rounds; VALUE read as a Python literal). The first variant is the baseline.
+rounds; VALUE read as a Python literal). The first variant is the baseline. After the timings, each variant's greedy
+decode from the same prompts is held against the baseline's (`agreement`): a switch that is fast because it is wrong
+shows there.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import argparse
 import dataclasses
 import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -66,6 +70,25 @@ def median_call(engine, batch: int, steps: int, warm: int, prefill: int = 0) -> 
     return clock.measure(decode_step(engine, batch), steps, warm)
 
 
+@contextmanager
+def under(engine: QwenEngine, variant: str) -> Iterator[None]:
+    """The variant's environment switches set (restored after), the engine's graphs (if any) captured again under
+    them."""
+    env = parse_variant(variant)[0]
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        if engine.graphs is not None:
+            engine.graphs = StepGraphs(engine.model, engine.cache, engine.options)
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
+
+
 def run(engines: dict[str, QwenEngine], variants: list[str], batch_sizes, rounds: int, steps: int, warm: int,
         prefill: int = 0) -> pd.DataFrame:  # fmt: skip
     """One row per (batch, variant, round): the median graphed step (or prefill) of that round, in us, each variant
@@ -74,21 +97,31 @@ def run(engines: dict[str, QwenEngine], variants: list[str], batch_sizes, rounds
     rows = []
     work = [(b, r, v) for b in batch_sizes for r in range(rounds) for v in (variants[:: -1 if r % 2 else 1])]
     for batch, rnd, variant in tqdm(work, desc="A/B rounds"):
-        env, engine = parse_variant(variant)[0], engines[variant]
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            if engine.graphs is not None:  # captured again under this variant
-                engine.graphs = StepGraphs(engine.model, engine.cache, engine.options)
-            step_s = median_call(engine, batch, steps, warm, prefill)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    del os.environ[k]
-                else:
-                    os.environ[k] = v
+        with under(engines[variant], variant):
+            step_s = median_call(engines[variant], batch, steps, warm, prefill)
         rows.append({"batch": batch, "variant": variant or "(as is)", "round": rnd,
                      "step_us": step_s * 1e6})  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def agreement(engines: dict[str, QwenEngine], variants: list[str], batch: int, steps: int = 8) -> pd.DataFrame:
+    """Per variant, its greedy decode of `steps` steps from the same prompts (graphed where the engine graphs)
+    against the first variant's: the first step's largest logit difference over the baseline's largest |logit|, and
+    how many steps every row's token equals the baseline's before one differs. Reading the wrong rows shows at once;
+    another summation order only as rounding, and as tokens that part after some steps (bf16, random weights)."""
+    runs = {}
+    for variant in variants:
+        with under(engines[variant], variant):
+            step = decode_step(engines[variant], batch)
+            results = [step() for _ in range(steps)]
+        runs[variant] = (results[0].logits.float(), [r.next_tokens for r in results])
+    base_logits, base_tokens = runs[variants[0]]
+    rows = []
+    for variant, (logits, tokens) in runs.items():
+        same = next((i for i, (a, b) in enumerate(zip(tokens, base_tokens, strict=True)) if a != b), steps)
+        diff = (logits - base_logits).abs().max() / base_logits.abs().max()
+        rows.append({"batch": batch, "variant": variant or "(as is)", "first_logits_rel_diff": diff.item(),
+                     "same_tokens_steps": f"{same}/{steps}"})  # fmt: skip
     return pd.DataFrame(rows)
 
 
@@ -176,6 +209,9 @@ def main(argv=None) -> None:
     rounds = df.pivot_table(index=["batch", "round"], columns="variant", values="step_us", sort=False)
     print(rounds.round(1).to_string())
     print("\n" + printed(summary(df, variants[0] or "(as is)")))
+    if not a.prefill:
+        agreeing = pd.concat([agreement(engines, variants, b) for b in a.batch_sizes])
+        print(f"\nagainst the first variant's greedy decode:\n{agreeing.to_string(index=False)}")
 
 
 if __name__ == "__main__":
