@@ -331,6 +331,8 @@
 #        tests/test_parity.py tests/test_speculative.py tests/test_slots.py" TESTS_CAP_S=220 AB_MODELS="qwen3.5-0.8b
 #        qwen3-0.6b qwen3-30b-a3b-4-layers qwen3.5-35b-a3b-4-layers" AB_VARIANTS="POCKETLAB_GEMV_TMA=0;" AB_ARGS=
 #        "--batch-sizes 1 --rounds 6 --steps 30" AB_FILE=one-row-ring-default AB_CAP_S=70 BUDGET_S=480
+#      (tools.ab now ends with each variant's greedy decode against the baseline's: the ring's first-step logits
+#      should differ only by rounding, ~1e-3 of the largest, for the default to stand)
 #   2. the bench at the four dense/hybrid shapes with the static peer (b1/b32) on an H200, for the README's tables;
 #   3. the twenty-sixth's list (prompt-graphs-512-row-rotate, 4,096-token prefill at 8B/9B, warm-up/TTFT, tp).
 # MoE at real shapes (issue 17), one H200, one call each (the engine runs on the HF peer's own tensors, so the weights
