@@ -98,6 +98,7 @@ def reply(engine, prompt, args, out, err):
         out.flush()
         completion = delta.completion or completion
     end = time.perf_counter()
+    assert first is not None and completion is not None  # the stream always ends with a done delta + Completion
     out.write("\n")
     n = len(completion.token_ids)
     rate = (n - 1) / (end - first) if n > 1 and end > first else float("nan")

@@ -159,6 +159,7 @@ class StepGraphs:
         # the eager prompt's kernels (compiled only from LARGE on): no torch.compile graph for a new process to trace
         with fused.compiled_kernels(self.compile, min_elements=fused.LARGE):
             hidden = self.model.forward(ctx, self.cache)
+        assert self.prompt_hidden is not None  # only prompt graphs run this: they exist only when the buffer does
         return self.prompt_hidden[: b * T].view(b, T, -1).copy_(hidden)
 
     @contextlib.contextmanager

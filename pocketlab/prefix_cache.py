@@ -137,6 +137,7 @@ class PrefixCache:
         src, r = own, own.resume_point(m_own, self.stateful)
         other, r_other = self._search(prompt, limit, skip=own)
         if r_other > r:
+            assert other is not None  # r_other > r >= 0, and _search pairs any positive length with a prefix
             src, r = other, r_other
         keep = min(m_own, r)  # rows [0, keep) of the slot already hold what the prompt needs
         self._touch(src, r)

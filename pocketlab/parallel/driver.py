@@ -22,6 +22,7 @@ import time
 import traceback
 from contextlib import contextmanager
 from pathlib import Path
+from typing import cast
 
 import torch.multiprocessing as mp
 
@@ -266,7 +267,7 @@ def serve(engine: QwenEngine, report=None) -> None:
 def _receive(arg):
     """A decoded argument; a snapshot's tensors come next from rank 0."""
     if isinstance(arg, Snapshot):
-        arg.tensors = comm.broadcast_tensors(None, arg.tensors)
+        arg.tensors = comm.broadcast_tensors(None, cast(list, arg.tensors))  # decode() left the spec there
     return arg
 
 

@@ -4,7 +4,7 @@ and the MTP head drafter."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -86,6 +86,7 @@ class MTPDrafter(Drafter):
     """
 
     name = "mtp"
+    head: Any  # the model's MTPHead: bind sets it or raises, so never None once bound
 
     def __init__(self):
         self.trace: list | None = None  # set to [] to keep each draft's logits and tokens (tests, notebooks)

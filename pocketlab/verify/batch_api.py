@@ -9,7 +9,7 @@ it runs in. In bf16/fp16 the logit bound is calibrated per step from the engine'
 from __future__ import annotations
 
 import math
-from typing import cast
+from typing import Any, cast
 
 import pandas as pd
 import torch
@@ -219,6 +219,7 @@ def _batched(eng, prompts, steps, chunk):
     n = len(prompts)
     eng.allocate_batch_slots(n)
     requests = [BatchedRequest(request_id=100 + i, prompt_tokens=list(p)) for i, p in enumerate(prompts)]
+    book: list[tuple[str, Any, Any, bool]]  # (check, expected, actual, pass)
     forwards, book = [], [("allocate_batch_slots(n): slots in use", n, eng.num_slots, eng.num_slots == n)]
 
     def call(name, fn, expected):
@@ -240,8 +241,8 @@ def _batched(eng, prompts, steps, chunk):
         (
             "batch_prefill allocates distinct slots 0..n-1",
             list(range(n)),
-            sorted(r.slot_id for r in requests),
-            sorted(r.slot_id for r in requests) == list(range(n)),
+            sorted(cast(int, r.slot_id) for r in requests),  # batch_prefill gave every request a slot
+            sorted(cast(int, r.slot_id) for r in requests) == list(range(n)),
         )
     )
     book.append(
@@ -298,7 +299,9 @@ def _reuse_after_release(eng, requests, logits, solo, tol, noise):
     first, others = requests[0], requests[1:]
     freed = first.slot_id
     eng.release_slot(freed)
-    book = [("release_slot empties the slot", 0, eng.position(freed), eng.position(freed) == 0)]
+    book: list[tuple[str, Any, Any, bool]] = [
+        ("release_slot empties the slot", 0, eng.position(freed), eng.position(freed) == 0)
+    ]
     got = eng.allocate_slot(request_id=999)
     book.append(("allocate_slot returns the freed slot", freed, got, got == freed))
     new = BatchedRequest(request_id=999, prompt_tokens=list(first.prompt_tokens), slot_id=got)

@@ -163,6 +163,9 @@ BAD_CALLS = ("token outside vocab", "decode token outside vocab", "foreign snaps
 class EngineMachine(RuleBasedStateMachine):
     """One schedule: a config, then calls; the model follows each call, the invariant checks every slot after it."""
 
+    hist: list[list[int]]  # each slot's token history
+    owner: list[int | None]  # each slot's owning request id
+
     @initialize(config=st.sampled_from(list(CONFIGS)))
     def start(self, config):
         self.config = config
@@ -196,11 +199,13 @@ class EngineMachine(RuleBasedStateMachine):
     def expect(self, history: list[int], logits: torch.Tensor, token: int) -> None:
         """Returned logits equal the solo replay's; the (greedy) token is its argmax (up to a tie within TOL)."""
         ref = self.oracle.replay(history)[0]
+        assert ref is not None  # every caller passes a non-empty history (a valid prompt, or one extended by a token)
         assert close(logits.float().cpu(), ref), f"logits after {len(history)} tokens diverge from the solo replay"
         self.greedy(history, token)
 
     def greedy(self, history: list[int], token: int) -> None:
         ref = self.oracle.replay(history)[0]
+        assert ref is not None  # every caller passes a non-empty history (a valid prompt, or one extended by a token)
         assert float(ref[token]) >= float(ref.max()) - 2 * TOL, f"token {token} is not the replay's argmax"
 
     def refused(self, call) -> None:
@@ -288,12 +293,12 @@ class EngineMachine(RuleBasedStateMachine):
         self.request += len(reqs)
         if not ok:
             return self.refused(lambda: self.eng.batch_prefill(requests))
-        done, out = self.run(lambda: self.eng.batch_prefill(requests), chosen, fault)
+        done, out = self.run(lambda: self.eng.batch_prefill(requests), cast(list[int], chosen), fault)
         if not done:
             kept = [r.slot_id for r, (s, _) in zip(requests, reqs, strict=True) if r.slot_id != s]
             assert not kept, f"an interrupted batch kept its allocations {kept}"
             return
-        for r, s, (given, p), res in zip(requests, chosen, reqs, out.results, strict=True):
+        for r, s, (given, p), res in zip(requests, cast(list[int], chosen), reqs, out.results, strict=True):
             assert r.slot_id == s, f"request {r.request_id} was prefilled in slot {s} but given slot {r.slot_id}"
             if given is None:
                 self.owner[s] = r.request_id
@@ -306,7 +311,7 @@ class EngineMachine(RuleBasedStateMachine):
         ok = len(set(slots)) == len(slots) and all(
             self.valid_slot(s) and self.hist[s] and len(self.hist[s]) < MAX_SEQ for s in slots
         )
-        toks = [self.last[s] if self.valid_slot(s) and self.last[s] is not None else 1 for s in slots]
+        toks = [cast(int, self.last[s]) if self.valid_slot(s) and self.last[s] is not None else 1 for s in slots]
         requests = [
             BatchedRequest(self.request + i, [], slot_id=s, generated_tokens=[t])
             for i, (s, t) in enumerate(zip(slots, toks, strict=True))
@@ -395,7 +400,7 @@ class EngineMachine(RuleBasedStateMachine):
         done, _ = self.run(lambda: self.eng.restore(snap, slot), [slot], fault)
         if done:
             self.hist[slot] = list(history)
-            self.last[slot] = int(self.oracle.replay(history)[0].argmax()) if history else None
+            self.last[slot] = int(cast(torch.Tensor, self.oracle.replay(history)[0]).argmax()) if history else None
 
     @rule(kind=st.sampled_from(BAD_CALLS))
     def bad_call(self, kind):
