@@ -275,7 +275,7 @@ def test_gpu_fused_launches_keep_the_bits():
 
 
 FIVE_A_LAYER = {  # a decode step's Triton launches per layer with the fused kernels, in order
-    "linear_attention": ["_gemv", "_recurrent_step", "_gemv", "_gemv", "_gemv"],  # conv and gated norm inside
+    "linear_attention": ["_gemv", "_recurrent_step", "_gemv", "_gemv", "_gemv"],  # conv in in_proj, norm in the step
     "full_attention": ["_gemv", "_partial_attention", "_gemv", "_gemv", "_gemv"],  # norms, RoPE, K/V, output gate
 }
 

@@ -89,8 +89,9 @@ def test_tied_embeddings_parity(checkpoint):
 def test_parity_through_the_fused_linears(preset, make_engine, checkpoint):
     """The default CUDA engine's projections (layers.gemv at one row, each pre-norm inside the projection's launch;
     the fused matmul at few rows) on any device: Qwen2's biases, Qwen3's `w * x` and Qwen3.5's `(1 + w) * x`
-    norms, the Gated DeltaNet decode step's conv and gated norm in its state step (the in-place decode kernels on),
-    a prompt's q/k norms, RoPE and K/V write in one row kernel. Through Triton's interpreter on the CPU."""
+    norms, the Gated DeltaNet decode step's conv in in_proj's epilogue and its gated norm in the state step (the
+    in-place decode kernels on), a prompt's q/k norms, RoPE and K/V write in one row kernel. Through Triton's
+    interpreter on the CPU."""
     if preset == "tiny-qwen3_5" and DTYPE == "float32" and backend_name(DEVICE) == "fla":
         pytest.skip("HF's float32 Qwen3.5 runs fla's TF32 chunk kernels on CUDA; the 1e-4 check runs on the CPU")
     pytest.importorskip("triton")
