@@ -210,12 +210,11 @@ class SlotCache:
     v: dict[int | str, torch.Tensor]
 
     def __init__(self, cfg: ModelConfig, opts: EngineOptions):
-        assert isinstance(opts.max_slots, int)
         self.cfg, self.max_seq = cfg, opts.max_seq_len
         self.model_id, self.dtype = "", opts.dtype  # the engine sets model_id once the weights are known
-        self.num_slots = opts.max_slots
-        self.scratch = opts.max_slots  # padding and graph filler rows write here
-        rows, dev, dt = opts.max_slots + 1, opts.device, opts.torch_dtype
+        self.num_slots = opts.slot_count
+        self.scratch = opts.slot_count  # padding and graph filler rows write here
+        rows, dev, dt = opts.slot_count + 1, opts.device, opts.torch_dtype
         self.k, self.v, self.conv, self.rec = {}, {}, {}, {}
         for i in cfg.attention_layers:
             shape = (rows, cfg.num_key_value_heads, opts.max_seq_len, cfg.head_dim)
@@ -236,7 +235,7 @@ class SlotCache:
                 dtype=torch.float32,
             )
         self.extra: dict[str, torch.Tensor] = {}  # [rows, ...] per-slot state other parts register (MTP queue)
-        self.slots = [SlotState(s) for s in range(opts.max_slots)]
+        self.slots = [SlotState(s) for s in range(opts.slot_count)]
         self._listener: HistoryListener | None = None
 
     def listen(self, listener: HistoryListener | None) -> None:

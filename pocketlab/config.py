@@ -308,6 +308,13 @@ class EngineOptions:
         if self.prefix_cache_bytes < 0 or self.prefix_block < 1 or self.checkpoint_stride < 0:
             raise ValueError("prefix_cache_bytes >= 0, prefix_block >= 1 and checkpoint_stride >= 0 are required")
 
+    @property
+    def slot_count(self) -> int:
+        """max_slots as a number; "auto" becomes one only in memory.resolve, which the engine runs first."""
+        if isinstance(self.max_slots, str):
+            raise ValueError("max_slots='auto' is not resolved yet: memory.resolve(cfg, options) resolves it")
+        return self.max_slots
+
     def _check_batch_invariant(self) -> None:
         if importlib.util.find_spec("triton") is None:
             raise ValueError("batch_invariant=True runs Triton kernels: install triton")

@@ -80,7 +80,7 @@ class QwenEngine:
         self.cache = SlotCache(local, self.options)
         self.cache.model_id = self.model_id
         self.prefix = PrefixCache(self.cache, self.options) if self.options.prefix_cache else None
-        self.num_slots = cast(int, self.options.max_slots)
+        self.num_slots = self.options.slot_count
         self.forward_count = 0  # model forwards run; batch calls must add exactly one
         use_graphs = self.options.cuda_graphs and torch.device(self.options.device).type == "cuda"
         if use_graphs and self.model.syncs_with_host:  # every capture would fail: say so once, not per shape
@@ -205,7 +205,7 @@ class QwenEngine:
     # -- slots ---------------------------------------------------------------------------------
     def allocate_batch_slots(self, n: int) -> None:
         """Use slots 0..n-1 (n <= max_slots); slots beyond are cleared and freed."""
-        if not 1 <= n <= cast(int, self.options.max_slots):
+        if not 1 <= n <= self.options.slot_count:
             raise ValueError(f"allocate_batch_slots({n}): need 1 <= n <= max_slots={self.options.max_slots}")
         for s in range(n, self.num_slots):
             self.release_slot(s)

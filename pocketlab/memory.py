@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import cast
 
 import torch
 
@@ -56,7 +55,7 @@ class MemoryPlan:
 
     @property
     def slot_caches(self) -> int:
-        return (cast(int, self.options.max_slots) + 1) * self.per_slot
+        return (self.options.slot_count + 1) * self.per_slot
 
     @property
     def total(self) -> int:
@@ -100,7 +99,7 @@ def plan(cfg: ModelConfig, options: EngineOptions, free: int, weights_resident: 
     per_slot += len(cfg.linear_layers) * (conv_dim * (cfg.linear_conv_kernel_dim - 1) * elem + rec)
     if o.speculative_tokens:  # the MTP hidden-state queue and its (count, end)
         per_slot += (MAX_SPECULATIVE_TOKENS + 1) * cfg.hidden_size * elem + 16
-    rows = cast(int, o.max_slots) * (1 + o.speculative_tokens)  # a decode step of every slot (with its drafts)
+    rows = o.slot_count * (1 + o.speculative_tokens)  # a decode step of every slot (with its drafts)
     workspace = _forward_bytes(cfg, max(min(o.prefill_chunk, o.max_seq_len), rows), o.max_seq_len, elem)
     workspace += rows * vocab * 4  # float32 logits
     graphs = 0
@@ -154,7 +153,7 @@ def resolve(cfg: ModelConfig, options: EngineOptions, weights_resident: bool = F
         return at(max_slots=n)
     p = at()
     if not p.fits:
-        slots = _largest(lambda n: at(max_slots=n).fits, cast(int, options.max_slots))
+        slots = _largest(lambda n: at(max_slots=n).fits, options.slot_count)
         seq = _largest(lambda n: at(max_seq_len=n).fits, options.max_seq_len, least=2)
         hint = [f"max_slots={slots} at max_seq_len={options.max_seq_len}"] if slots else []
         hint += [f"max_seq_len={seq} at max_slots={options.max_slots}"] if seq >= 2 else []

@@ -208,7 +208,7 @@ def _sampled(eng, prompts, steps, tol, noise_of) -> pd.DataFrame:
 
 
 def _clear(eng) -> None:
-    eng.allocate_batch_slots(eng.options.max_slots)
+    eng.allocate_batch_slots(eng.options.slot_count)
     for s in range(eng.num_slots):
         eng.release_slot(s)
 
@@ -408,7 +408,7 @@ def error_cases(eng, prompt: list[int], ref: Run, tol, noise: list[float] | None
         ("allocate_slot: all slots taken", ValueError, lambda: eng.allocate_slot(request_id=9)),
         ("batch_prefill: no free slot", ValueError, lambda: eng.batch_prefill([R(9, [1, 2])])),
         ("allocate_batch_slots(0)", ValueError, lambda: eng.allocate_batch_slots(0)),
-        ("allocate_batch_slots(> max_slots)", ValueError, lambda: eng.allocate_batch_slots(eng.options.max_slots + 1)),
+        ("allocate_batch_slots(> max_slots)", ValueError, lambda: eng.allocate_batch_slots(eng.options.slot_count + 1)),
     ]
     rows = []
     for name, expected, fn in cases:

@@ -121,7 +121,7 @@ def fingerprint(eng: QwenEngine) -> list:
     """Everything each slot holds (history, owner, every cache tensor) and the allocated count: compared bitwise."""
     slots = [
         (list(eng.cache.slots[s].tokens), eng.cache.slots[s].owner, eng.cache.snapshot(s).tensors)
-        for s in range(cast(int, eng.options.max_slots))
+        for s in range(eng.options.slot_count)
     ]
     return slots + [eng.num_slots]
 
