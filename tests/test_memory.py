@@ -65,7 +65,7 @@ def test_auto_takes_the_most_slots_that_fit(small_device):
     eng = QwenEngine.from_pretrained(path, EngineOptions(**OPTS | dict(max_slots="auto")))
     assert eng.num_slots == eng.options.max_slots == eng.options.slot_count == 3
     with pytest.raises(ValueError, match="not resolved yet"):  # a count is never read off an unresolved "auto"
-        EngineOptions(max_slots="auto").slot_count
+        _ = EngineOptions(max_slots="auto").slot_count
     eng.prefill([1, 2, 3], slot_id=2)
     fraction = 1 - 1.5 * eng.memory.per_slot / free  # a slot and a half less
     fewer = QwenEngine.from_pretrained(path, EngineOptions(**OPTS | dict(max_slots="auto", memory_fraction=fraction)))
