@@ -41,8 +41,8 @@ class Ring:
 
 DEFAULT_RING = Ring()
 # One-row GEMVs of weights up to RING_MAX_BYTES take this ring on Hopper: every one-row GEMV of Qwen3-0.6B and
-# Qwen3.5-0.8B (12-16 MiB weights) through it was faster in every paired round, at 8B (32 MiB and up) slower in every
-# one (reports/gpu/ab-gemv-tma-paired-*).
+# Qwen3.5-0.8B (12-16 MiB weights) through it was faster in every paired round of two runs, at 8B (32 MiB and up)
+# slower in every one (reports/gpu/ab-gemv-tma-paired-*); a third run at 0.6B saw no difference (ab-ring-default-*).
 ONE_ROW_RING = Ring(8, 256, 6)
 RING_MAX_BYTES = 24 << 20
 
