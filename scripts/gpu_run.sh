@@ -335,6 +335,22 @@
 #      should differ only by rounding, ~1e-3 of the largest, for the default to stand)
 #   2. the bench at the four dense/hybrid shapes with the static peer (b1/b32) on an H200, for the README's tables;
 #   3. the twenty-sixth's list (prompt-graphs-512-row-rotate, 4,096-token prefill at 8B/9B, warm-up/TTFT, tp).
+# Twenty-ninth session (2026-12-05, one H200, three calls after half an hour of failed starts; 174 s of the 30
+#   minutes left): the twenty-eighth's item 1 with a third variant (403 s): the CUDA tests (-n 8) 136 s and passing;
+#   A/B 25-30 s a shape at 5 rounds b1 (9B 64 s; 0.8B past its 75 s cap: its first compiles, no table). Then the
+#   bench at 0.6B + 8B (313 s: 123 + 152 s) and at 0.8B (226 s: 188 s). Calls made:
+#   STEPS="tests ab" TESTS="<the six files of item 1>" TESTS_CAP_S=200 AB_MODELS="qwen3.5-0.8b qwen3-0.6b qwen3-8b
+#     qwen3.5-9b qwen3-30b-a3b-4-layers" AB_VARIANTS=";POCKETLAB_GEMV_TMA=0;POCKETLAB_GEMV_MAX_MIB=256" AB_ARGS=
+#     "--batch-sizes 1 --rounds 5 --steps 30" AB_FILE=ring-default-gemv-max AB_CAP_S=75 BUDGET_S=545
+#   STEPS=bench MODELS="qwen3-0.6b qwen3-8b" PEER_MODES=static BENCH_ARGS="--no-warm --batch-sizes 1,32 --prompt-lens
+#     4096 --peer-batch-sizes 1,32 --skip latency,serving" BENCH_CAP_S=270 BUDGET_S=560   (then MODELS=qwen3.5-0.8b,
+#     BENCH_CAP_S=320 BUDGET_S=345)
+#   Owed next, in order:
+#   1. the same bench at 9B (cap ~300 s alone), for the README's last row (fifteenth session's figures now);
+#   2. the 0.6B prefill of 4,096 tokens, 56.5 -> 73.7 ms since the fourteenth session: host time; `python -m
+#      pocketlab.tools.profile --model qwen3-0.6b --batch-sizes 1 --prefill-lens 4096 --host 12` says where;
+#   3. the 0.8B ring A/B with a cap of 120 s (AB_MODELS=qwen3.5-0.8b AB_VARIANTS="POCKETLAB_GEMV_TMA=0;");
+#   4. the twenty-sixth's list (prompt-graphs-512-row-rotate, 4,096-token prefill at 9B, warm-up/TTFT, tp).
 # MoE at real shapes (issue 17), one H200, one call each (the engine runs on the HF peer's own tensors, so the weights
 # are on the GPU once: peak ~86 GiB at 30B-A3B, ~81 GiB at 35B-A3B, most of it the weights and, at 30B, 24 GiB of K/V
 # for 64 slots x 4,097 positions; the JSON's "memory" has the measured peak). Engine warm-up, latency and serving
