@@ -235,9 +235,8 @@ def test_gemv_refuses_more_rows_than_a_launch_holds_and_column_major_weights():
 
 
 def test_the_default_kernels_take_the_gemv_at_few_rows_and_fuse_only_decode_rows_with_something_to_fuse(monkeypatch):
-    """fused_at_few_rows sends every call of up to gemv_rows rows (row-major weights of at most GEMV_MAX_BYTES, or
-    POCKETLAB_GEMV_MAX_MIB) to the GEMV, decode-sized calls with a residual add or SwiGLU to the fused matmul, the
-    rest to torch."""
+    """fused_at_few_rows sends every call of up to gemv_rows rows (row-major weights) to the GEMV, decode-sized
+    calls with a residual add or SwiGLU to the fused matmul, the rest to torch."""
     calls = []
 
     def kernel(name):
@@ -253,9 +252,7 @@ def test_the_default_kernels_take_the_gemv_at_few_rows_and_fuse_only_decode_rows
     run(randn(1, 16), w, residual=randn(1, 8))
     monkeypatch.setattr(torch_linear, "GEMV_MAX_BYTES", w.numel() * w.element_size() - 1)  # w: one byte over
     run(randn(1, 16), w, residual=randn(1, 8))
-    monkeypatch.setenv("POCKETLAB_GEMV_MAX_MIB", "1")  # tools.ab's switch: the limit, read at each call
-    run(randn(1, 16), w, residual=randn(1, 8))
-    assert calls == [("gemv", 2), ("fused", most), ("gemv", 1), ("fused", 1), ("gemv", 1)]
+    assert calls == [("gemv", 2), ("fused", most), ("gemv", 1), ("fused", 1)]
 
 
 def test_gpu_fused_launches_keep_the_bits():

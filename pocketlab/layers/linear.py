@@ -8,7 +8,6 @@ those kernels (and cuBLAS's split-K reduction) and their gaps between the weight
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
@@ -46,12 +45,6 @@ def composed(
 linear = functools.partial(composed, F.linear)
 
 
-def gemv_max_bytes() -> int:
-    """GEMV_MAX_BYTES, or POCKETLAB_GEMV_MAX_MIB MiB where set (read per call: a switch for tools.ab, not an option)."""
-    mib = os.environ.get("POCKETLAB_GEMV_MAX_MIB", "")
-    return int(mib) << 20 if mib else GEMV_MAX_BYTES
-
-
 def fused_at_few_rows(fused, gemv=None, gemv_rows: int = 0):
     """The default engine's linear: `gemv` (weight rows streamed once, the input's norm computed in the same launch)
     for projections of up to `gemv_rows` rows and GEMV_MAX_BYTES of row-major weight, `fused` (the Triton matmul)
@@ -60,7 +53,7 @@ def fused_at_few_rows(fused, gemv=None, gemv_rows: int = 0):
 
     def run(x, weight, bias=None, *, residual=None, swiglu=False, norm=None, conv=None):
         rows = x.numel() // x.shape[-1]
-        small = weight.numel() * weight.element_size() <= gemv_max_bytes()
+        small = weight.numel() * weight.element_size() <= GEMV_MAX_BYTES
         if rows <= gemv_rows and small and weight.stride(-1) == 1:
             kernel = gemv
         elif (residual is not None or swiglu) and rows <= FUSED_MAX_ROWS:
