@@ -17,8 +17,8 @@ own kernel, and folded into the GEMV at `launch_for`'s launch and at every candi
 TMA ring at every `RINGS` shape: whether weight tiles staged in shared memory, more of them in flight, read faster.
 
 `--resources` (no GPU needed): both kernels compiled for sm_90 by this Triton (one row, no folded norm), the MoE
-experts' gate_up and down launches of layers.moe_gemv beside their TMA-ring forms (layers.moe_gemv_tma), and the Gated
-DeltaNet decode state step with what it folds in, with the registers a thread, the shared memory a program and the
+experts' gate_up launch of layers.moe_gemv beside its TMA-ring form (layers.moe_gemv_tma) and its down launch, and the
+Gated DeltaNet decode state step with what it folds in, with the registers a thread, the shared memory a program and the
 TMA loads in the machine code (Triton's cuobjdump).
 """
 
@@ -45,7 +45,7 @@ from .invariant import linear as fused_linear
 from .invariant import rms_norm
 from .invariant.matmul import PLAIN, RESIDUAL, SWIGLU
 from .invariant.sweep import graph_ms
-from .moe_gemv_tma import _expert_down_tma, _expert_gate_up_tma
+from .moe_gemv_tma import _expert_gate_up_tma
 from .norm import RMSNorm
 
 SHAPES = {  # name: (N, K, epilogue); for swiglu N is the output width and the weight holds 2N rows
@@ -255,12 +255,6 @@ def resources() -> None:
     constants = dict(TOP_K=8, KP=8, SHARED=False, SHARED_W=True, RESIDUAL=True, BLOCK_N=t.block_n, BLOCK_K=t.block_k)
     print(f"{'experts down, top-8':<20} moe_gemv down {(t.block_n, t.block_k)!s:<14}"
           f"{compiled(moe_gemv._down_sum, signature, constants, t.num_warps)}")  # fmt: skip
-    for r in RINGS:
-        signature = down_args | dict.fromkeys(("w_desc", "s_desc"), f"tensordesc<bf16[{r.block_n}, {r.block_k}]>")
-        constants = dict(TOP_K=8, KP=8, SHARED=False, SHARED_W=True, RESIDUAL=True, BLOCK_N=r.block_n,
-                         BLOCK_K=r.block_k, STAGES=r.stages)  # fmt: skip
-        print(f"{'experts down, top-8':<20} TMA ring {(r.block_n, r.block_k, r.stages)!s:<19}"
-              f"{compiled(_expert_down_tma, signature, constants, r.num_warps)}")  # fmt: skip
     state_step_resources()
 
 

@@ -3,8 +3,8 @@ in shared memory (layers.gemv_tma's form): one program per (token pair, columns)
 tiles a step, the block's norm and the shared expert included. moe_gemv's gate_up holds all k experts' tiles in
 registers (252 a thread on sm_90); this form takes far fewer (`python -m pocketlab.layers.gemv_sweep --resources`).
 `python -m pocketlab.tools.moe_bench` times it as path "gemv_tma" beside "gemv"; POCKETLAB_MOE_TMA sends the engine's
-decode experts here (`few_experts`), for tools.ab; POCKETLAB_MOE_TMA_DOWN does the same for the down launch, whose
-programs (token, columns) stream the k pairs' down rows through one ring, pair after pair.
+decode experts here (`few_experts`), for tools.ab. (The down launch through a ring, pair after pair, was slower at
+both MoE shapes and is gone: reports/gpu/ab-moe-tma-down-*.)
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from . import gemv_tma, moe_gemv, pdl
 from .gemv_tma import DEFAULT_RING, Ring, ring_sums
 from .invariant.matmul import finish
-from .invariant.rounding import cast
-from .moe_gemv import store_token
 from .norm import norm_flavour
 from .pdl import wait_then_release
 
@@ -53,76 +51,23 @@ def _expert_gate_up_tma(x_ptr, w_desc, s_desc, g_ptr, ids_ptr, h_ptr, eps, I, H,
     tl.store(h_ptr + pair * I + n[None, :], y, mask=(n < I)[None, :])
 
 
-@triton.jit
-def _expert_down_tma(h_ptr, w_desc, s_desc, weights_ptr, ids_ptr, out_ptr, shared_ptr, gate_ptr, residual_ptr, H, I,
-                     stride_s, stride_g, stride_r, TOP_K: tl.constexpr, KP: tl.constexpr, SHARED: tl.constexpr,
-                     SHARED_W: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     STAGES: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    """moe_gemv._down_sum's out[token, n] for this program's BLOCK_N columns (token program_id(1)), the k pairs' down
-    rows (down read as [E * H, I]) streamed pair after pair through one ring: each pair's float32 lanes summed once
-    and rounded with its routing weight, the k products added in k order, then moe_gemv.store_token. SHARED_W: the
-    shared expert's down rows (s_desc, [H, I]) against h's row N * k + token, through a ring of their own. The
-    first pair's id and tile load before the PDL wait (the routing ran two launches back)."""
-    token = tl.program_id(1).to(tl.int64)
-    n0 = tl.program_id(0) * BLOCK_N
-    k, j = tl.arange(0, BLOCK_K), tl.arange(0, KP)
-    tiles = tl.cdiv(I, BLOCK_K)  # per pair
-    first = w_desc.load([tl.load(ids_ptr + token * TOP_K).to(tl.int32) * H + n0, 0])
-    routing = tl.load(weights_ptr + token * TOP_K + j, mask=j < TOP_K, other=0.0).to(tl.float32)
-    wait_then_release(PDL)
-    dtype = out_ptr.dtype.element_ty
-    h = tl.load(h_ptr + token * TOP_K * I + k, mask=k < I, other=0.0).to(tl.float32)
-    lanes = first.to(tl.float32) * h[None, :]
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for t in tl.range(1, TOP_K * tiles, num_stages=STAGES):
-        if t % tiles == 0:  # the pair before is complete
-            weight = tl.sum(tl.where(j == t // tiles - 1, routing, 0.0), 0)
-            acc += cast(tl.sum(lanes, 1) * weight, dtype).to(tl.float32)
-            lanes = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        pair = token * TOP_K + t // tiles
-        k0 = (t % tiles) * BLOCK_K
-        h = tl.load(h_ptr + pair * I + k0 + k, mask=k0 + k < I, other=0.0).to(tl.float32)
-        e = tl.load(ids_ptr + pair).to(tl.int32)
-        lanes += w_desc.load([e * H + n0, k0]).to(tl.float32) * h[None, :]
-    weight = tl.sum(tl.where(j == TOP_K - 1, routing, 0.0), 0)
-    acc += cast(tl.sum(lanes, 1) * weight, dtype).to(tl.float32)
-    if SHARED_W:
-        shared_h = h_ptr + (tl.num_programs(1) * TOP_K + token) * I
-        shared_lanes = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in tl.range(0, I, BLOCK_K, num_stages=STAGES):
-            h = tl.load(shared_h + k0 + k, mask=k0 + k < I, other=0.0).to(tl.float32)
-            shared_lanes += s_desc.load([n0, k0]).to(tl.float32) * h[None, :]
-    shared_sum = tl.sum(shared_lanes, 1) if SHARED_W else acc
-    store_token(acc, shared_sum, token, n0 + tl.arange(0, BLOCK_N), H, out_ptr, shared_ptr, gate_ptr, residual_ptr,
-                stride_s, stride_g, stride_r, SHARED, SHARED_W, RESIDUAL)  # fmt: skip
-
-
 def fits(*weights: torch.Tensor) -> bool:
     """Every weight contiguous, its rows TMA-readable (layers.gemv_tma.fits)."""
     return all(w.is_contiguous() and gemv_tma.fits(w.view(-1, w.shape[-1])) for w in weights)
 
 
 def experts_tma(x, gate_up, down, weights, ids, residual=None, shared=None, shared_gate=None, norm=None,
-                t: moe_gemv.Tiles | None = None, ids_ready: bool = False, shared_weights=None,
-                ring: Ring | None = DEFAULT_RING, down_ring: Ring | None = None):  # fmt: skip
-    """layers.moe_gemv.gemv_experts' contract, each of its two launches through a TMA ring where one is given (`ring`:
-    gate_up's, a program per (pair, columns), the shared expert's [gate | up] as N more pairs; `down_ring`: the
-    down's, a program per (token, columns)), else gemv_experts' own launch (tiles t). ids_ready: as gemv_experts
-    reads it, for its own gate_up launch (the ring's starts after the PDL wait)."""
+                t: moe_gemv.Tiles | None = None, shared_weights=None, ring: Ring = DEFAULT_RING):  # fmt: skip
+    """layers.moe_gemv.gemv_experts' contract with its gate_up launch through the TMA ring `ring` (a program per
+    (pair, columns), the shared expert's [gate | up] as N more pairs), then gemv_experts' own down launch (tiles t)."""
     moe_gemv.check(gate_up, down, shared, shared_gate, shared_weights)
-    ring_weights = ([gate_up] if ring else []) + ([down] if down_ring else [])
-    ring_weights += [w for w, r in zip(shared_weights or (), (ring, down_ring), strict=False) if r]
+    ring_weights = [gate_up, *(shared_weights or ())[:1]]
     if not fits(*ring_weights):
         raise ValueError(f"experts_tma: TMA reads contiguous rows of 16-byte multiples from a 16-byte aligned start; "
                          f"weights {[tuple(w.shape) for w in ring_weights]}")  # fmt: skip
     t = t or moe_gemv.tiles(x.device)
-    if ring is None:
-        h = moe_gemv.gate_up_sums(x, gate_up, ids, norm, t.gate_up, ids_ready, shared_weights)
-    else:
-        h = gate_up_tma(x, gate_up, ids, norm, ring, shared_weights)
-    if down_ring is None:
-        return moe_gemv.down_sum(h, down, weights, ids, shared, shared_gate, residual, t.down, shared_weights)
-    return down_tma(h, down, weights, ids, shared, shared_gate, residual, down_ring, shared_weights)
+    h = gate_up_tma(x, gate_up, ids, norm, ring, shared_weights)
+    return moe_gemv.down_sum(h, down, weights, ids, shared, shared_gate, residual, t.down, shared_weights)
 
 
 def gate_up_tma(x, gate_up, ids, norm, ring: Ring, shared_weights=None) -> torch.Tensor:
@@ -143,34 +88,13 @@ def gate_up_tma(x, gate_up, ids, norm, ring: Ring, shared_weights=None) -> torch
     return h
 
 
-def down_tma(h, down, weights, ids, shared, shared_gate, residual, ring: Ring, shared_weights=None) -> torch.Tensor:
-    """moe_gemv.down_sum's total [N, H] through `_expert_down_tma`."""
-    (N, top_k), (E, H, I) = ids.shape, down.shape  # noqa: E741
-    total = torch.empty(N, H, dtype=h.dtype, device=h.device)
-    if not N:
-        return total
-    weights, ids = weights.contiguous(), ids.contiguous()
-    rows = TensorDescriptor.from_tensor(down.view(E * H, I), block_shape=[ring.block_n, ring.block_k])
-    inside = shared_weights is not None
-    own = TensorDescriptor.from_tensor(shared_weights[1], block_shape=[ring.block_n, ring.block_k]) if inside else rows
-    s, g, r = (total if a is None else a for a in (shared, shared_gate, residual))  # absent: a pointer never read
-    _expert_down_tma[(triton.cdiv(H, ring.block_n), N)](
-        h, rows, own, weights, ids, total, s, g, r, H, I, s.stride(0), g.stride(0), r.stride(0), TOP_K=top_k,
-        KP=triton.next_power_of_2(top_k), SHARED=shared is not None, SHARED_W=inside, RESIDUAL=residual is not None,
-        BLOCK_N=ring.block_n, BLOCK_K=ring.block_k, STAGES=ring.stages, num_warps=ring.num_warps,
-        **pdl.launch(h.device),
-    )  # fmt: skip
-    return total
-
-
 def few_experts(*args, **kwargs) -> torch.Tensor:
-    """The engine's experts for decode's few tokens: moe_gemv.gemv_experts, or with POCKETLAB_MOE_TMA (gate_up) and
-    POCKETLAB_MOE_TMA_DOWN (down), switches for measuring read as layers.gemv_tma.ring_from_env reads them, those
-    launches through rings where the weights fit them."""
-    ring, down_ring = gemv_tma.ring_from_env("POCKETLAB_MOE_TMA"), gemv_tma.ring_from_env("POCKETLAB_MOE_TMA_DOWN")
-    gate_up, down, shared_weights = args[1], args[2], kwargs.get("shared_weights") or ()
-    ring = ring if fits(gate_up, *shared_weights[:1]) else None
-    down_ring = down_ring if fits(down, *shared_weights[1:]) else None
-    if ring is None and down_ring is None:
+    """The engine's experts for decode's few tokens: moe_gemv.gemv_experts, or with POCKETLAB_MOE_TMA, a switch for
+    measuring read as layers.gemv_tma.ring_from_env reads it, the gate_up launch through that ring where the weights
+    fit it (experts_tma)."""
+    ring = gemv_tma.ring_from_env("POCKETLAB_MOE_TMA")
+    gate_up, shared_weights = args[1], kwargs.get("shared_weights") or ()
+    if ring is None or not fits(gate_up, *shared_weights[:1]):
         return moe_gemv.gemv_experts(*args, **kwargs)
-    return experts_tma(*args, **kwargs, ring=ring, down_ring=down_ring)  # type: ignore[misc]  # kwargs holds no ring
+    kwargs.pop("ids_ready", None)  # the ring's gate_up reads the ids after its PDL wait
+    return experts_tma(*args, **kwargs, ring=ring)  # type: ignore[misc]  # kwargs holds no ring

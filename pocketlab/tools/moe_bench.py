@@ -11,7 +11,7 @@ Per token count N: the experts its routing reads (random weights, random router)
 (distinct experts x an expert's weights) over the measured copy bandwidth, and its flops over the matmul rate.
 The loop path (one matmul per expert hit, host syncs: HF's eager way) runs eagerly as the baseline. On CUDA the
 routing itself too: torch's ops (softmax, topk, rescale) against the one-launch kernel; and the TMA-ring experiment
-(layers.moe_gemv_tma.experts_tma) beside "gemv": "gemv_tma" its gate_up through a ring, "gemv_tma_both" the down too.
+(layers.moe_gemv_tma.experts_tma) beside "gemv": "gemv_tma", its gate_up through a ring.
 """
 
 from __future__ import annotations
@@ -19,11 +19,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import itertools
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 import torch
 
@@ -40,19 +39,12 @@ GRAPH_MAX_TOKENS = 64  # decode batches: the engine replays these from CUDA grap
 def paths(device: str) -> dict:
     out: dict[str, Callable[..., torch.Tensor]] = {"grouped_mm": moe.grouped_experts, "loop": moe.looped_experts}
     if torch.device(device).type == "cuda":
-        from ..layers.gemv_tma import DEFAULT_RING
         from ..layers.moe_gemv import gemv_experts
         from ..layers.moe_gemv_tma import experts_tma
         from ..layers.moe_kernel import fused_experts
 
-        both = functools.partial(experts_tma, down_ring=DEFAULT_RING)
-        out = (
-            cast(
-                dict[str, Callable[..., torch.Tensor]],
-                {"triton": fused_experts, "gemv": gemv_experts, "gemv_tma": experts_tma, "gemv_tma_both": both},
-            )
-            | out
-        )
+        gpu = {"triton": fused_experts, "gemv": gemv_experts, "gemv_tma": experts_tma}
+        out = cast(dict[str, Callable[..., torch.Tensor]], gpu) | out
     return out
 
 
@@ -140,18 +132,15 @@ def sweep_gemv_tiles(args, clock: Clock, repeats: int) -> list[dict]:
 
 
 def sweep_tma_rings(args, clock: Clock, repeats: int) -> list[dict]:
-    """The TMA-ring experiment's launches at each ring (layers.gemv_sweep.RINGS), one through the ring and the other
-    moe_gemv's own, graphed."""
+    """The TMA-ring experiment's gate_up launch at each ring (layers.gemv_sweep.RINGS), moe_gemv's own down after it,
+    graphed."""
     from ..layers.gemv_sweep import RINGS
     from ..layers.moe_gemv_tma import experts_tma
 
     out = []
-    for proj, ring in itertools.product(("gate_up", "down"), RINGS):
-        rings: dict[str, Any] = (
-            dict(ring=ring, down_ring=None) if proj == "gate_up" else dict(ring=None, down_ring=ring)
-        )
-        run = in_graph(functools.partial(experts_tma, *args, **rings), ())
-        out.append({"projection": proj, **dataclasses.asdict(ring), "seconds": clock.measure(run, repeats, 3)})
+    for ring in RINGS:
+        run = in_graph(functools.partial(experts_tma, ring=ring), args)
+        out.append({"projection": "gate_up", **dataclasses.asdict(ring), "seconds": clock.measure(run, repeats, 3)})
     return out
 
 
