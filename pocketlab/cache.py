@@ -212,9 +212,8 @@ class SlotCache:
     def __init__(self, cfg: ModelConfig, opts: EngineOptions):
         self.cfg, self.max_seq = cfg, opts.max_seq_len
         self.model_id, self.dtype = "", opts.dtype  # the engine sets model_id once the weights are known
-        self.num_slots = opts.slot_count
-        self.scratch = opts.slot_count  # padding and graph filler rows write here
-        rows, dev, dt = opts.slot_count + 1, opts.device, opts.torch_dtype
+        self.num_slots = self.scratch = opts.slot_count  # the scratch row (padding, graph filler) follows the slots
+        rows, dev, dt = self.num_slots + 1, opts.device, opts.torch_dtype
         self.k, self.v, self.conv, self.rec = {}, {}, {}, {}
         for i in cfg.attention_layers:
             shape = (rows, cfg.num_key_value_heads, opts.max_seq_len, cfg.head_dim)
@@ -235,7 +234,7 @@ class SlotCache:
                 dtype=torch.float32,
             )
         self.extra: dict[str, torch.Tensor] = {}  # [rows, ...] per-slot state other parts register (MTP queue)
-        self.slots = [SlotState(s) for s in range(opts.slot_count)]
+        self.slots = [SlotState(s) for s in range(self.num_slots)]
         self._listener: HistoryListener | None = None
 
     def listen(self, listener: HistoryListener | None) -> None:
