@@ -449,6 +449,7 @@ FUSED_MODELS=${FUSED_MODELS-qwen3-0.6b qwen3-8b}
 FUSED_BATCHES=${FUSED_BATCHES:-1,32}
 FUSED_PREFILL=${FUSED_PREFILL-4096}
 ATTENTION_SWEEP=${ATTENTION_SWEEP:-0}
+ATTENTION_SWEEP_ARGS=${ATTENTION_SWEEP_ARGS:-}
 FUSED_MODES=${FUSED_MODES:-fused_linear=torch fused_linear=triton,gemv_rows=0 fused_linear=triton}
 GEMV_SWEEP=${GEMV_SWEEP:-1}
 GEMV_SWEEP_ARGS=${GEMV_SWEEP_ARGS:-}
@@ -616,7 +617,7 @@ if wants fused; then
   [ "$GEMV_NORM_CHAIN" = 1 ] && step "gemv pre-norm, own kernel vs folded" 120 "$reserve" bash -o pipefail -c \
     "python3 -m pocketlab.layers.gemv_sweep --norm-chain | tee reports/gpu/gemv-norm-chain-$GPU.txt"
   [ "$ATTENTION_SWEEP" = 1 ] && step "decode attention splits (sweep)" 200 "$reserve" bash -o pipefail -c \
-    "TQDM_DISABLE=1 python3 -m pocketlab.layers.decode_attention_sweep | tee reports/gpu/decode-attention-splits-$GPU.txt"
+    "TQDM_DISABLE=1 python3 -m pocketlab.layers.decode_attention_sweep $ATTENTION_SWEEP_ARGS | tee reports/gpu/decode-attention-splits-$GPU.txt"
   for m in $FUSED_MODELS; do
     for mode in $FUSED_MODES; do   # a mode: NAME=VALUE, comma-separated: engine options, or UPPER_CASE env vars
       opts="" envs=""

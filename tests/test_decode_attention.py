@@ -50,16 +50,17 @@ def test_matches_reference_and_stores_the_new_token(heads, kv_heads, dim, max_le
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_output_gate_in_the_merge_is_sigmoid_gate_after_it(dtype):
-    """gate= (Qwen3.5's output gate, a strided view as of the q projection): the merged output times sigmoid(gate),
-    bit for bit what the row kernel's sigmoid_gate gives after an ungated call (torch's too in bf16; in float32 its
-    sigmoid differs by an ulp); several key splits to merge. A gate of another shape is refused."""
+@pytest.mark.parametrize("max_len", [600, 64])  # several key splits to merge; one split, stored as it ends
+def test_the_output_gate_is_sigmoid_gate_after_the_attention(dtype, max_len):
+    """gate= (Qwen3.5's output gate, a strided view as of the q projection): the output times sigmoid(gate), bit for
+    bit what the row kernel's sigmoid_gate gives after an ungated call (torch's too in bf16; in float32 its sigmoid
+    differs by an ulp), whether the splits are merged or there is one. A gate of another shape is refused."""
     from pocketlab.layers.activations import sigmoid_gate
     from pocketlab.layers.invariant import sigmoid_gate as row_sigmoid_gate
 
     dev = "cuda" if on_gpu else "cpu"
     gen = torch.Generator(device="cpu").manual_seed(5)
-    heads, kv_heads, dim, max_len = 8, 2, 32, 600
+    heads, kv_heads, dim = 8, 2, 32
 
     def randn(*shape):
         return torch.randn(*shape, generator=gen).to(dev, dtype)
@@ -69,11 +70,11 @@ def test_the_output_gate_in_the_merge_is_sigmoid_gate_after_it(dtype):
     q, gate = q_and_gate[..., :dim], q_and_gate[..., dim:]
     k_new, v_new = randn(3, kv_heads, dim), randn(3, kv_heads, dim)
     cos, sin = randn(3, dim), randn(3, dim)
-    slots, lengths = torch.tensor([2, 0, 3], device=dev), torch.tensor([max_len - 5, 1, 300], device=dev)
+    slots, lengths = torch.tensor([2, 0, 3], device=dev), torch.tensor([max_len - 5, 1, max_len // 2], device=dev)
     args = (q, k_new, v_new, k_cache, v_cache, slots, lengths, max_len, dim**-0.5, (cos, sin))
     out = da.decode_attention(*args)
     got = da.decode_attention(*args, gate=gate)
-    assert da.split_length(3 * kv_heads, max_len, 64) < max_len  # more than one split to merge
+    assert (da.split_length(3 * kv_heads, max_len, 64) < max_len) == (max_len > 64)
     assert torch.equal(got, row_sigmoid_gate(out, gate))
     with pytest.raises(ValueError, match="gate"):
         da.decode_attention(*args, gate=gate[..., : dim // 2])

@@ -19,7 +19,7 @@ from . import decode_attention as da
 from .invariant.sweep import graph_ms
 
 SHAPES = {"8b": (32, 8, 128, False), "9b": (16, 4, 256, True)}  # heads, kv heads, head_dim, (1+w)*x norms
-TARGETS = (128, 256, 512, 1024, 2048)
+TARGETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
 
 def bucket(length: int) -> int:
