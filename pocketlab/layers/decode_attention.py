@@ -240,6 +240,7 @@ if triton is not None:
             o = gated(o.to(tl.float32), gate, out_ptr.dtype.element_ty)
         tl.store(y, o, mask=g[:, None] < G)
 
+
 PROGRAMS_WANTED = 256  # two waves on an H200's 132 SMs (reports/gpu/decode-attention-splits-h200.txt)
 
 
