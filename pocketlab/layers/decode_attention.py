@@ -6,7 +6,7 @@ padded key bucket costs nothing. The new token's raw q/k/v arrive as inputs: eac
 per-head RMSNorm and rotary embedding itself, and the program whose split holds the last position stores
 the new K/V into the cache, so no separate norm, rotary or write kernel runs. Splits over the key axis keep
 the GPU busy at batch 1; the last split of each (sequence, kv head) to finish merges the partial softmaxes in
-split order, in the same launch.
+split order, in the same launch. Where one split covers every key (many sequences), it stores its rows as it ends.
 """
 
 import os
@@ -344,6 +344,7 @@ def decode_attention(
 def split_length(programs: int, max_len: int, block_n: int) -> int:
     """Keys per split: enough splits that (sequences x kv heads x splits) reaches ~PROGRAMS_WANTED programs (read
     at each call, so the sweep can vary it), each a whole number of key blocks and at most 64 splits to merge."""
-    want = max(1, min(64, PROGRAMS_WANTED // programs))
+    wanted = int(os.environ.get("POCKETLAB_ATTN_PROGRAMS", PROGRAMS_WANTED))  # A/B switch of this session
+    want = max(1, min(64, wanted // programs))
     per_split = triton.cdiv(max_len, want)
     return max(block_n, triton.next_power_of_2(per_split))
