@@ -389,7 +389,8 @@
 #                    [1]; GEMV_SWEEP_ARGS [] e.g. "--forms --shapes 8b,30b", GEMV_SWEEP_FILE [gemv-sweep],
 #                    GEMV_SWEEP_CAP_S [300]), the pre-norm's cost own vs folded (GEMV_NORM_CHAIN [1]), kernel tables
 #                    per mode (engine options or env vars such as POCKETLAB_PDL=0, comma-separated);
-#                    ATTENTION_SWEEP [0] 1: the decode attention's split counts (layers.decode_attention_sweep)
+#                    ATTENTION_SWEEP [0] 1: the decode attention's split counts (layers.decode_attention_sweep;
+#                    ATTENTION_SWEEP_ARGS [] e.g. "--batches 1,8,32")
 #                    -> profile-<model>-<mode>-h200.txt
 #   INVARIANT_SWEEP  [0]  1: the invariant matmul's launch sweep   INVARIANT_PROFILE []  a model: kernel tables, both modes
 #   STALL_MODELS [qwen3-0.6b qwen3.5-0.8b]  STALL_BENCH_MODELS [qwen3-8b qwen3.5-9b]   the stalls step: cold vs warm

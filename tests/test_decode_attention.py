@@ -50,11 +50,11 @@ def test_matches_reference_and_stores_the_new_token(heads, kv_heads, dim, max_le
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("max_len", [600, 64])  # several key splits to merge; one split, stored as it ends
-def test_the_output_gate_is_sigmoid_gate_after_the_attention(dtype, max_len):
-    """gate= (Qwen3.5's output gate, a strided view as of the q projection): the output times sigmoid(gate), bit for
-    bit what the row kernel's sigmoid_gate gives after an ungated call (torch's too in bf16; in float32 its sigmoid
-    differs by an ulp), whether the splits are merged or there is one. A gate of another shape is refused."""
+@pytest.mark.parametrize("max_len", [600, 64])  # several key splits to merge; one
+def test_the_output_gate_in_the_merge_is_sigmoid_gate_after_it(dtype, max_len):
+    """gate= (Qwen3.5's output gate, a strided view as of the q projection): the merged output times sigmoid(gate),
+    bit for bit what the row kernel's sigmoid_gate gives after an ungated call (torch's too in bf16; in float32 its
+    sigmoid differs by an ulp), with several key splits to merge or one. A gate of another shape is refused."""
     from pocketlab.layers.activations import sigmoid_gate
     from pocketlab.layers.invariant import sigmoid_gate as row_sigmoid_gate
 

@@ -6,10 +6,8 @@ padded key bucket costs nothing. The new token's raw q/k/v arrive as inputs: eac
 per-head RMSNorm and rotary embedding itself, and the program whose split holds the last position stores
 the new K/V into the cache, so no separate norm, rotary or write kernel runs. Splits over the key axis keep
 the GPU busy at batch 1; the last split of each (sequence, kv head) to finish merges the partial softmaxes in
-split order, in the same launch. Where one split covers every key (many sequences), it stores its rows as it ends.
+split order, in the same launch.
 """
-
-import os
 
 import torch
 
@@ -109,14 +107,13 @@ if triton is not None:
         GATED: tl.constexpr,
         BLOCK_N: tl.constexpr,
         SPLIT_LEN: tl.constexpr,
-        SPLITS: tl.constexpr,
-        LEGACY: tl.constexpr,
         BLOCK_S: tl.constexpr,
         PRECISION: tl.constexpr,
         PDL: tl.constexpr,
     ):
         wait_then_release(PDL)
         b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        splits = tl.num_programs(2)
         slot = tl.load(slot_ptr + b).to(tl.int64)
         length = tl.load(len_ptr + b)
         last = length - 1  # the new token: its K/V come from kn/vn, not the cache
@@ -190,55 +187,38 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m = m_new
         out = acc / tl.where(l == 0, 1.0, l)[:, None]
-        if SPLITS == 1 and not LEGACY:  # the whole row here: a merge of one split would weigh it by exactly 1
-            _store_output(out, out_ptr, b, heads, d, g, G, stride_yb, stride_yh, gate_ptr, stride_gb, stride_gh,
-                          GATED)  # fmt: skip
-        else:
-            lse = tl.where(l == 0, float("-inf"), m + tl.log(l))
-            o_off = b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
-            tl.store(o_ptr + o_off, out, mask=g[:, None] < G)
-            tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=g < G)
-            # release our split, acquire the others': the last of (b, kvh)'s splits to finish merges them all (the
-            # barrier puts every thread's stores before the one thread's atomic)
-            tl.debug_barrier()
-            arrivals = arrived_ptr + b * tl.num_programs(1) + kvh
-            if tl.atomic_add(arrivals, 1, sem="acq_rel") == SPLITS - 1:
-                s_idx = tl.arange(0, BLOCK_S)
-                live = (g[:, None] < G) & (s_idx[None, :] < SPLITS)
-                lses = tl.load(lse_ptr + b * stride_lb + heads[:, None] * stride_lh + s_idx[None, :], mask=live,
-                               other=float("-inf"), volatile=True)  # fmt: skip
-                top = tl.max(lses, axis=1)
-                top = tl.where(top == float("-inf"), 0.0, top)  # no live key at all: every weight is 0
-                weights = tl.exp(lses - top[:, None])
-                total = tl.sum(weights, axis=1)
-                weights = weights / tl.where(total == 0, 1.0, total)[:, None]
-                merged = tl.zeros([BLOCK_G, D], tl.float32)
-                parts = o_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
-                if LEGACY:  # A/B switch (POCKETLAB_ATTN_LEGACY=1): the loop as before
-                    for t in range(0, SPLITS):
-                        w_t = tl.sum(tl.where(s_idx[None, :] == t, weights, 0.0), axis=1)
-                        part = tl.load(parts + t * stride_os, mask=g[:, None] < G, other=0.0, volatile=True)
-                        merged += w_t[:, None] * part
-                else:
-                    for t in tl.static_range(SPLITS):  # in split order, unrolled: every split's load in flight at once
-                        w_t = tl.sum(tl.where(s_idx[None, :] == t, weights, 0.0), axis=1)
-                        part = tl.load(parts + t * stride_os, mask=g[:, None] < G, other=0.0, volatile=True)
-                        merged += w_t[:, None] * part
-                _store_output(merged, out_ptr, b, heads, d, g, G, stride_yb, stride_yh, gate_ptr, stride_gb,
-                              stride_gh, GATED)  # fmt: skip
-                tl.atomic_xchg(arrivals, 0)  # ready for the next launch
-
-    @triton.jit
-    def _store_output(o, out_ptr, b, heads, d, g, G, stride_yb, stride_yh, gate_ptr, stride_gb, stride_gh,
-                      GATED: tl.constexpr):  # fmt: skip
-        """out[b, heads] = o (float32 [BLOCK_G, D]) in the output's dtype, times sigmoid(gate) where GATED."""
-        y = out_ptr + b * stride_yb + heads[:, None] * stride_yh + d[None, :]
-        o = o.to(out_ptr.dtype.element_ty)
-        if GATED:  # Qwen3.5's output gate, as invariant.sigmoid_gate applies it
-            gate = gate_ptr + b * stride_gb + heads[:, None] * stride_gh + d[None, :]
-            gate = tl.load(gate, mask=g[:, None] < G, other=0.0).to(tl.float32)
-            o = gated(o.to(tl.float32), gate, out_ptr.dtype.element_ty)
-        tl.store(y, o, mask=g[:, None] < G)
+        lse = tl.where(l == 0, float("-inf"), m + tl.log(l))
+        o_off = b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
+        tl.store(o_ptr + o_off, out, mask=g[:, None] < G)
+        tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=g < G)
+        # release our split, acquire the others': the last of (b, kvh)'s splits to finish merges them all (the
+        # barrier puts every thread's stores before the one thread's atomic)
+        tl.debug_barrier()
+        arrivals = arrived_ptr + b * tl.num_programs(1) + kvh
+        if tl.atomic_add(arrivals, 1, sem="acq_rel") == splits - 1:
+            s_idx = tl.arange(0, BLOCK_S)
+            live = (g[:, None] < G) & (s_idx[None, :] < splits)
+            lses = tl.load(lse_ptr + b * stride_lb + heads[:, None] * stride_lh + s_idx[None, :], mask=live,
+                           other=float("-inf"), volatile=True)  # fmt: skip
+            top = tl.max(lses, axis=1)
+            top = tl.where(top == float("-inf"), 0.0, top)  # no live key at all: every weight is 0
+            weights = tl.exp(lses - top[:, None])
+            total = tl.sum(weights, axis=1)
+            weights = weights / tl.where(total == 0, 1.0, total)[:, None]
+            merged = tl.zeros([BLOCK_G, D], tl.float32)
+            for t in range(0, splits):  # in split order
+                w_t = tl.sum(tl.where(s_idx[None, :] == t, weights, 0.0), axis=1)
+                part = tl.load(o_ptr + b * stride_ob + heads[:, None] * stride_oh + t * stride_os + d[None, :],
+                               mask=g[:, None] < G, other=0.0, volatile=True)  # fmt: skip
+                merged += w_t[:, None] * part
+            y = out_ptr + b * stride_yb + heads[:, None] * stride_yh + d[None, :]
+            merged = merged.to(out_ptr.dtype.element_ty)
+            if GATED:  # Qwen3.5's output gate, as invariant.sigmoid_gate applies it
+                gate = gate_ptr + b * stride_gb + heads[:, None] * stride_gh + d[None, :]
+                gate = tl.load(gate, mask=g[:, None] < G, other=0.0).to(tl.float32)
+                merged = gated(merged.to(tl.float32), gate, out_ptr.dtype.element_ty)
+            tl.store(y, merged, mask=g[:, None] < G)
+            tl.atomic_xchg(arrivals, 0)  # ready for the next launch
 
 
 PROGRAMS_WANTED = 256  # two waves on an H200's 132 SMs (reports/gpu/decode-attention-splits-h200.txt)
@@ -331,8 +311,6 @@ def decode_attention(
         GATED=gate is not None,
         BLOCK_N=block_n,
         SPLIT_LEN=split_len,
-        SPLITS=splits,
-        LEGACY=os.environ.get("POCKETLAB_ATTN_LEGACY") == "1",
         BLOCK_S=max(triton.next_power_of_2(splits), 2),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_stages=2,
@@ -344,7 +322,6 @@ def decode_attention(
 def split_length(programs: int, max_len: int, block_n: int) -> int:
     """Keys per split: enough splits that (sequences x kv heads x splits) reaches ~PROGRAMS_WANTED programs (read
     at each call, so the sweep can vary it), each a whole number of key blocks and at most 64 splits to merge."""
-    wanted = int(os.environ.get("POCKETLAB_ATTN_PROGRAMS", PROGRAMS_WANTED))  # A/B switch of this session
-    want = max(1, min(64, wanted // programs))
+    want = max(1, min(64, PROGRAMS_WANTED // programs))
     per_split = triton.cdiv(max_len, want)
     return max(block_n, triton.next_power_of_2(per_split))
