@@ -44,7 +44,8 @@
 #   TTFT_MODELS      [qwen3-8b qwen3.5-9b]  MTP_MODELS [qwen3.5-9b]   the extras step's models
 #   INVARIANT_MODELS [qwen3-8b qwen3.5-9b]  INVARIANT_STEPS [64]   the invariant step's shapes and decode steps
 #   INVARIANT_TESTS  [the mode's and its kernels' test files]  INVARIANT_TIMINGS [1]   (empty / 0: skip)
-#   FUSED_TESTS [the fused linear's tests + parity]  FUSED_SWEEP [1]  FUSED_MODELS [qwen3-0.6b qwen3-8b]
+#   FUSED_TESTS [the fused linear's tests + parity]  FUSED_SWEEP [1] (FUSED_SWEEP_ARGS [] e.g. "--few 32 --splits 1,2")
+#   FUSED_MODELS [qwen3-0.6b qwen3-8b]
 #   FUSED_BATCHES [1,32]  FUSED_PREFILL [4096] (empty: no prefill row)
 #   FUSED_MODES [fused_linear=torch fused_linear=triton,gemv_rows=0 fused_linear=triton]
 #                    the fused step: CUDA tests, the fused matmul's launch sweep (FUSED_SWEEP), the GEMV's (GEMV_SWEEP
@@ -108,6 +109,7 @@ INVARIANT_SWEEP=${INVARIANT_SWEEP:-0}
 INVARIANT_PROFILE=${INVARIANT_PROFILE-}
 FUSED_TESTS=${FUSED_TESTS-tests/test_fused_linear.py tests/test_invariant_kernels.py tests/test_parity.py}
 FUSED_SWEEP=${FUSED_SWEEP:-1}
+FUSED_SWEEP_ARGS=${FUSED_SWEEP_ARGS:-}
 FUSED_MODELS=${FUSED_MODELS-qwen3-0.6b qwen3-8b}
 FUSED_BATCHES=${FUSED_BATCHES:-1,32}
 FUSED_PREFILL=${FUSED_PREFILL-4096}
@@ -274,7 +276,7 @@ if wants fused; then
   [ -n "$FUSED_TESTS" ] && step "pytest fused linear (cuda)" 200 "$reserve" \
     env POCKETLAB_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider --tb=short $FUSED_TESTS
   [ "$FUSED_SWEEP" = 1 ] && step "fused linear launches (sweep)" 150 "$reserve" bash -o pipefail -c \
-    "python3 -m pocketlab.layers.invariant.sweep --fused | tee reports/gpu/fused-linear-sweep-$GPU.txt"
+    "python3 -m pocketlab.layers.invariant.sweep --fused $FUSED_SWEEP_ARGS | tee reports/gpu/fused-linear-sweep-$GPU.txt"
   [ "$GEMV_SWEEP" = 1 ] && step "gemv launches (sweep)" "$GEMV_SWEEP_CAP_S" "$reserve" bash -o pipefail -c \
     "TQDM_DISABLE=1 python3 -m pocketlab.layers.gemv_sweep $GEMV_SWEEP_ARGS | tee reports/gpu/$GEMV_SWEEP_FILE-$GPU.txt"
   [ "$GEMV_NORM_CHAIN" = 1 ] && step "gemv pre-norm, own kernel vs folded" 120 "$reserve" bash -o pipefail -c \

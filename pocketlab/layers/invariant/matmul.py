@@ -14,6 +14,7 @@ element: rows never mix inside tl.dot, and each of the three ways to add the sli
   (tests/test_invariant_kernels.py checks the GPU's tiles bitwise against each other).
 """
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -87,7 +88,8 @@ def tiles(M: int, N: int, dtype: torch.dtype, device: torch.device, two_weights:
         return Tiles(128, 128, 8, 2 if two_weights else 3, mode)
     if M <= 16:  # 32 columns: twice the programs of 64 for the same weight, the faster at decode shapes
         return Tiles(16, 32, 4, 4, mode)
-    return Tiles(min(64, triton.next_power_of_2(M)), DECODE_BLOCK_N, 4, 4, mode)
+    block_n = int(os.environ.get("POCKETLAB_FEW_ROWS_BLOCK_N", DECODE_BLOCK_N))  # an A/B switch (thirtieth session)
+    return Tiles(min(64, triton.next_power_of_2(M)), block_n, 4, 4, mode)
 
 
 @triton.jit
