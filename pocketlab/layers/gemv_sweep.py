@@ -17,9 +17,9 @@ own kernel, and folded into the GEMV at `launch_for`'s launch and at every candi
 TMA ring at every `RINGS` shape: whether weight tiles staged in shared memory, more of them in flight, read faster.
 
 `--resources` (no GPU needed): both kernels compiled for sm_90 by this Triton (one row, no folded norm), the MoE
-experts' gate_up launch of layers.moe_gemv beside its TMA-ring form (layers.moe_gemv_tma) and its down launch, and the
-Gated DeltaNet decode state step with what it folds in, with the registers a thread, the shared memory a program and the
-TMA loads in the machine code (Triton's cuobjdump).
+experts' gate_up launch of layers.moe_gemv beside its TMA-ring form (layers.moe_gemv_tma) and its down launch, the
+Gated DeltaNet decode state step with what it folds in, and the fused matmul's few-row tiles, with the registers a
+thread, the shared memory a program and the TMA loads in the machine code (Triton's cuobjdump).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from tqdm import tqdm
 from . import gemv, gemv_tma, linear_decode, moe_gemv
 from .gemv_tma import Ring, _gemv_tma
 from .invariant import linear as fused_linear
-from .invariant import rms_norm
+from .invariant import matmul, rms_norm
 from .invariant.matmul import PLAIN, RESIDUAL, SWIGLU
 from .invariant.sweep import graph_ms
 from .moe_gemv_tma import _expert_gate_up_tma
@@ -192,14 +192,23 @@ def tma_chain(layers: int = 28, top: int = 6) -> None:
         torch.cuda.empty_cache()
 
 
-def compiled(kernel, signature: dict, constants: dict, num_warps: int) -> str:
-    """`kernel` built for sm_90 (PDL on, as the H200 runs it): its registers, shared memory and TMA loads."""
+def compiled(kernel, signature: dict, constants: dict, num_warps: int, num_stages: int = 3, aligned=()) -> str:
+    """`kernel` built for sm_90 (PDL on, as the H200 runs it): its registers, shared memory and TMA loads. Pointers,
+    sizes (N, K, H, I), strides and the integers named in `aligned` carry the divisibility by 16 that the JIT finds in
+    them at the Qwen shapes: without it no load is vectorised and no loop pipelined (the figures would be another
+    kernel's)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     constants = dict(constants, PDL=True)
-    source = ASTSource(kernel, signature=signature | dict.fromkeys(constants, "constexpr"), constexprs=constants)
-    built = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, launch_pdl=True))
+    names = list(inspect.signature(kernel.fn).parameters)
+    aligned = [n for n, kind in signature.items()
+               if kind.startswith("*") or n in ("N", "K", "H", "I", *aligned) or n.startswith("stride_")]  # fmt: skip
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    signature = signature | dict.fromkeys(constants, "constexpr")
+    source = ASTSource(kernel, signature=signature, constexprs=constants, attrs=attrs)
+    options = dict(num_warps=num_warps, num_stages=num_stages, launch_pdl=True)
+    built = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(built.asm["cubin"])
@@ -256,6 +265,7 @@ def resources() -> None:
     print(f"{'experts down, top-8':<20} moe_gemv down {(t.block_n, t.block_k)!s:<14}"
           f"{compiled(moe_gemv._down_sum, signature, constants, t.num_warps)}")  # fmt: skip
     state_step_resources()
+    few_row_matmul_resources()
 
 
 def state_step_resources() -> None:
@@ -273,6 +283,26 @@ def state_step_resources() -> None:
             f"{'gdn state step':<20} norm {norm!s:<20}"
             f"{compiled(linear_decode._recurrent_step, signature, constants, linear_decode.STATE_WARPS)}"
         )
+
+
+def few_row_matmul_resources() -> None:
+    """The fused matmul (invariant.matmul) at 17-64 rows, 64- and 32-wide tiles: shared memory decides how many of
+    its programs an SM holds (228 KiB an SM, 1 KiB of it reserved per program), so how many of the 8B gate_up's
+    tiles run at once."""
+    names = ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "res_ptr")
+    signature = dict.fromkeys(names, "*bf16") | {"part_ptr": "*fp32", "arrived_ptr": "*i32"}
+    signature |= dict.fromkeys(("rows", "N", "K", "k_per_split", "split_k", "stride_xm", "stride_wn", "stride_ym",
+                                "stride_ps", "stride_pm", "stride_rm"), "i32")  # fmt: skip
+    for epilogue, what in ((RESIDUAL, "o, down + residual"), (SWIGLU, "gate_up + SwiGLU")):
+        for t in (matmul.Tiles(32, 64, 4, 4, matmul.LAST_SUMS), matmul.Tiles(32, 32, 4, 4, matmul.LAST_SUMS)):
+            constants = dict(MODE=t.mode, HAS_BIAS=False, EPILOGUE=epilogue, PRECISION="tf32", BLOCK_M=t.block_m,
+                             BLOCK_N=t.block_n, BLOCK_K=128, stride_wk=1)  # fmt: skip  # the JIT makes a 1 a constant
+            usage = compiled(matmul._matmul, signature, constants, t.num_warps, t.num_stages, ("k_per_split",))
+            shared = int(cast(re.Match[str], re.search(r"(\d+) B shared", usage))[1])
+            print(
+                f"{what:<20} fused matmul {t.block_m}x{t.block_n} s{t.num_stages:<8}{usage}, "
+                f"{(228 << 10) // (shared + 1024)} programs an SM by shared memory"
+            )
 
 
 def main(argv=None):
