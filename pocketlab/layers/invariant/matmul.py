@@ -88,8 +88,10 @@ def tiles(M: int, N: int, dtype: torch.dtype, device: torch.device, two_weights:
         return Tiles(128, 128, 8, 2 if two_weights else 3, mode)
     if M <= 16:  # 32 columns: twice the programs of 64 for the same weight, the faster at decode shapes
         return Tiles(16, 32, 4, 4, mode)
-    block_n = int(os.environ.get("POCKETLAB_FEW_ROWS_BLOCK_N", DECODE_BLOCK_N))  # an A/B switch (thirtieth session)
-    return Tiles(min(64, triton.next_power_of_2(M)), block_n, 4, 4, mode)
+    # an A/B switch of the thirtieth session, "BLOCK_N,STAGES": at 32 rows the 32x64 SwiGLU tile's four stages hold
+    # 120 KiB of shared memory, one program an SM (layers.gemv_sweep --resources)
+    block_n, stages = map(int, os.environ.get("POCKETLAB_FEW_ROWS_TILE", f"{DECODE_BLOCK_N},4").split(","))
+    return Tiles(min(64, triton.next_power_of_2(M)), block_n, 4, stages, mode)
 
 
 @triton.jit

@@ -24,7 +24,7 @@ SHAPES = {
 }  # fmt: skip
 FEW = [Tiles(64, 32, 4, 4, LAST_SUMS), Tiles(64, 64, 4, 3, LAST_SUMS), Tiles(64, 64, 4, 4, LAST_SUMS),
        Tiles(64, 64, 4, 6, LAST_SUMS), Tiles(64, 128, 4, 4, LAST_SUMS), Tiles(16, 64, 4, 4, LAST_SUMS),
-       Tiles(32, 64, 4, 4, LAST_SUMS), Tiles(32, 32, 4, 4, LAST_SUMS)]  # fmt: skip
+       Tiles(32, 64, 4, 4, LAST_SUMS), Tiles(32, 32, 4, 4, LAST_SUMS), Tiles(32, 64, 4, 3, LAST_SUMS)]  # fmt: skip
 MANY = [Tiles(128, 128, 8, 3, IN_PROGRAM), Tiles(128, 256, 8, 2, IN_PROGRAM), Tiles(128, 128, 4, 3, IN_PROGRAM),
         Tiles(64, 128, 4, 4, IN_PROGRAM), Tiles(128, 64, 4, 4, IN_PROGRAM)]  # fmt: skip
 
@@ -100,7 +100,8 @@ FUSED_SHAPES = {  # (N, K, the epilogue) at the Qwen3-0.6B, Qwen3.5-0.8B and Qwe
 EPILOGUE_OF = {"plain": matmul.PLAIN, "residual": matmul.RESIDUAL, "swiglu": matmul.SWIGLU}
 FUSED_FEW = [Tiles(16, 32, 4, 4, LAST_SUMS), Tiles(16, 64, 4, 4, LAST_SUMS), Tiles(16, 32, 4, 2, LAST_SUMS),
              Tiles(16, 64, 8, 4, LAST_SUMS), Tiles(32, 64, 4, 4, LAST_SUMS), Tiles(32, 32, 4, 4, LAST_SUMS),
-             Tiles(32, 32, 4, 6, LAST_SUMS)]  # fmt: skip
+             Tiles(32, 64, 4, 3, LAST_SUMS), Tiles(32, 32, 4, 3, LAST_SUMS),
+             Tiles(64, 32, 4, 3, LAST_SUMS)]  # fmt: skip
 
 
 def sweep_fused(rows: list[int], splits: list[int]) -> None:
