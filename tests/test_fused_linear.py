@@ -311,3 +311,23 @@ def test_a_decode_layer_is_five_launches(make_engine, monkeypatch, preset):
     assert len(layers) == len(kinds) and (preset == "tiny-qwen3" or {*kinds} == {*FIVE_A_LAYER})
     for kind, got in zip(kinds, layers, strict=True):
         assert got == list(FIVE_A_LAYER[kind]), kind
+
+
+def test_the_resources_table_compiles_the_kernel_the_jit_builds():
+    """gemv_sweep's sm_90 table (compiled on the CPU) marks pointers, sizes and strides divisible by 16 as the JIT
+    finds them at the Qwen shapes. Only then does the fused matmul's 32-row SwiGLU tile pipeline its loads: its four
+    stages keep three sets of x, gate and up tiles in shared memory, 120 KiB, one program an SM. Unmarked, the
+    compile pipelines nothing and the table would describe another kernel. (A process of its own: the kernels here
+    are the interpreter's.)"""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    code = (
+        "from pocketlab.layers import gemv_sweep; from pocketlab.layers.invariant import matmul; "
+        "print(gemv_sweep.fused_matmul_usage(matmul.Tiles(32, 64, 4, 4, matmul.LAST_SUMS), matmul.SWIGLU))"
+    )
+    env = os.environ | {"TRITON_INTERPRET": "0"}
+    usage = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    stage = (32 * 128 + 2 * 64 * 128) * 2  # x, gate and up tiles of BLOCK_K 128, bf16
+    assert f"{3 * stage} B shared" in usage, usage

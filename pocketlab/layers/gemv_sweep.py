@@ -289,21 +289,23 @@ def few_row_matmul_resources() -> None:
     """The fused matmul (invariant.matmul) at 17-64 rows, the default tiles (32x64 and 64x64, four stages) and the
     candidates: shared memory decides how many of its programs an SM holds (228 KiB an SM, 1 KiB of it reserved per
     program), so how many of the 8B gate_up's tiles run at once."""
+    for epilogue, what in ((RESIDUAL, "o, down + residual"), (SWIGLU, "gate_up + SwiGLU")):
+        for bm, bn, stages in ((32, 64, 4), (32, 64, 3), (32, 32, 4), (64, 64, 4), (64, 32, 3)):
+            usage = fused_matmul_usage(matmul.Tiles(bm, bn, 4, stages, matmul.LAST_SUMS), epilogue)
+            shared = int(cast(re.Match[str], re.search(r"(\d+) B shared", usage))[1])
+            print(f"{what:<20} fused matmul {bm}x{bn} s{stages:<8}{usage}, "
+                  f"{(228 << 10) // (shared + 1024)} programs an SM by shared memory")  # fmt: skip
+
+
+def fused_matmul_usage(t, epilogue: int) -> str:
+    """`compiled` for the fused matmul's launch `t` (an invariant.matmul.Tiles) with `epilogue`, in bf16."""
     names = ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "res_ptr")
     signature = dict.fromkeys(names, "*bf16") | {"part_ptr": "*fp32", "arrived_ptr": "*i32"}
     signature |= dict.fromkeys(("rows", "N", "K", "k_per_split", "split_k", "stride_xm", "stride_wn", "stride_ym",
                                 "stride_ps", "stride_pm", "stride_rm"), "i32")  # fmt: skip
-    for epilogue, what in ((RESIDUAL, "o, down + residual"), (SWIGLU, "gate_up + SwiGLU")):
-        for bm, bn, stages in ((32, 64, 4), (32, 64, 3), (32, 32, 4), (64, 64, 4), (64, 32, 3)):
-            t = matmul.Tiles(bm, bn, 4, stages, matmul.LAST_SUMS)
-            constants = dict(MODE=t.mode, HAS_BIAS=False, EPILOGUE=epilogue, PRECISION="tf32", BLOCK_M=t.block_m,
-                             BLOCK_N=t.block_n, BLOCK_K=128, stride_wk=1)  # fmt: skip  # the JIT makes a 1 a constant
-            usage = compiled(matmul._matmul, signature, constants, t.num_warps, t.num_stages, ("k_per_split",))
-            shared = int(cast(re.Match[str], re.search(r"(\d+) B shared", usage))[1])
-            print(
-                f"{what:<20} fused matmul {t.block_m}x{t.block_n} s{t.num_stages:<8}{usage}, "
-                f"{(228 << 10) // (shared + 1024)} programs an SM by shared memory"
-            )
+    constants = dict(MODE=t.mode, HAS_BIAS=False, EPILOGUE=epilogue, PRECISION="tf32", BLOCK_M=t.block_m,
+                     BLOCK_N=t.block_n, BLOCK_K=128, stride_wk=1)  # fmt: skip  # the JIT makes a 1 a constant
+    return compiled(matmul._matmul, signature, constants, t.num_warps, t.num_stages, ("k_per_split",))
 
 
 def main(argv=None):
