@@ -202,9 +202,9 @@ def compiled(kernel, signature: dict, constants: dict, num_warps: int, num_stage
 
     constants = dict(constants, PDL=True)
     names = list(inspect.signature(kernel.fn).parameters)
-    aligned = [n for n, kind in signature.items()
-               if kind.startswith("*") or n in ("N", "K", "H", "I", *aligned) or n.startswith("stride_")]  # fmt: skip
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    divisible = [n for n, kind in signature.items()
+                 if kind.startswith("*") or n in ("N", "K", "H", "I", *aligned) or n.startswith("stride_")]  # fmt: skip
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
     signature = signature | dict.fromkeys(constants, "constexpr")
     source = ASTSource(kernel, signature=signature, constexprs=constants, attrs=attrs)
     options = dict(num_warps=num_warps, num_stages=num_stages, launch_pdl=True)

@@ -56,12 +56,17 @@ def fits(*weights: torch.Tensor) -> bool:
     return all(w.is_contiguous() and gemv_tma.fits(w.view(-1, w.shape[-1])) for w in weights)
 
 
+def ring_reads(gate_up: torch.Tensor, shared_weights=None) -> list[torch.Tensor]:
+    """The weights the gate_up ring streams: the experts' [gate | up], and the shared expert's where it runs inside."""
+    return [gate_up, *(shared_weights or ())[:1]]
+
+
 def experts_tma(x, gate_up, down, weights, ids, residual=None, shared=None, shared_gate=None, norm=None,
                 t: moe_gemv.Tiles | None = None, shared_weights=None, ring: Ring = DEFAULT_RING):  # fmt: skip
     """layers.moe_gemv.gemv_experts' contract with its gate_up launch through the TMA ring `ring` (a program per
     (pair, columns), the shared expert's [gate | up] as N more pairs), then gemv_experts' own down launch (tiles t)."""
     moe_gemv.check(gate_up, down, shared, shared_gate, shared_weights)
-    ring_weights = [gate_up, *(shared_weights or ())[:1]]
+    ring_weights = ring_reads(gate_up, shared_weights)
     if not fits(*ring_weights):
         raise ValueError(f"experts_tma: TMA reads contiguous rows of 16-byte multiples from a 16-byte aligned start; "
                          f"weights {[tuple(w.shape) for w in ring_weights]}")  # fmt: skip
@@ -93,8 +98,7 @@ def few_experts(*args, **kwargs) -> torch.Tensor:
     measuring read as layers.gemv_tma.ring_from_env reads it, the gate_up launch through that ring where the weights
     fit it (experts_tma)."""
     ring = gemv_tma.ring_from_env("POCKETLAB_MOE_TMA")
-    gate_up, shared_weights = args[1], kwargs.get("shared_weights") or ()
-    if ring is None or not fits(gate_up, *shared_weights[:1]):
+    if ring is None or not fits(*ring_reads(args[1], kwargs.get("shared_weights"))):
         return moe_gemv.gemv_experts(*args, **kwargs)
     kwargs.pop("ids_ready", None)  # the ring's gate_up reads the ids after its PDL wait
     return experts_tma(*args, **kwargs, ring=ring)  # type: ignore[misc]  # kwargs holds no ring
