@@ -14,7 +14,6 @@ element: rows never mix inside tl.dot, and each of the three ways to add the sli
   (tests/test_invariant_kernels.py checks the GPU's tiles bitwise against each other).
 """
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -88,10 +87,8 @@ def tiles(M: int, N: int, dtype: torch.dtype, device: torch.device, two_weights:
         return Tiles(128, 128, 8, 2 if two_weights else 3, mode)
     if M <= 16:  # 32 columns: twice the programs of 64 for the same weight, the faster at decode shapes
         return Tiles(16, 32, 4, 4, mode)
-    # an A/B switch of the thirtieth session, "BLOCK_N,STAGES": at 32 rows the 32x64 SwiGLU tile's four stages hold
-    # 120 KiB of shared memory, one program an SM (layers.gemv_sweep --resources)
-    block_n, stages = map(int, os.environ.get("POCKETLAB_FEW_ROWS_TILE", f"{DECODE_BLOCK_N},4").split(","))
-    return Tiles(min(64, triton.next_power_of_2(M)), block_n, 4, stages, mode)
+    # 32x32 and three-stage tiles hold less shared memory but were no faster at 8B/9B b32 (thirty-first session)
+    return Tiles(min(64, triton.next_power_of_2(M)), DECODE_BLOCK_N, 4, 4, mode)
 
 
 @triton.jit
