@@ -74,7 +74,7 @@ def fits(weight: torch.Tensor) -> bool:
 @functools.cache
 def has_tma(device: torch.device) -> bool:
     """Hopper (sm_90) and later read through tensor descriptors (cached: eager one-row calls ask every time)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return pdl.sm90(device)
 
 
 @triton.jit

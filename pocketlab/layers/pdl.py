@@ -36,11 +36,14 @@ def _on(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
+def sm90(device: torch.device) -> bool:
+    """Whether `device` is a CUDA GPU of compute capability 9.0 or later (Hopper's PDL, TMA, bulk L2 prefetch)."""
+    return device.type == "cuda" and _on(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def enabled(device: torch.device) -> bool:
     """Whether kernels on `device` launch with PDL: CUDA sm_90+, a Triton that has it, POCKETLAB_PDL not 0."""
-    if device.type != "cuda" or not SUPPORTED or os.environ.get("POCKETLAB_PDL", "1") == "0":
-        return False
-    return _on(device.index if device.index is not None else torch.cuda.current_device())
+    return SUPPORTED and os.environ.get("POCKETLAB_PDL", "1") != "0" and sm90(device)
 
 
 def launch(device: torch.device) -> dict:

@@ -76,6 +76,7 @@ class Attention:
                 rope,
                 norms,
                 gate[:, 0] if self.gated else None,
+                prefetch=self.o,  # o_proj reads it next
             )[:, None]
         else:
             assert ctx.kv_targets is not None  # ctx.prepare set it for every path but DECODE_KERNEL
