@@ -40,9 +40,12 @@ def test_the_programs_cover_the_weight_once_in_whole_16_byte_pieces(nbytes, prog
     assert int(edges[0]) == 0 and int(edges[-1]) == nbytes  # from the weight's first byte to its last
 
 
-def test_the_span_is_the_whole_weight_where_the_bulk_prefetch_can_take_it():
+def test_the_span_is_the_whole_weight_where_the_bulk_prefetch_can_take_it(monkeypatch):
     w = torch.empty(64, 40, dtype=torch.bfloat16)
     assert prefetch.span(w) == 64 * 40 * 2
+    monkeypatch.setenv("POCKETLAB_ATTN_PREFETCH_MIB", str(1000 / (1 << 20)))
+    assert prefetch.span(w) == 992  # its first 1,000 bytes, in whole pieces
+    monkeypatch.delenv("POCKETLAB_ATTN_PREFETCH_MIB")
     assert prefetch.span(torch.empty(3, 3, dtype=torch.bfloat16)) == 16  # 18 bytes: whole 16-byte pieces only
     assert prefetch.span(w[:, :8]) == 0  # not contiguous
     assert prefetch.span(w.view(-1)[1:]) == 0  # not 16-byte aligned

@@ -34,11 +34,12 @@ def mode(device: torch.device) -> int:
 
 
 def span(weight: torch.Tensor) -> int:
-    """How many bytes of `weight` to prefetch: all of it in whole 16-byte pieces, 0 where it is not contiguous
-    or not 16-byte aligned."""
+    """How many bytes of `weight` to prefetch: its first POCKETLAB_ATTN_PREFETCH_MIB MiB (all of it when unset) in
+    whole 16-byte pieces, 0 where it is not contiguous or not 16-byte aligned."""
     if not weight.is_contiguous() or weight.data_ptr() % PIECE:
         return 0
-    return min(weight.numel() * weight.element_size(), MAX_BYTES) // PIECE * PIECE
+    cap = int(float(os.environ.get("POCKETLAB_ATTN_PREFETCH_MIB", "1024")) * (1 << 20))
+    return min(weight.numel() * weight.element_size(), MAX_BYTES, cap) // PIECE * PIECE
 
 
 @triton.jit
