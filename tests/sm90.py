@@ -83,13 +83,13 @@ def compile_one(launch: dict) -> str | None:
 def gpu_variants(launch: dict) -> list[dict]:
     """The launch, and where the kernel takes programmatic dependent launch (layers.pdl; the interpreter runs PDL=False)
     the form the GPU runs too: PDL=True, launched with launch_pdl; where it takes an L2 prefetch (layers.prefetch;
-    the interpreter runs PREFETCH=0), with PDL and each prefetch placement as well."""
+    the interpreter runs PREFETCH=False), with PDL and the prefetch as well."""
     constants = launch.get("constants", {})
     if constants.get("PDL") is not False:
         return [launch]
     pdl = dict(launch, constants=dict(constants, PDL=True), options=dict(launch["options"], launch_pdl=True))
-    prefetching = [dict(pdl, constants=dict(pdl["constants"], PREFETCH=m)) for m in (1, 2)]
-    return [launch, pdl] + (prefetching if constants.get("PREFETCH") == 0 else [])
+    prefetching = dict(pdl, constants=dict(pdl["constants"], PREFETCH=True))
+    return [launch, pdl] + ([prefetching] if constants.get("PREFETCH") is False else [])
 
 
 def main(path: str) -> int:

@@ -1,6 +1,6 @@
 """The L2 prefetch of the next projection's weight from the decode attention kernel (layers.prefetch): its programs
-cover the weight once in whole 16-byte pieces, the switch and the spans refuse what the bulk prefetch cannot take,
-the sm_90 check compiles both placements, and (on a GPU) attention and logits keep their bits."""
+cover the weight once in whole 16-byte pieces, the span refuses what the bulk prefetch cannot take or what it would
+slow, the sm_90 check compiles the prefetching form, and (on a GPU) attention and logits keep their bits."""
 
 import os
 
@@ -40,61 +40,53 @@ def test_the_programs_cover_the_weight_once_in_whole_16_byte_pieces(nbytes, prog
     assert int(edges[0]) == 0 and int(edges[-1]) == nbytes  # from the weight's first byte to its last
 
 
-def test_the_span_is_the_whole_weight_where_the_bulk_prefetch_can_take_it(monkeypatch):
+def test_the_span_is_a_small_weight_whole_at_one_row():
     w = torch.empty(64, 40, dtype=torch.bfloat16)
-    assert prefetch.span(w) == 64 * 40 * 2
-    monkeypatch.setenv("POCKETLAB_ATTN_PREFETCH_MIB", str(1000 / (1 << 20)))
-    assert prefetch.span(w) == 992  # its first 1,000 bytes, in whole pieces
-    monkeypatch.delenv("POCKETLAB_ATTN_PREFETCH_MIB")
-    assert prefetch.span(torch.empty(3, 3, dtype=torch.bfloat16)) == 16  # 18 bytes: whole 16-byte pieces only
-    assert prefetch.span(w[:, :8]) == 0  # not contiguous
-    assert prefetch.span(w.view(-1)[1:]) == 0  # not 16-byte aligned
+    assert prefetch.span(w, rows=1) == 64 * 40 * 2
+    assert prefetch.span(w, rows=2) == 0  # batch 32 was slower
+    assert prefetch.span(torch.empty(3, 3, dtype=torch.bfloat16), rows=1) == 16  # 18 bytes: whole pieces only
+    assert prefetch.span(torch.empty(prefetch.MAX_BYTES // 2 + 1, dtype=torch.bfloat16), rows=1) == 0  # too large
+    assert prefetch.span(w[:, :8], rows=1) == 0  # not contiguous
+    assert prefetch.span(w.view(-1)[1:], rows=1) == 0  # not 16-byte aligned
 
 
-def test_the_switch_takes_a_placement_and_the_cpu_never_prefetches(monkeypatch):
-    for value in ("0", "1", "2"):
-        monkeypatch.setenv("POCKETLAB_ATTN_PREFETCH", value)
-        assert prefetch.mode(torch.device("cpu")) == 0
-    monkeypatch.setenv("POCKETLAB_ATTN_PREFETCH", "3")
-    with pytest.raises(ValueError, match="POCKETLAB_ATTN_PREFETCH is 0, 1 or 2"):
-        prefetch.mode(torch.device("cpu"))
+def test_the_cpu_never_prefetches(monkeypatch):
+    monkeypatch.setenv("POCKETLAB_ATTN_PREFETCH", "1")
+    assert not prefetch.enabled(torch.device("cpu"))
 
 
-def test_the_sm90_check_compiles_both_placements():
+def test_the_sm90_check_compiles_the_prefetching_form():
     from sm90 import gpu_variants
 
-    launch = dict(module="m", name="k", signature={}, constants=dict(PREFETCH=0, PDL=False), options={})
-    plain, pdl, after, before = gpu_variants(launch)
-    assert plain is launch and pdl["constants"] == dict(PREFETCH=0, PDL=True)
-    assert (after["constants"]["PREFETCH"], before["constants"]["PREFETCH"]) == (1, 2)
-    assert after["constants"]["PDL"] and after["options"]["launch_pdl"]
+    launch = dict(module="m", name="k", signature={}, constants=dict(PREFETCH=False, PDL=False), options={})
+    plain, pdl, prefetching = gpu_variants(launch)
+    assert plain is launch and pdl["constants"] == dict(PREFETCH=False, PDL=True)
+    assert prefetching["constants"] == dict(PREFETCH=True, PDL=True) and prefetching["options"]["launch_pdl"]
     assert len(gpu_variants(dict(launch, constants=dict(PDL=False)))) == 2  # a kernel without the prefetch
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the bulk prefetch runs on sm_90 GPUs")
-@pytest.mark.parametrize("placement", ["1", "2"])
-def test_attention_and_logits_keep_their_bits_while_prefetching(make_engine, monkeypatch, placement):
+def test_attention_and_logits_keep_their_bits_while_prefetching(make_engine, monkeypatch):
     from conftest import random_prompt
 
     from pocketlab.layers import decode_attention as da
 
+    assert prefetch.enabled(torch.device("cuda"))
     gen = torch.Generator().manual_seed(0)
     k_cache, v_cache = (torch.randn(2, 4, 300, 128, generator=gen).bfloat16().cuda() for _ in range(2))
-    q, k, v = (torch.randn(2, n, 128, generator=gen).bfloat16().cuda() for n in (16, 4, 4))
-    cos, sin = (torch.randn(2, 128, generator=gen).cuda() for _ in range(2))
-    slots, lengths = torch.tensor([1, 0], device="cuda"), torch.tensor([299, 17], device="cuda")
-    weight = torch.randn(2048, 2048, generator=gen).bfloat16().cuda()
+    q, k, v = (torch.randn(1, n, 128, generator=gen).bfloat16().cuda() for n in (16, 4, 4))
+    cos, sin = (torch.randn(1, 128, generator=gen).cuda() for _ in range(2))
+    slots, lengths = torch.tensor([1], device="cuda"), torch.tensor([299], device="cuda")
+    weight = torch.randn(2048, 1024, generator=gen).bfloat16().cuda()
+    assert prefetch.span(weight, rows=1) > 0
     args = (q, k, v, k_cache, v_cache, slots, lengths, 300, 128**-0.5, (cos, sin))
     plain = da.decode_attention(*args)
-    monkeypatch.setenv("POCKETLAB_ATTN_PREFETCH", placement)
-    assert prefetch.mode(q.device) == int(placement)
     assert torch.equal(da.decode_attention(*args, prefetch=weight), plain)
 
     prompt = random_prompt(40, seed=1)
-    monkeypatch.setenv("POCKETLAB_ATTN_PREFETCH", "0")
-    e = make_engine("tiny-qwen3", prefix_cache=False)
-    want = [e.decode_step(e.prefill(prompt).next_token).logits for _ in range(1)]
-    monkeypatch.setenv("POCKETLAB_ATTN_PREFETCH", placement)
-    e = make_engine("tiny-qwen3", prefix_cache=False)
-    got = [e.decode_step(e.prefill(prompt).next_token).logits for _ in range(1)]
-    assert torch.equal(want[0], got[0])
+    logits = []
+    for switch in ("0", "1"):
+        monkeypatch.setenv("POCKETLAB_ATTN_PREFETCH", switch)
+        e = make_engine("tiny-qwen3", prefix_cache=False)
+        logits.append(e.decode_step(e.prefill(prompt).next_token).logits)
+    assert torch.equal(*logits)

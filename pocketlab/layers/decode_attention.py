@@ -24,7 +24,7 @@ if triton is not None:
     from .invariant.elementwise import gated
     from .pdl import wait_then_release
     from .prefetch import LANES, prefetch_l2, span
-    from .prefetch import mode as prefetch_mode
+    from .prefetch import enabled as prefetching
 
     @triton.jit
     def _norm_rope(
@@ -120,11 +120,9 @@ if triton is not None:
         splits = tl.num_programs(2)
         program = (b * tl.num_programs(1) + kvh) * splits + split
         programs = tl.num_programs(0) * tl.num_programs(1) * splits
-        if PREFETCH == 2:  # the next projection's weight into L2 while the kernel before ends (layers.prefetch)
+        if PREFETCH:  # the next projection's weight into L2 while the kernel before ends (layers.prefetch)
             prefetch_l2(pf_ptr, pf_bytes, program, programs, LANES)
         wait_then_release(PDL)
-        if PREFETCH == 1:
-            prefetch_l2(pf_ptr, pf_bytes, program, programs, LANES)
         slot = tl.load(slot_ptr + b).to(tl.int64)
         length = tl.load(len_ptr + b)
         last = length - 1  # the new token: its K/V come from kn/vn, not the cache
@@ -258,7 +256,7 @@ def decode_attention(
     ((q_weight, k_weight, eps, offset), or None: Qwen2) and RoPE from `rope` (cos, sin rows [B, rotary_dim]);
     k/v are stored at cache[slot, :, length - 1]; then attention over cache[slot_ids[b], :, :lengths[b]], times
     sigmoid(gate) ([B, H, D], Qwen3.5's output gate) where one is given, in the merge. `prefetch`: the weight the
-    next kernel reads (o_proj's), pulled into L2 meanwhile where layers.prefetch.mode says so.
+    next kernel reads (o_proj's), pulled into L2 meanwhile where layers.prefetch takes it.
 
     `max_len` (a bound on every length, e.g. the key bucket) fixes the grid, so CUDA graphs can replay it.
     """
@@ -276,8 +274,7 @@ def decode_attention(
     arrived = arrival_counts(q.device, B * kvh)
     G = H // kvh
     cos, sin = rope
-    pf_mode = prefetch_mode(q.device) if prefetch is not None else 0
-    pf_bytes = span(prefetch) if pf_mode else 0
+    pf_bytes = span(prefetch, B) if prefetch is not None and prefetching(q.device) else 0
     q_w, k_w, eps, offset = norms if norms is not None else (cos, cos, 0.0, False)  # weights unused without norms
     _partial_attention[(B, kvh, splits)](
         q,
@@ -330,7 +327,7 @@ def decode_attention(
         SPLIT_LEN=split_len,
         BLOCK_S=max(triton.next_power_of_2(splits), 2),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        PREFETCH=pf_mode if pf_bytes else 0,
+        PREFETCH=pf_bytes > 0,
         num_stages=2,
         num_warps=4,  # prefetch.LANES: a piece a thread
         **pdl.launch(q.device),

@@ -1,12 +1,13 @@
 """The next projection's weight pulled into L2 by a kernel that leaves HBM idle, so that projection reads from L2.
 
-At decode's few rows the attention kernel works for microseconds on a few hundred KB of K/V, bound by the latency
-of its chain (norm, RoPE, two dots, the merge), while the o_proj launch right after it streams megabytes. Hopper's
+At batch 1 the decode attention kernel works for microseconds on a few hundred KB of K/V, bound by the latency of
+its chain (norm, RoPE, two dots, the merge), while the o_proj launch right after it streams its weight. Hopper's
 bulk L2 prefetch (cp.async.bulk.prefetch.L2: fire and forget, no register, no wait) lets the attention's programs
-ask for o_proj's weight in that time. A prefetch from every GEMV of the weight after it was slower at every
-distance (fifteenth session, reports/performance-history.md): there HBM was busy already.
+ask for that weight meanwhile, before their PDL wait (as the kernel before them ends). It pays for a small weight
+only: larger ones, later placements and batch 32 were slower (the thirty-first session's A/B in
+reports/performance-history.md), as was a prefetch from every GEMV of the weight after it (fifteenth session).
 
-POCKETLAB_ATTN_PREFETCH: 0 off, 1 after the kernel's PDL wait, 2 before it (while the previous kernel ends).
+POCKETLAB_ATTN_PREFETCH=0 turns it off (to measure it).
 """
 
 from __future__ import annotations
@@ -20,26 +21,22 @@ import triton.language as tl
 from . import pdl
 
 PIECE = 16  # the bulk prefetch takes 16-byte aligned addresses and sizes
-MAX_BYTES = 1 << 30  # the size stays an int32
+MAX_BYTES = 8 << 20  # Qwen3-0.6B's and Qwen3.5-0.8B's o_proj (4 MiB) gain; 16 and 32 MiB ones lose
 LANES = tl.constexpr(128)  # one piece per thread of a 4-warp program (a constexpr: kernels read it)
 
 
-def mode(device: torch.device) -> int:
-    """The kernels' PREFETCH constexpr on `device`: POCKETLAB_ATTN_PREFETCH where the bulk prefetch exists
-    (sm_90 and later), else 0."""
-    wanted = int(os.environ.get("POCKETLAB_ATTN_PREFETCH", "0"))
-    if wanted not in (0, 1, 2):
-        raise ValueError(f"POCKETLAB_ATTN_PREFETCH is 0, 1 or 2, got {wanted}")
-    return wanted if wanted and pdl.sm90(device) else 0
+def enabled(device: torch.device) -> bool:
+    """Whether kernels on `device` prefetch: sm_90 and later, POCKETLAB_ATTN_PREFETCH not 0."""
+    return os.environ.get("POCKETLAB_ATTN_PREFETCH", "1") != "0" and pdl.sm90(device)
 
 
-def span(weight: torch.Tensor) -> int:
-    """How many bytes of `weight` to prefetch: its first POCKETLAB_ATTN_PREFETCH_MIB MiB (all of it when unset) in
-    whole 16-byte pieces, 0 where it is not contiguous or not 16-byte aligned."""
-    if not weight.is_contiguous() or weight.data_ptr() % PIECE:
+def span(weight: torch.Tensor, rows: int) -> int:
+    """How many bytes of `weight` a kernel working on `rows` rows prefetches: all of it (in whole 16-byte pieces)
+    at one row and up to MAX_BYTES, else 0; 0 too where it is not contiguous or not 16-byte aligned."""
+    nbytes = weight.numel() * weight.element_size()
+    if rows != 1 or nbytes > MAX_BYTES or not weight.is_contiguous() or weight.data_ptr() % PIECE:
         return 0
-    cap = int(float(os.environ.get("POCKETLAB_ATTN_PREFETCH_MIB", "1024")) * (1 << 20))
-    return min(weight.numel() * weight.element_size(), MAX_BYTES, cap) // PIECE * PIECE
+    return nbytes // PIECE * PIECE
 
 
 @triton.jit
