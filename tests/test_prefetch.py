@@ -1,6 +1,7 @@
-"""The L2 prefetch of the next projection's weight from the decode attention kernel (layers.prefetch): its programs
-cover the weight once in whole 16-byte pieces, the span refuses what the bulk prefetch cannot take or what it would
-slow, the sm_90 check compiles the prefetching form, and (on a GPU) attention and logits keep their bits."""
+"""The L2 prefetch of the next projection's weight from the decode attention and state step kernels
+(layers.prefetch): their programs cover the weight once in whole 16-byte pieces, the span refuses what the bulk
+prefetch cannot take or what it would slow, the sm_90 check compiles the prefetching form, and (on a GPU)
+attention, the Gated DeltaNet state step and the logits keep their bits."""
 
 import os
 
@@ -66,10 +67,11 @@ def test_the_sm90_check_compiles_the_prefetching_form():
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the bulk prefetch runs on sm_90 GPUs")
-def test_attention_and_logits_keep_their_bits_while_prefetching(make_engine, monkeypatch):
+def test_attention_state_step_and_logits_keep_their_bits_while_prefetching(make_engine, monkeypatch):
     from conftest import random_prompt
 
     from pocketlab.layers import decode_attention as da
+    from pocketlab.layers.linear_decode import recurrent_step
 
     assert prefetch.enabled(torch.device("cuda"))
     gen = torch.Generator().manual_seed(0)
@@ -83,10 +85,22 @@ def test_attention_and_logits_keep_their_bits_while_prefetching(make_engine, mon
     plain = da.decode_attention(*args)
     assert torch.equal(da.decode_attention(*args, prefetch=weight), plain)
 
+    state = torch.randn(3, 8, 128, 128, generator=gen).cuda()
+    qs, ks = (torch.randn(1, 4, 128, generator=gen).bfloat16().cuda() for _ in range(2))
+    vs = torch.randn(1, 8, 128, generator=gen).bfloat16().cuda()
+    g, beta = (torch.rand(1, 8, generator=gen).cuda() for _ in range(2))
+    steps = [state.clone() for _ in range(2)]
+    outs = [
+        recurrent_step(qs, ks, vs, g, beta, s, slots, 1e-6, prefetch=w)
+        for s, w in zip(steps, (None, weight), strict=True)
+    ]
+    assert torch.equal(*outs) and torch.equal(*steps)
+
     prompt = random_prompt(40, seed=1)
-    logits = []
-    for switch in ("0", "1"):
-        monkeypatch.setenv("POCKETLAB_ATTN_PREFETCH", switch)
-        e = make_engine("tiny-qwen3", prefix_cache=False)
-        logits.append(e.decode_step(e.prefill(prompt).next_token).logits)
-    assert torch.equal(*logits)
+    for preset in ("tiny-qwen3", "tiny-qwen3_5"):
+        logits = []
+        for switch in ("0", "1"):
+            monkeypatch.setenv("POCKETLAB_ATTN_PREFETCH", switch)
+            e = make_engine(preset, prefix_cache=False)
+            logits.append(e.decode_step(e.prefill(prompt).next_token).logits)
+        assert torch.equal(*logits)

@@ -23,8 +23,8 @@ if triton is not None:
     from . import pdl
     from .invariant.elementwise import gated
     from .pdl import wait_then_release
-    from .prefetch import LANES, prefetch_l2, span
-    from .prefetch import enabled as prefetching
+    from .prefetch import LANES, prefetch_l2
+    from .prefetch import arguments as prefetch_arguments
 
     @triton.jit
     def _norm_rope(
@@ -118,10 +118,8 @@ if triton is not None:
     ):
         b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         splits = tl.num_programs(2)
-        program = (b * tl.num_programs(1) + kvh) * splits + split
-        programs = tl.num_programs(0) * tl.num_programs(1) * splits
         if PREFETCH:  # the next projection's weight into L2 while the kernel before ends (layers.prefetch)
-            prefetch_l2(pf_ptr, pf_bytes, program, programs, LANES)
+            prefetch_l2(pf_ptr, pf_bytes, LANES)
         wait_then_release(PDL)
         slot = tl.load(slot_ptr + b).to(tl.int64)
         length = tl.load(len_ptr + b)
@@ -274,7 +272,7 @@ def decode_attention(
     arrived = arrival_counts(q.device, B * kvh)
     G = H // kvh
     cos, sin = rope
-    pf_bytes = span(prefetch, B) if prefetch is not None and prefetching(q.device) else 0
+    pf_ptr, pf_bytes, prefetching = prefetch_arguments(prefetch, B, out)
     q_w, k_w, eps, offset = norms if norms is not None else (cos, cos, 0.0, False)  # weights unused without norms
     _partial_attention[(B, kvh, splits)](
         q,
@@ -314,7 +312,7 @@ def decode_attention(
         out if gate is None else gate,  # absent: never read
         0 if gate is None else gate.stride(0),
         0 if gate is None else gate.stride(1),
-        prefetch if pf_bytes else out,  # absent: never read
+        pf_ptr,
         pf_bytes,
         G=G,
         BLOCK_G=max(triton.next_power_of_2(G), 16),
@@ -327,7 +325,7 @@ def decode_attention(
         SPLIT_LEN=split_len,
         BLOCK_S=max(triton.next_power_of_2(splits), 2),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        PREFETCH=pf_bytes > 0,
+        PREFETCH=prefetching,
         num_stages=2,
         num_warps=4,  # prefetch.LANES: a piece a thread
         **pdl.launch(q.device),

@@ -22,6 +22,7 @@ CONV_BLOCK_C = 256  # channels per conv program
 CONV_BLOCK_T = 16  # tokens per conv tile in conv_steps (tokens are independent given the inputs)
 STATE_BLOCK_V = 32  # value columns of the [dk, dv] state per recurrent program (capped at dv)
 STATE_WARPS = 4  # one- and multi-token recurrent programs alike: the same layout, so the same reduction order
+# (and prefetch.LANES threads: a prefetched piece each)
 
 if triton is not None:
     import triton.language as tl
@@ -31,6 +32,8 @@ if triton is not None:
     from .invariant.norm import gated_weighted, rounding_dtypes
     from .invariant.rounding import cast
     from .pdl import wait_then_release
+    from .prefetch import LANES, prefetch_l2
+    from .prefetch import arguments as prefetch_arguments
 
     @triton.jit
     def _conv_token(x_ptr, stride_xt, window_ptr, w_ptr, t, c, chan, live, K: tl.constexpr):
@@ -185,6 +188,8 @@ if triton is not None:
         arrived_ptr,
         stride_zb,
         norm_eps,
+        pf_ptr,
+        pf_bytes,
         GROUP: tl.constexpr,
         DK: tl.constexpr,
         DV: tl.constexpr,
@@ -193,12 +198,16 @@ if triton is not None:
         NORM: tl.constexpr,
         X_DTYPE: tl.constexpr,
         WX_DTYPE: tl.constexpr,
+        PREFETCH: tl.constexpr,
         PDL: tl.constexpr,
     ):
         """One token per row: the state block of (slot, value head, value block) loaded, advanced, stored. With
         RAW_GATES g and beta are computed here from the raw a and b, as invariant.decay_and_beta computes them.
         NORM: the last of a head's value blocks to finish runs the gated output norm on the head's whole row (its
-        o as stored, the gate z, the weight), as invariant.gated_rms_norm computes it, and writes it over o."""
+        o as stored, the gate z, the weight), as invariant.gated_rms_norm computes it, and writes it over o.
+        PREFETCH: out_proj's weight into L2 meanwhile (layers.prefetch)."""
+        if PREFETCH:
+            prefetch_l2(pf_ptr, pf_bytes, LANES)
         wait_then_release(PDL)
         b, hv, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         slot = tl.load(slot_ptr + b).to(tl.int64)
@@ -427,12 +436,15 @@ def recurrent_step(
     eps: float,
     gates: tuple[torch.Tensor, torch.Tensor] | None = None,
     gated_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q, k [B, Hk, dk] raw; v [B, Hv, dv]; g (log-decay), beta [B, Hv] -> o [B, Hv, dv] in v's dtype, while
     state[slot_ids[b]] ([Hv, dk, dv] float32) advances by one token in place. With `gates` = (neg_A, dt_bias)
     [Hv] float32, g and beta are the raw a and b, and the decay and beta are computed in the same kernel (one
     launch less per layer and step); with `gated_norm` = (z [B, Hv * dv] rows, weight [dv], eps), o is
-    gated_rms_norm(o, z, weight, eps) from the same launch (one more less; its sum of squares in another order)."""
+    gated_rms_norm(o, z, weight, eps) from the same launch (one more less; its sum of squares in another order).
+    `prefetch`: the weight the next kernel reads (out_proj's), pulled into L2 meanwhile where layers.prefetch
+    takes it."""
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))  # the kernel reads rows whole
     B, Hk, dk = q.shape
     Hv, dv = v.shape[1], v.shape[2]
@@ -443,6 +455,7 @@ def recurrent_step(
         raise ValueError(f"recurrent_step: gate rows {tuple(z.shape)} and norm weight {tuple(norm_weight.shape)} "
                          f"for {B} rows of {Hv} x {dv}")  # fmt: skip
     counts = arrival_counts(v.device, B * Hv) if gated_norm is not None else slot_ids  # unread if absent
+    pf_ptr, pf_bytes, prefetching = prefetch_arguments(prefetch, B, o)
     _recurrent_step[(B, Hv, triton.cdiv(dv, block_v))](
         q,
         k,
@@ -473,6 +486,8 @@ def recurrent_step(
         counts,
         z.stride(0),
         float(norm_eps),
+        pf_ptr,
+        pf_bytes,
         GROUP=Hv // Hk,
         DK=dk,
         DV=dv,
@@ -480,6 +495,7 @@ def recurrent_step(
         RAW_GATES=gates is not None,
         NORM=gated_norm is not None,
         **rounding_dtypes(o.dtype, norm_weight.dtype),
+        PREFETCH=prefetching,
         num_warps=STATE_WARPS,
         **pdl.launch(v.device),
     )

@@ -1,11 +1,12 @@
 """The next projection's weight pulled into L2 by a kernel that leaves HBM idle, so that projection reads from L2.
 
 At batch 1 the decode attention kernel works for microseconds on a few hundred KB of K/V, bound by the latency of
-its chain (norm, RoPE, two dots, the merge), while the o_proj launch right after it streams its weight. Hopper's
-bulk L2 prefetch (cp.async.bulk.prefetch.L2: fire and forget, no register, no wait) lets the attention's programs
-ask for that weight meanwhile, before their PDL wait (as the kernel before them ends). It pays for a small weight
-only: larger ones, later placements and batch 32 were slower (the thirty-first session's A/B in
-reports/performance-history.md), as was a prefetch from every GEMV of the weight after it (fifteenth session).
+its chain (norm, RoPE, two dots, the merge), while the o_proj launch right after it streams its weight; so does
+the Gated DeltaNet state step before out_proj. Hopper's bulk L2 prefetch (cp.async.bulk.prefetch.L2: fire and
+forget, no register, no wait) lets their programs ask for that weight meanwhile, before their PDL wait (as the
+kernel before them ends). It pays for a small weight only: larger ones, later placements and batch 32 were slower
+(the thirty-first session's A/B in reports/performance-history.md), as was a prefetch from every GEMV of the
+weight after it (fifteenth session).
 
 POCKETLAB_ATTN_PREFETCH=0 turns it off (to measure it).
 """
@@ -39,6 +40,13 @@ def span(weight: torch.Tensor, rows: int) -> int:
     return nbytes // PIECE * PIECE
 
 
+def arguments(weight: torch.Tensor | None, rows: int, absent: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
+    """A kernel's (pointer, bytes, PREFETCH) for prefetching `weight` at `rows` rows on `absent`'s device; where
+    nothing is prefetched, `absent` (a tensor the kernel has anyway, never read) stands for the pointer."""
+    nbytes = span(weight, rows) if weight is not None and enabled(absent.device) else 0
+    return (weight if weight is not None and nbytes else absent), nbytes, nbytes > 0
+
+
 @triton.jit
 def pieces(nbytes, program, programs, LANES: tl.constexpr):
     """Program `program` of `programs`: each of its LANES threads' (start, size) within [0, nbytes). The programs
@@ -50,8 +58,11 @@ def pieces(nbytes, program, programs, LANES: tl.constexpr):
 
 
 @triton.jit
-def prefetch_l2(w_ptr, nbytes, program, programs, LANES: tl.constexpr):
-    """Program `program` of `programs` asks for its share of the first `nbytes` bytes at w_ptr in L2."""
+def prefetch_l2(w_ptr, nbytes, LANES: tl.constexpr):
+    """This program asks for its share (as the grid's programs in order divide them) of the first `nbytes` bytes
+    at w_ptr in L2."""
+    program = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)
+    programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
     start, size = pieces(nbytes, program, programs, LANES)
     tl.inline_asm_elementwise(
         "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",

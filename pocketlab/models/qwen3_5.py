@@ -105,6 +105,7 @@ class GatedDeltaNet:
             L2_EPS,
             gates=(self.neg_A, self.dt_bias),  # the decay and beta computed in the step's kernel
             gated_norm=(z, self.norm, self.cfg.rms_norm_eps),
+            prefetch=self.out,  # out_proj reads it next
         )
 
     def _run_invariant(self, qkv_in, b, a, conv, rec, ctx: ForwardContext) -> torch.Tensor:
