@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 from tqdm import tqdm
 
-from . import gemv, gemv_tma, linear_decode, moe_gemv
+from . import decode_attention, gemv, gemv_tma, linear_decode, moe_gemv
 from .gemv_tma import Ring, _gemv_tma
 from .invariant import linear as fused_linear
 from .invariant import matmul, rms_norm
@@ -265,24 +265,41 @@ def resources() -> None:
     print(f"{'experts down, top-8':<20} moe_gemv down {(t.block_n, t.block_k)!s:<14}"
           f"{compiled(moe_gemv._down_sum, signature, constants, t.num_warps)}")  # fmt: skip
     state_step_resources()
+    attention_resources()
     few_row_matmul_resources()
 
 
 def state_step_resources() -> None:
     """The Gated DeltaNet decode step (dk = dv = 128, as Qwen3.5's) as it runs alone and with the gated norm."""
-    names = ("q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr", "o_ptr", "z_ptr", "norm_w_ptr")
+    names = ("q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr", "o_ptr", "z_ptr", "norm_w_ptr", "pf_ptr")
     signature = dict.fromkeys(names, "*bf16") | dict.fromkeys(("state_ptr", "neg_a_ptr", "dt_ptr"), "*fp32")
-    signature |= {"slot_ptr": "*i64", "arrived_ptr": "*i32"}
+    signature |= {"slot_ptr": "*i64", "arrived_ptr": "*i32", "pf_bytes": "i32"}
     signature |= dict.fromkeys(("scale", "eps", "norm_eps"), "fp32")
     signature |= {name: "i32" for name in inspect.signature(linear_decode._recurrent_step.fn).parameters
                   if name.startswith("stride_")}  # fmt: skip
-    for norm in (False, True):
+    for norm, prefetch in ((False, False), (True, False), (True, True)):
         constants = dict(GROUP=1, DK=128, DV=128, BLOCK_V=linear_decode.STATE_BLOCK_V, RAW_GATES=True, NORM=norm,
-                         X_DTYPE=tl.bfloat16, WX_DTYPE=tl.bfloat16)  # fmt: skip
+                         X_DTYPE=tl.bfloat16, WX_DTYPE=tl.bfloat16, PREFETCH=prefetch)  # fmt: skip
         print(
-            f"{'gdn state step':<20} norm {norm!s:<20}"
+            f"{'gdn state step':<20} norm {norm!s:<5} prefetch {prefetch!s:<5}  "
             f"{compiled(linear_decode._recurrent_step, signature, constants, linear_decode.STATE_WARPS)}"
         )
+
+
+def attention_resources() -> None:
+    """The decode attention (Qwen3's norms, head_dim 128, bf16 cache, 8 query heads a KV head as at 8B), with and
+    without the L2 prefetch of the o_proj weight it starts with at one row (layers.prefetch)."""
+    kernel = decode_attention._partial_attention
+    params = inspect.signature(kernel.fn).parameters
+    signature = {n: "i32" for n in params if n.startswith("stride_")} | {"pf_bytes": "i32"}
+    signature |= dict.fromkeys(("q_ptr", "kn_ptr", "vn_ptr", "k_ptr", "v_ptr", "out_ptr", "qw_ptr", "kw_ptr",
+                                "cos_ptr", "sin_ptr", "gate_ptr", "pf_ptr"), "*bf16")  # fmt: skip
+    signature |= {"slot_ptr": "*i64", "len_ptr": "*i32", "o_ptr": "*fp32", "lse_ptr": "*fp32", "arrived_ptr": "*i32"}
+    signature |= {"scale": "fp32", "eps": "fp32"}
+    for prefetch in (False, True):
+        constants = dict(G=8, BLOCK_G=16, D=128, ROT=128, HAS_NORM=True, OFFSET=False, GATED=False, BLOCK_N=64,
+                         SPLIT_LEN=64, BLOCK_S=4, PRECISION="tf32", PREFETCH=prefetch)  # fmt: skip
+        print(f"{'decode attention':<20} prefetch {prefetch!s:<16}{compiled(kernel, signature, constants, 4, 2)}")
 
 
 def few_row_matmul_resources() -> None:
