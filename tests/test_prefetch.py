@@ -52,7 +52,7 @@ def test_the_span_is_a_small_weight_whole_at_one_row():
 
 
 def test_the_cpu_never_prefetches(monkeypatch):
-    monkeypatch.setenv("POCKETLAB_ATTN_PREFETCH", "1")
+    monkeypatch.setenv("POCKETLAB_L2_PREFETCH", "1")
     assert not prefetch.enabled(torch.device("cpu"))
 
 
@@ -100,7 +100,7 @@ def test_attention_state_step_and_logits_keep_their_bits_while_prefetching(make_
     for preset in ("tiny-qwen3", "tiny-qwen3_5"):
         logits = []
         for switch in ("0", "1"):
-            monkeypatch.setenv("POCKETLAB_ATTN_PREFETCH", switch)
+            monkeypatch.setenv("POCKETLAB_L2_PREFETCH", switch)
             e = make_engine(preset, prefix_cache=False)
             logits.append(e.decode_step(e.prefill(prompt).next_token).logits)
         assert torch.equal(*logits)

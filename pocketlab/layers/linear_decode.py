@@ -21,8 +21,8 @@ from .decode_attention import triton
 CONV_BLOCK_C = 256  # channels per conv program
 CONV_BLOCK_T = 16  # tokens per conv tile in conv_steps (tokens are independent given the inputs)
 STATE_BLOCK_V = 32  # value columns of the [dk, dv] state per recurrent program (capped at dv)
-STATE_WARPS = 4  # one- and multi-token recurrent programs alike: the same layout, so the same reduction order
-# (and prefetch.LANES threads: a prefetched piece each)
+# one- and multi-token recurrent programs alike: the same layout, so the same reduction order; prefetch.LANES threads
+STATE_WARPS = 4
 
 if triton is not None:
     import triton.language as tl

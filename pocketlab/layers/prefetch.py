@@ -8,7 +8,7 @@ kernel before them ends). It pays for a small weight only: larger ones, later pl
 (the thirty-first session's A/B in reports/performance-history.md), as was a prefetch from every GEMV of the
 weight after it (fifteenth session).
 
-POCKETLAB_ATTN_PREFETCH=0 turns it off (to measure it).
+POCKETLAB_L2_PREFETCH=0 turns it off (to measure it).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ LANES = tl.constexpr(128)  # one piece per thread of a 4-warp program (a constex
 
 
 def enabled(device: torch.device) -> bool:
-    """Whether kernels on `device` prefetch: sm_90 and later, POCKETLAB_ATTN_PREFETCH not 0."""
-    return os.environ.get("POCKETLAB_ATTN_PREFETCH", "1") != "0" and pdl.sm90(device)
+    """Whether kernels on `device` prefetch: sm_90 and later, POCKETLAB_L2_PREFETCH not 0."""
+    return os.environ.get("POCKETLAB_L2_PREFETCH", "1") != "0" and pdl.sm90(device)
 
 
 def span(weight: torch.Tensor, rows: int) -> int:
