@@ -13,7 +13,6 @@ layers.gemv sends its one-row calls here for the small weights where the ring wa
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
@@ -71,9 +70,8 @@ def fits(weight: torch.Tensor) -> bool:
     return weight.stride(1) == 1 and weight.data_ptr() % 16 == 0 and row_bytes % 16 == 0
 
 
-@functools.cache
 def has_tma(device: torch.device) -> bool:
-    """Hopper (sm_90) and later read through tensor descriptors (cached: eager one-row calls ask every time)."""
+    """Hopper (sm_90) and later read through tensor descriptors (pdl.sm90 caches the capability)."""
     return pdl.sm90(device)
 
 
