@@ -15,7 +15,7 @@ if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
 
 from invariance import assert_rows_invariant  # noqa: E402
 
-from pocketlab.layers import gemv, gemv_tma  # noqa: E402
+from pocketlab.layers import gemv, gemv_tma, matmul_tma  # noqa: E402
 from pocketlab.layers import invariant as inv  # noqa: E402
 from pocketlab.layers import linear as torch_linear  # noqa: E402
 from pocketlab.layers.invariant import matmul  # noqa: E402
@@ -85,6 +85,29 @@ def test_gemv_matches_the_unfused_torch_steps(dtype, epilogue):
             x, w, bias, extras = inputs(M, N, K, dtype, epilogue, seed=M)
             want = torch_linear.composed(fp32_matmul, x, w, bias, **extras)
             assert_matches_the_unfused_steps(gemv.gemv(x, w, bias, **extras), want, dtype, (N, K, M))
+
+
+@pytest.mark.parametrize("epilogue", EPILOGUES)
+def test_tma_ring_matmul_matches_the_unfused_torch_steps(epilogue, monkeypatch):
+    """The few-row matmul through a TMA ring as W @ x^T (POCKETLAB_MATMUL_TMA, layers.matmul_tma), reached through
+    the default engine's linear, against the unfused torch steps: rows padded to 16 and to 32 columns of the dot,
+    N off the 64-row tile (the gate rows past N), K over two slices and off the 128-wide tile (zero fill), plain
+    projections only when switched in; 32 rows of x TMA cannot read keep the invariant matmul."""
+    monkeypatch.setenv("POCKETLAB_MATMUL_TMA", "64:3:0:1")
+    real, taken = matmul_tma.launch, []
+    monkeypatch.setattr(matmul_tma, "launch", lambda *a, **k: taken.append(1) or real(*a, **k))
+    linear = torch_linear.fused_at_few_rows(inv.linear)
+    N, K = 72, 1096
+    assert matmul.order(N, K, torch.bfloat16).split_k == 2
+    for M in (3, 20):
+        x, w, bias, extras = inputs(M, N, K, torch.bfloat16, epilogue, seed=M)
+        want = torch_linear.composed(fp32_matmul, x, w, bias, **extras)
+        assert_matches_the_unfused_steps(linear(x, w, bias, **extras), want, torch.bfloat16, (N, K, M))
+    assert len(taken) == 2
+    monkeypatch.setenv("POCKETLAB_MATMUL_TMA", "64:3:0:0")
+    linear(x, w, bias, **extras)
+    linear(x[:, 1 : K - 7], w[:, 1 : K - 7], bias, **extras)  # off 16-byte alignment
+    assert len(taken) == 2 + (epilogue in ("residual", "swiglu"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -236,7 +259,8 @@ def test_gemv_refuses_more_rows_than_a_launch_holds_and_column_major_weights():
 
 def test_the_default_kernels_take_the_gemv_at_few_rows_and_fuse_only_decode_rows_with_something_to_fuse(monkeypatch):
     """fused_at_few_rows sends every call of up to gemv_rows rows (row-major weights) to the GEMV, decode-sized
-    calls with a residual add or SwiGLU to the fused matmul, the rest to torch."""
+    calls with a residual add or SwiGLU to the fused matmul, the rest to torch (the fused matmul's TMA form off)."""
+    monkeypatch.setenv("POCKETLAB_MATMUL_TMA", "0")
     calls = []
 
     def kernel(name):
@@ -253,6 +277,23 @@ def test_the_default_kernels_take_the_gemv_at_few_rows_and_fuse_only_decode_rows
     monkeypatch.setattr(torch_linear, "GEMV_MAX_BYTES", w.numel() * w.element_size() - 1)  # w: one byte over
     run(randn(1, 16), w, residual=randn(1, 8))
     assert calls == [("gemv", 2), ("fused", most), ("gemv", 1), ("fused", 1)]
+
+
+def test_few_row_matmuls_take_the_tma_ring_where_tma_is(monkeypatch):
+    """Unswitched, a matmul of up to matmul_tma.MAX_ROWS rows takes DEFAULT_RING where the device has TMA; more
+    rows, no TMA or POCKETLAB_MATMUL_TMA=0 take none, and the switch's ring is taken as it says."""
+    monkeypatch.delenv("POCKETLAB_MATMUL_TMA", raising=False)
+    most, dev = matmul_tma.MAX_ROWS, torch.device(DEV)
+    rings = []
+    for tma in (True, False):
+        monkeypatch.setattr(gemv_tma, "has_tma", lambda device, tma=tma: tma)
+        rings += [matmul_tma.ring_for(most, dev), matmul_tma.ring_for(most + 1, dev)]
+    monkeypatch.setattr(gemv_tma, "has_tma", lambda device: True)
+    monkeypatch.setenv("POCKETLAB_MATMUL_TMA", "0")
+    rings.append(matmul_tma.ring_for(2, dev))
+    monkeypatch.setenv("POCKETLAB_MATMUL_TMA", "128:3:0:1")
+    rings.append(matmul_tma.ring_for(2, dev))
+    assert rings == [matmul_tma.DEFAULT_RING, None, None, None, None, matmul_tma.Ring(128, 3, 0, True)]
 
 
 def test_gpu_fused_launches_keep_the_bits():

@@ -46,13 +46,13 @@ ONE_ROW_RING = Ring(8, 256, 6)
 RING_MAX_BYTES = 24 << 20
 
 
-def ring_from_env(name: str = "POCKETLAB_GEMV_TMA", unset: Ring | None = None) -> Ring | None:
-    """The switch `name`: unset or "", `unset`; "0", the kernels' own launches; "1", the default ring; "n:k:stages"
-    (or with commas), that ring. For measuring (tools.ab, whose variants are comma-separated), not an engine option."""
+def ring_from_env(name: str = "POCKETLAB_GEMV_TMA", unset=None, kind=Ring):
+    """The switch `name`: unset or "", `unset`; "0", the kernels' own launches (None); "1", `kind`'s default ring;
+    "a:b:c" (or with commas), kind(a, b, c). For measuring (tools.ab, whose variants are comma-separated)."""
     value = os.environ.get(name, "")
     if value in ("", "0"):
         return None if value else unset
-    return DEFAULT_RING if value == "1" else Ring(*(int(v) for v in value.replace(":", ",").split(",")))
+    return kind() if value == "1" else kind(*(int(v) for v in value.replace(":", ",").split(",")))
 
 
 def one_row_ring(weight: torch.Tensor) -> Ring | None:

@@ -12,7 +12,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from . import activations
+from . import activations, matmul_tma
 
 FUSED_MAX_ROWS = 64  # the default kernels fuse at up to this many rows (decode batches); cuBLAS beyond
 GEMV_MAX_BYTES = 128 << 20  # larger weights stream faster through the fused matmul's deeper pipeline or cuBLAS
@@ -47,15 +47,19 @@ linear = functools.partial(composed, F.linear)
 
 def fused_at_few_rows(fused, gemv=None, gemv_rows: int = 0):
     """The default engine's linear: `gemv` (weight rows streamed once, the input's norm computed in the same launch)
-    for projections of up to `gemv_rows` rows and GEMV_MAX_BYTES of row-major weight, `fused` (the Triton matmul)
-    where the rows are few and it has an epilogue to fuse (residual add, SwiGLU), `linear` (cuBLAS and torch)
-    everywhere else; those two read a norm run first as its own kernel, and run a conv after."""
+    for projections of up to `gemv_rows` rows and GEMV_MAX_BYTES of row-major weight, `fused` (the Triton matmul;
+    on sm_90 its TMA form, layers.matmul_tma) where the rows are few and it has an epilogue to fuse (residual add,
+    SwiGLU), `linear` (cuBLAS and torch) everywhere else; those read a norm run first as its own kernel, and run a
+    conv after."""
 
     def run(x, weight, bias=None, *, residual=None, swiglu=False, norm=None, conv=None):
         rows = x.numel() // x.shape[-1]
         small = weight.numel() * weight.element_size() <= GEMV_MAX_BYTES
+        ring = matmul_tma.ring_for(rows, x.device)
         if rows <= gemv_rows and small and weight.stride(-1) == 1:
             kernel = gemv
+        elif ring and (residual is not None or swiglu or ring.plain):
+            kernel = functools.partial(matmul_tma.linear, ring=ring)
         elif (residual is not None or swiglu) and rows <= FUSED_MAX_ROWS:
             kernel = fused
         else:

@@ -7,6 +7,7 @@ CUDA-graph replays cycling over enough weight copies that every call reads its w
 """
 
 import argparse
+import functools
 import statistics
 from collections.abc import Sequence
 
@@ -142,13 +143,60 @@ def sweep_fused(rows: list[int], splits: list[int]) -> None:
         torch.cuda.empty_cache()
 
 
+def tma_line(name, M, tb, cublas, ref, what, ms, got) -> None:
+    diff = (got.float() - ref.float()).abs().max().item()
+    print(f"{name:<20}{M:>4}  {what:<30}{ms:>8.4f}{tb / ms:>7.2f}{cublas:>8.4f}{tb / cublas:>7.2f}  {diff:.3g}")
+
+
+def sweep_tma(rows: list[int]) -> None:
+    """layers.matmul_tma's rings (W @ x^T through TMA) against the fused kernel's default launch and cuBLAS's bare
+    matmul, at decode rows, as weight-read bandwidth; the largest difference from the default launch's output."""
+    from .. import matmul_tma
+
+    rings = [matmul_tma.Ring(bn, stages, ahead) for bn in (64, 128) for stages in (3, 4, 6) for ahead in (0, 2)]
+    print(f"{'shape':<20}{'M':>4}  {'launch':<30}{'ms':>8}{'TB/s':>7}{'cuBLAS':>8}{'TB/s':>7}  max diff")
+    for name, (N, K, extra) in FUSED_SHAPES.items():
+        rows_w = 2 * N if extra == "swiglu" else N
+        copies = max(1, min(16, (800 * 2**20) // (rows_w * K * 2)))
+        weights = [torch.randn(rows_w, K, device="cuda", dtype=torch.bfloat16) * K**-0.5 for _ in range(copies)]
+        tb = rows_w * K * 2 / 1e9
+        for M in rows:
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            res = torch.randn(M, N, device="cuda", dtype=torch.bfloat16) if extra == "residual" else None
+            fused = matmul.Fused(res, EPILOGUE_OF[extra])
+            y = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+            o, t = matmul.order(N, K, x.dtype), matmul.tiles(M, N, x.dtype, x.device, extra == "swiglu")
+            cublas = graph_ms(lambda w, x=x: F.linear(x, w), weights)
+            ref = matmul.launch(x, weights[0], None, y.clone(), o, t, fused)
+
+            line = functools.partial(tma_line, name, M, tb, cublas, ref)
+            line(
+                f"fused {describe(o, t)[1]}",
+                graph_ms(lambda w, a=(x, y, o, t, fused): matmul.launch(a[0], w, None, *a[1:]), weights),
+                ref,
+            )
+            for r in rings:
+                try:
+                    ms = graph_ms(lambda w, a=(x, y, r, fused): matmul_tma.launch(a[0], w, None, *a[1:]), weights)
+                except Exception as e:  # a ring past the shared memory: say so, go on
+                    print(f"{name:<20}{M:>4}  tma {r.block_n} s{r.stages} p{r.prefetch}: {str(e)[:60]}")
+                    continue
+                line(f"tma {r.block_n} s{r.stages} p{r.prefetch}", ms,
+                     matmul_tma.launch(x, weights[0], None, y.clone(), r, fused))  # fmt: skip
+        del weights
+        torch.cuda.empty_cache()
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--few", default="1,8,32")
     ap.add_argument("--many", default="128,4096")
     ap.add_argument("--splits", default="1,2,4,8")
     ap.add_argument("--fused", action="store_true", help="the fused kernel's launches at the --few rows instead")
+    ap.add_argument("--tma", action="store_true", help="layers.matmul_tma's rings at the --few rows instead")
     a = ap.parse_args(argv)
+    if a.tma:
+        return sweep_tma([int(v) for v in a.few.split(",")])
     if a.fused:
         return sweep_fused([int(v) for v in a.few.split(",")], [int(v) for v in a.splits.split(",")])
     few, many, splits = ([int(v) for v in s.split(",")] for s in (a.few, a.many, a.splits))

@@ -1,0 +1,186 @@
+"""The few-row matmul (decode batches of up to 64 rows) with the weight streamed through a TMA ring, as W @ x^T.
+
+The invariant matmul's few-row tiles put x's rows on the dot's first side ([rows, 64 weight rows]), so on Hopper
+they run the warp-level MMA and load the weight by threads, below cuBLAS's skinny kernels at 32 rows
+(reports/gpu/fused-linear-sweep-h200.txt). Here the weight is the first operand: a program's BLOCK_N weight rows
+times x's rows as columns, [BLOCK_N, BLOCK_M], which Triton runs as warpgroup MMAs from shared memory fed by a
+`tl.range(..., num_stages=STAGES)` ring of TMA loads, and the program's first PREFETCH weight tiles are asked into
+L2 before its PDL wait. K is cut as the invariant matmul cuts it (its `Order`: the slices added in slice order by
+the last of a tile's programs) and the epilogue is its `finish`; on the GPU each element is the same chain of MMA
+steps, and the sweep and the engine found the same bits as the invariant kernel's.
+
+The default engine sends its few-row matmuls with an epilogue (residual add, SwiGLU) here on sm_90 and later
+(`ring_for`); POCKETLAB_MATMUL_TMA=0 turns that off, "block_n:stages:prefetch[:plain]" tries another ring (plain 1:
+projections without an epilogue too, else cuBLAS's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from . import gemv_tma, pdl
+from .arrivals import arrival_counts
+from .invariant.dot import dot, precision
+from .invariant.matmul import SWIGLU, Fused, as_rows, checked_width, epilogue_of, finish, order
+from .invariant.matmul import linear as invariant_linear
+from .pdl import wait_then_release
+
+MAX_ROWS = 64
+SHARED_BYTES = 224 << 10  # of an H100's or H200's 227 KiB a program may hold: the ring's stages must fit in it
+
+
+@dataclass(frozen=True)
+class Ring:
+    """BLOCK_N weight rows a program (the MMA's M side), STAGES tiles in the ring, PREFETCH first tiles into L2
+    before the PDL wait; `plain`: projections without an epilogue take it too (else cuBLAS)."""
+
+    block_n: int = 64
+    stages: int = 4
+    prefetch: int = 2
+    plain: bool = False
+
+
+DEFAULT_RING = Ring()
+
+
+def ring_for(rows: int, device: torch.device) -> Ring | None:
+    """The ring for a few-row matmul of `rows` rows on `device`: DEFAULT_RING up to MAX_ROWS rows on a GPU with TMA
+    (sm_90 and later), unless POCKETLAB_MATMUL_TMA says otherwise ("0": none; "block_n:stages:prefetch[:plain]"),
+    for measuring; the interpreter takes a ring only when it says so."""
+    if rows > MAX_ROWS:
+        return None
+    return gemv_tma.ring_from_env("POCKETLAB_MATMUL_TMA", DEFAULT_RING if gemv_tma.has_tma(device) else None, Ring)
+
+
+def fits(x2: torch.Tensor, weight: torch.Tensor) -> bool:
+    """TMA reads rows of 16-byte multiples from 16-byte aligned starts; up to MAX_ROWS rows."""
+    ok = x2.shape[0] <= MAX_ROWS and x2.dtype in (torch.bfloat16, torch.float16)
+    for t in (x2, weight):
+        ok = ok and t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+    return ok
+
+
+@triton.jit
+def _prefetch_rows(w_ptr, n0, k_start, K, rows_total, stride_wn, ROWS: tl.constexpr, BYTES: tl.constexpr):
+    """Ask L2 for BYTES of each of ROWS weight rows from n0, starting at column k_start (one bulk prefetch a row)."""
+    r = n0 + tl.arange(0, ROWS)
+    size = tl.minimum(tl.maximum((K - k_start) * 2, 0), BYTES)
+    size = tl.where(r < rows_total, size, 0).to(tl.int32)
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r",
+        [w_ptr.to(tl.int64) + (r.to(tl.int64) * stride_wn + k_start) * 2, size],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit(do_not_specialize=["rows"])
+def _matmul_tma(x_desc, w_desc, w_ptr, b_ptr, y_ptr, part_ptr, arrived_ptr, res_ptr, rows, N, K, k_per_split,
+                split_k, stride_wn, stride_ym, stride_ps, stride_pm, stride_rm, HAS_BIAS: tl.constexpr,
+                EPILOGUE: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
+                PDL: tl.constexpr):  # fmt: skip
+    """Slice program_id(1) of weight rows [BLOCK_N from program_id(0)] times every row of x; EPILOGUE as the
+    invariant matmul's (2: W is [gate | up], up rows N further; gate rows past N read up rows, never stored)."""
+    pid_n, s = tl.program_id(0), tl.program_id(1)
+    n0 = pid_n * BLOCK_N
+    k_start = s * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    TWO: tl.constexpr = EPILOGUE == 2
+    if PREFETCH:  # weights, which no kernel writes: asked for while the kernel before ends
+        _prefetch_rows(w_ptr, n0, k_start, K, N * 2 if TWO else N, stride_wn, BLOCK_N, PREFETCH * BLOCK_K * 2)
+        if TWO:
+            _prefetch_rows(w_ptr, n0 + N, k_start, K, N * 2, stride_wn, BLOCK_N, PREFETCH * BLOCK_K * 2)
+    wait_then_release(PDL)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
+        x = tl.trans(x_desc.load([0, k0]))  # [BLOCK_K, BLOCK_M]; rows past `rows` and columns past K read zeros
+        acc = dot(w_desc.load([n0, k0]), x, acc, PRECISION)
+        if TWO:
+            acc_up = dot(w_desc.load([n0 + N, k0]), x, acc_up, PRECISION)
+    m = tl.arange(0, BLOCK_M)
+    n = n0 + tl.arange(0, BLOCK_N)
+    live_m, live_n = m < rows, n < N
+    live = live_m[:, None] & live_n[None, :]
+    total, total_up = tl.trans(acc), tl.trans(acc_up)  # [BLOCK_M, BLOCK_N]
+    done = True
+    if split_k > 1:  # the last of the tile's slices adds them all in slice order
+        parts = part_ptr + m[:, None] * stride_pm + n[None, :]
+        tl.store(parts + s * stride_ps, total, mask=live)
+        if TWO:
+            tl.store(parts + s * stride_ps + N, total_up, mask=live)
+        tl.debug_barrier()  # every thread's partials before the one thread's release
+        count = tl.atomic_add(arrived_ptr + pid_n, 1, sem="acq_rel")
+        done = count == split_k - 1
+        if done:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            total_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for t in range(0, split_k):
+                total += tl.load(parts + t * stride_ps, mask=live, other=0.0, volatile=True)
+                if TWO:
+                    total_up += tl.load(parts + t * stride_ps + N, mask=live, other=0.0, volatile=True)
+            tl.atomic_xchg(arrived_ptr + pid_n, 0)  # ready for the next launch
+    if done:
+        y = finish(total, total_up, b_ptr, res_ptr, m, n, live_m, live_n, stride_rm, y_ptr.dtype.element_ty,
+                   HAS_BIAS, EPILOGUE)  # fmt: skip
+        tl.store(y_ptr + m.to(tl.int64)[:, None] * stride_ym + n[None, :], y, mask=live)
+
+
+def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, ring: Ring,
+           fused: Fused | None = None) -> torch.Tensor:  # fmt: skip
+    """y [M, N] = x2 [M, K] @ weight^T (+ bias), then `fused`'s epilogue, the weight read through `ring`
+    (`fits(x2, weight)` checked by the caller)."""
+    fused = fused or Fused()
+    M, K = x2.shape
+    N = y.shape[1]
+    o = order(N, K, x2.dtype)
+    block_m = max(16, triton.next_power_of_2(M))
+    x_desc = TensorDescriptor.from_tensor(x2, block_shape=[block_m, o.block_k])
+    w_desc = TensorDescriptor.from_tensor(weight, block_shape=[ring.block_n, o.block_k])
+    grid_n = triton.cdiv(N, ring.block_n)
+    stage_bytes = (ring.block_n * (2 if fused.epilogue == SWIGLU else 1) + block_m) * o.block_k * x2.element_size()
+    stages = max(2, min(ring.stages, SHARED_BYTES // stage_bytes))  # SwiGLU's two weight tiles a stage
+    if o.split_k > 1:
+        part = torch.empty(o.split_k, M, 2 * N if fused.epilogue == SWIGLU else N, dtype=torch.float32,
+                           device=x2.device)  # fmt: skip
+        arrived = arrival_counts(x2.device, grid_n)
+    else:
+        part = arrived = y  # never read
+    res = fused.residual
+    _matmul_tma[(grid_n, o.split_k)](
+        x_desc, w_desc, weight, y if bias is None else bias, y, part, arrived, y if res is None else res, M, N, K,
+        o.k_per_split, o.split_k, weight.stride(0), y.stride(0), part.stride(0) if o.split_k > 1 else 0,
+        part.stride(1) if o.split_k > 1 else 0, 0 if res is None else res.stride(0), HAS_BIAS=bias is not None,
+        EPILOGUE=fused.epilogue, PRECISION=precision(x2.dtype, x2.device), BLOCK_M=block_m, BLOCK_N=ring.block_n,
+        BLOCK_K=o.block_k, STAGES=stages, PREFETCH=ring.prefetch if pdl.sm90(x2.device) else 0,
+        num_warps=4, **pdl.launch(x2.device),
+    )  # fmt: skip
+    return y
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, ring: Ring,
+           residual: torch.Tensor | None = None, swiglu: bool = False, norm=None,
+           conv=None) -> torch.Tensor:  # fmt: skip
+    """invariant.matmul.linear's call (its norm before and conv after as kernels of their own) through `ring`;
+    calls TMA cannot read go there."""
+    if norm is not None:
+        x = norm(x)
+    N = checked_width("linear", x, weight, bias, residual, swiglu)
+    x2 = as_rows(x, weight.shape[1])
+    if not fits(x2, weight):
+        y = invariant_linear(x2, weight, bias, residual=None if residual is None else as_rows(residual, N),
+                             swiglu=swiglu)  # fmt: skip
+    else:
+        y = torch.empty(x2.shape[0], N, dtype=x.dtype, device=x.device)
+        fused = Fused(None if residual is None else as_rows(residual, N), epilogue_of(residual, swiglu))
+        launch(x2, weight, bias, y, ring, fused)
+    y = y.reshape(*x.shape[:-1], N)
+    return y if conv is None else conv(y)
