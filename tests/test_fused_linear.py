@@ -294,6 +294,10 @@ def test_few_row_matmuls_take_the_tma_ring_where_tma_is(monkeypatch):
     monkeypatch.setenv("POCKETLAB_MATMUL_TMA", "128:3:0:1")
     rings.append(matmul_tma.ring_for(2, dev))
     assert rings == [matmul_tma.DEFAULT_RING, None, None, None, None, matmul_tma.Ring(128, 3, 0, True)]
+    # which calls a ring takes: by default plain ones at any row count, those with an epilogue from two rows
+    ring, plain_off = matmul_tma.DEFAULT_RING, matmul_tma.Ring(plain=False, min_rows=1)
+    assert [ring.takes(1, True), ring.takes(2, True), ring.takes(1, False)] == [False, True, True]
+    assert [plain_off.takes(1, True), plain_off.takes(5, False)] == [True, False]
 
 
 def test_gpu_fused_launches_keep_the_bits():

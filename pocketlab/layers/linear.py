@@ -47,18 +47,18 @@ linear = functools.partial(composed, F.linear)
 
 def fused_at_few_rows(fused, gemv=None, gemv_rows: int = 0):
     """The default engine's linear: `gemv` (weight rows streamed once, the input's norm computed in the same launch)
-    for projections of up to `gemv_rows` rows and GEMV_MAX_BYTES of row-major weight, `fused` (the Triton matmul;
-    on sm_90 its TMA form, layers.matmul_tma) where the rows are few and it has an epilogue to fuse (residual add,
-    SwiGLU), `linear` (cuBLAS and torch) everywhere else; those read a norm run first as its own kernel, and run a
-    conv after."""
+    for projections of up to `gemv_rows` rows and GEMV_MAX_BYTES of row-major weight; on sm_90 the few-row matmul's
+    TMA form (layers.matmul_tma) for the other calls of few rows it takes; `fused` (the Triton matmul) where the rows
+    are few and it has an epilogue to fuse (residual add, SwiGLU), `linear` (cuBLAS and torch) everywhere else; those
+    read a norm run first as its own kernel, and run a conv after."""
 
     def run(x, weight, bias=None, *, residual=None, swiglu=False, norm=None, conv=None):
         rows = x.numel() // x.shape[-1]
         small = weight.numel() * weight.element_size() <= GEMV_MAX_BYTES
-        ring = matmul_tma.ring_for(rows, x.device)
+        ring = matmul_tma.ring_for(rows, x.device) if x.element_size() == 2 else None  # TMA's 16-bit dots
         if rows <= gemv_rows and small and weight.stride(-1) == 1:
             kernel = gemv
-        elif ring and (residual is not None or swiglu or ring.plain):
+        elif ring and ring.takes(rows, residual is not None or swiglu):
             kernel = functools.partial(matmul_tma.linear, ring=ring)
         elif (residual is not None or swiglu) and rows <= FUSED_MAX_ROWS:
             kernel = fused

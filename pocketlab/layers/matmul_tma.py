@@ -9,9 +9,9 @@ L2 before its PDL wait. K is cut as the invariant matmul cuts it (its `Order`: t
 the last of a tile's programs) and the epilogue is its `finish`; on the GPU each element is the same chain of MMA
 steps, and the sweep and the engine found the same bits as the invariant kernel's.
 
-The default engine sends its few-row matmuls with an epilogue (residual add, SwiGLU) here on sm_90 and later
-(`ring_for`); POCKETLAB_MATMUL_TMA=0 turns that off, "block_n:stages:prefetch[:plain]" tries another ring (plain 1:
-projections without an epilogue too, else cuBLAS's).
+The default engine sends its calls of up to 64 rows here on sm_90 and later (`ring_for`), save those the GEMV takes
+and one-row calls with an epilogue: the lm_head at batch 1 among them, which cuBLAS ran before. POCKETLAB_MATMUL_TMA=0
+turns that off, "block_n:stages:prefetch[:plain[:min_rows]]" tries another ring.
 """
 
 from __future__ import annotations
@@ -37,21 +37,26 @@ SHARED_BYTES = 224 << 10  # of an H100's or H200's 227 KiB a program may hold: t
 @dataclass(frozen=True)
 class Ring:
     """BLOCK_N weight rows a program (the MMA's M side), STAGES tiles in the ring, PREFETCH first tiles into L2
-    before the PDL wait; `plain`: projections without an epilogue take it too (else cuBLAS)."""
+    before the PDL wait; `plain`: projections without an epilogue take it too (else cuBLAS's); calls with an
+    epilogue take it from `min_rows` rows (else the invariant matmul's)."""
 
     block_n: int = 64
     stages: int = 4
     prefetch: int = 2
-    plain: bool = False
+    plain: bool = True
+    min_rows: int = 2
+
+    def takes(self, rows: int, epilogue: bool) -> bool:
+        return rows >= self.min_rows if epilogue else self.plain
 
 
-DEFAULT_RING = Ring()
+DEFAULT_RING = Ring()  # one-row calls with an epilogue (8B's, 9B's gate_up) were about 1% faster in the fused matmul
 
 
 def ring_for(rows: int, device: torch.device) -> Ring | None:
     """The ring for a few-row matmul of `rows` rows on `device`: DEFAULT_RING up to MAX_ROWS rows on a GPU with TMA
-    (sm_90 and later), unless POCKETLAB_MATMUL_TMA says otherwise ("0": none; "block_n:stages:prefetch[:plain]"),
-    for measuring; the interpreter takes a ring only when it says so."""
+    (sm_90 and later), unless POCKETLAB_MATMUL_TMA says otherwise ("0": none; "block_n:stages:prefetch[:plain
+    [:min_rows]]"), for measuring; the interpreter takes a ring only when it says so."""
     if rows > MAX_ROWS:
         return None
     return gemv_tma.ring_from_env("POCKETLAB_MATMUL_TMA", DEFAULT_RING if gemv_tma.has_tma(device) else None, Ring)
