@@ -48,7 +48,8 @@
 #   FUSED_MODELS [qwen3-0.6b qwen3-8b]
 #   FUSED_BATCHES [1,32]  FUSED_PREFILL [4096] (empty: no prefill row)
 #   FUSED_MODES [fused_linear=torch fused_linear=triton,gemv_rows=0 fused_linear=triton]
-#                    the fused step: CUDA tests, the fused matmul's launch sweep (FUSED_SWEEP), the GEMV's (GEMV_SWEEP
+#                    the fused step: CUDA tests, the fused matmul's launch sweep (FUSED_SWEEP; its TMA form's rings
+#                    too, layers.matmul_tma -> matmul-tma-sweep-h200.txt), the GEMV's (GEMV_SWEEP
 #                    [1]; GEMV_SWEEP_ARGS [] e.g. "--forms --shapes 8b,30b", GEMV_SWEEP_FILE [gemv-sweep],
 #                    GEMV_SWEEP_CAP_S [300]), the pre-norm's cost own vs folded (GEMV_NORM_CHAIN [1]), kernel tables
 #                    per mode (engine options or env vars such as POCKETLAB_PDL=0, comma-separated);
@@ -277,6 +278,8 @@ if wants fused; then
     env POCKETLAB_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider --tb=short $FUSED_TESTS
   [ "$FUSED_SWEEP" = 1 ] && step "fused linear launches (sweep)" 150 "$reserve" bash -o pipefail -c \
     "python3 -m pocketlab.layers.invariant.sweep --fused $FUSED_SWEEP_ARGS | tee reports/gpu/fused-linear-sweep-$GPU.txt"
+  [ "$FUSED_SWEEP" = 1 ] && step "few-row matmul TMA rings (sweep)" 200 "$reserve" bash -o pipefail -c \
+    "python3 -m pocketlab.layers.invariant.sweep --tma --few 1,32 | tee reports/gpu/matmul-tma-sweep-$GPU.txt"
   [ "$GEMV_SWEEP" = 1 ] && step "gemv launches (sweep)" "$GEMV_SWEEP_CAP_S" "$reserve" bash -o pipefail -c \
     "TQDM_DISABLE=1 python3 -m pocketlab.layers.gemv_sweep $GEMV_SWEEP_ARGS | tee reports/gpu/$GEMV_SWEEP_FILE-$GPU.txt"
   [ "$GEMV_NORM_CHAIN" = 1 ] && step "gemv pre-norm, own kernel vs folded" 120 "$reserve" bash -o pipefail -c \

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 from tqdm import tqdm
 
-from . import decode_attention, gemv, gemv_tma, linear_decode, moe_gemv
+from . import decode_attention, gemv, gemv_tma, linear_decode, matmul_tma, moe_gemv
 from .gemv_tma import Ring, _gemv_tma
 from .invariant import linear as fused_linear
 from .invariant import matmul, rms_norm
@@ -193,10 +193,10 @@ def tma_chain(layers: int = 28, top: int = 6) -> None:
 
 
 def compiled(kernel, signature: dict, constants: dict, num_warps: int, num_stages: int = 3, aligned=()) -> str:
-    """`kernel` built for sm_90 (PDL on, as the H200 runs it): its registers, shared memory and TMA loads. Pointers,
-    sizes (N, K, H, I), strides and the integers named in `aligned` carry the divisibility by 16 that the JIT finds in
-    them at the Qwen shapes: without it no load is vectorised and no loop pipelined (the figures would be another
-    kernel's)."""
+    """`kernel` built for sm_90 (PDL on, as the H200 runs it): its registers, shared memory, TMA loads (and
+    warpgroup MMA instructions, where it has any). Pointers, sizes (N, K, H, I), strides and the integers named in
+    `aligned` carry the divisibility by 16 that the JIT finds in them at the Qwen shapes: without it no load is
+    vectorised and no loop pipelined (the figures would be another kernel's)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -216,7 +216,8 @@ def compiled(kernel, signature: dict, constants: dict, num_warps: int, num_stage
         usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
         sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
     regs = cast(re.Match[str], re.search(r"REG:(\d+)", usage))[1]  # cuobjdump -res-usage prints REG:
-    return f"{regs:>4} registers {built.metadata.shared:>6} B shared {sass.count('UTMALDG'):>2} TMA loads"
+    mma = f", {sass.count('HGMMA')} warpgroup MMAs" if "HGMMA" in sass else ""
+    return f"{regs:>4} registers {built.metadata.shared:>6} B shared {sass.count('UTMALDG'):>2} TMA loads{mma}"
 
 
 def resources() -> None:
@@ -312,6 +313,12 @@ def few_row_matmul_resources() -> None:
             shared = int(cast(re.Match[str], re.search(r"(\d+) B shared", usage))[1])
             print(f"{what:<20} fused matmul {bm}x{bn} s{stages:<8}{usage}, "
                   f"{(228 << 10) // (shared + 1024)} programs an SM by shared memory")  # fmt: skip
+        for bm in (16, 32, 64):  # layers.matmul_tma's default ring, as W @ x^T
+            ring = matmul_tma.DEFAULT_RING
+            usage = tma_matmul_usage(bm, ring, epilogue)
+            shared = int(cast(re.Match[str], re.search(r"(\d+) B shared", usage))[1])
+            print(f"{what:<20} TMA matmul {ring.block_n}x{bm} s{ring.stages:<9}{usage}, "
+                  f"{(228 << 10) // (shared + 1024)} programs an SM by shared memory")  # fmt: skip
 
 
 def fused_matmul_usage(t, epilogue: int) -> str:
@@ -323,6 +330,19 @@ def fused_matmul_usage(t, epilogue: int) -> str:
     constants = dict(MODE=t.mode, HAS_BIAS=False, EPILOGUE=epilogue, PRECISION="tf32", BLOCK_M=t.block_m,
                      BLOCK_N=t.block_n, BLOCK_K=128, stride_wk=1)  # fmt: skip  # the JIT makes a 1 a constant
     return compiled(matmul._matmul, signature, constants, t.num_warps, t.num_stages, ("k_per_split",))
+
+
+def tma_matmul_usage(block_m: int, ring, epilogue: int) -> str:
+    """`compiled` for layers.matmul_tma's launch of `ring` at block_m rows with `epilogue`, in bf16 (its stages as
+    the launch caps them for SwiGLU)."""
+    stages = matmul_tma.stages_that_fit(ring, block_m, 128 * 2, epilogue == SWIGLU)
+    signature = {"x_desc": f"tensordesc<bf16[{block_m}, 128]>", "w_desc": f"tensordesc<bf16[{ring.block_n}, 128]>"}
+    signature |= dict.fromkeys(("w_ptr", "b_ptr", "y_ptr", "res_ptr"), "*bf16") | {"part_ptr": "*fp32"}
+    ints = ("rows", "N", "K", "k_per_split", "split_k", "stride_wn", "stride_ym", "stride_ps", "stride_pm", "stride_rm")
+    signature |= {"arrived_ptr": "*i32"} | dict.fromkeys(ints, "i32")
+    constants = dict(HAS_BIAS=False, EPILOGUE=epilogue, PRECISION="tf32", BLOCK_M=block_m, BLOCK_N=ring.block_n,
+                     BLOCK_K=128, STAGES=stages, PREFETCH=ring.prefetch)  # fmt: skip
+    return compiled(matmul_tma._matmul_tma, signature, constants, 4, 3, ("k_per_split",))
 
 
 def main(argv=None):

@@ -1,8 +1,8 @@
 """The few-row matmul (decode batches of up to 64 rows) with the weight streamed through a TMA ring, as W @ x^T.
 
 The invariant matmul's few-row tiles put x's rows on the dot's first side ([rows, 64 weight rows]), so on Hopper
-they run the warp-level MMA and load the weight by threads, below cuBLAS's skinny kernels at 32 rows
-(reports/gpu/fused-linear-sweep-h200.txt). Here the weight is the first operand: a program's BLOCK_N weight rows
+its 16- and 32-row tiles run the warp-level MMA and load the weight by threads, below cuBLAS's skinny kernels at 32
+rows (reports/gpu/fused-linear-sweep-h200.txt, gemv-resources-sm90-triton3.6.txt). Here the weight is the first operand: a program's BLOCK_N weight rows
 times x's rows as columns, [BLOCK_N, BLOCK_M], which Triton runs as warpgroup MMAs from shared memory fed by a
 `tl.range(..., num_stages=STAGES)` ring of TMA loads, and the program's first PREFETCH weight tiles are asked into
 L2 before its PDL wait. K is cut as the invariant matmul cuts it (its `Order`: the slices added in slice order by
@@ -139,6 +139,12 @@ def _matmul_tma(x_desc, w_desc, w_ptr, b_ptr, y_ptr, part_ptr, arrived_ptr, res_
         tl.store(y_ptr + m.to(tl.int64)[:, None] * stride_ym + n[None, :], y, mask=live)
 
 
+def stages_that_fit(ring: Ring, block_m: int, row_bytes: int, two: bool) -> int:
+    """As many of the ring's stages (2 at least) as SHARED_BYTES holds: a stage is a weight tile (two for SwiGLU)
+    and x's, `row_bytes` a row."""
+    return max(2, min(ring.stages, SHARED_BYTES // ((ring.block_n * (1 + two) + block_m) * row_bytes)))
+
+
 def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, ring: Ring,
            fused: Fused | None = None) -> torch.Tensor:  # fmt: skip
     """y [M, N] = x2 [M, K] @ weight^T (+ bias), then `fused`'s epilogue, the weight read through `ring`
@@ -151,8 +157,7 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
     x_desc = TensorDescriptor.from_tensor(x2, block_shape=[block_m, o.block_k])
     w_desc = TensorDescriptor.from_tensor(weight, block_shape=[ring.block_n, o.block_k])
     grid_n = triton.cdiv(N, ring.block_n)
-    stage_bytes = (ring.block_n * (2 if fused.epilogue == SWIGLU else 1) + block_m) * o.block_k * x2.element_size()
-    stages = max(2, min(ring.stages, SHARED_BYTES // stage_bytes))  # SwiGLU's two weight tiles a stage
+    stages = stages_that_fit(ring, block_m, o.block_k * x2.element_size(), fused.epilogue == SWIGLU)
     if o.split_k > 1:
         part = torch.empty(o.split_k, M, 2 * N if fused.epilogue == SWIGLU else N, dtype=torch.float32,
                            device=x2.device)  # fmt: skip
