@@ -1,13 +1,13 @@
 """The few-row matmul (decode batches of up to 64 rows) with the weight streamed through a TMA ring, as W @ x^T.
 
-The invariant matmul's few-row tiles put x's rows on the dot's first side ([rows, 64 weight rows]), so on Hopper
-its 16- and 32-row tiles run the warp-level MMA and load the weight by threads, below cuBLAS's skinny kernels at 32
-rows (reports/gpu/fused-linear-sweep-h200.txt, gemv-resources-sm90-triton3.6.txt). Here the weight is the first operand: a program's BLOCK_N weight rows
-times x's rows as columns, [BLOCK_N, BLOCK_M], which Triton runs as warpgroup MMAs from shared memory fed by a
-`tl.range(..., num_stages=STAGES)` ring of TMA loads, and the program's first PREFETCH weight tiles are asked into
-L2 before its PDL wait. K is cut as the invariant matmul cuts it (its `Order`: the slices added in slice order by
-the last of a tile's programs) and the epilogue is its `finish`; on the GPU each element is the same chain of MMA
-steps, and the sweep and the engine found the same bits as the invariant kernel's.
+The invariant matmul's few-row tiles put x's rows on the dot's first side ([rows, 64 weight rows]), so on Hopper its
+16- and 32-row tiles run the warp-level MMA and load the weight by threads, below cuBLAS's skinny kernels at 32 rows
+(reports/gpu/fused-linear-sweep-h200.txt, gemv-resources-sm90-triton3.6.txt). Here the weight is the first operand:
+a program's BLOCK_N weight rows times x's rows as columns, [BLOCK_N, BLOCK_M], which Triton runs as warpgroup MMAs
+from shared memory fed by a `tl.range(..., num_stages=STAGES)` ring of TMA loads, and the program's first PREFETCH
+weight tiles are asked into L2 before its PDL wait. K is cut as the invariant matmul cuts it (its `Order`: the
+slices added in slice order by the last of a tile's programs) and the epilogue is its `finish`; on the GPU each
+element is the same chain of MMA steps, and the sweep and the engine found the same bits as the invariant kernel's.
 
 The default engine sends its calls of up to 64 rows here on sm_90 and later (`ring_for`), save those the GEMV takes
 and one-row calls with an epilogue: the lm_head at batch 1 among them, which cuBLAS ran before. POCKETLAB_MATMUL_TMA=0
