@@ -92,7 +92,8 @@ def test_tma_ring_matmul_matches_the_unfused_torch_steps(epilogue, monkeypatch):
     """The few-row matmul through a TMA ring as W @ x^T (POCKETLAB_MATMUL_TMA, layers.matmul_tma), reached through
     the default engine's linear, against the unfused torch steps: rows padded to 16 and to 32 columns of the dot,
     N off the 64-row tile (the gate rows past N), K over two slices and off the 128-wide tile (zero fill), plain
-    projections only when switched in; 32 rows of x TMA cannot read keep the invariant matmul."""
+    projections only when switched in; rows TMA cannot read (off 16-byte alignment) and no rows at all keep the
+    invariant matmul."""
     monkeypatch.setenv("POCKETLAB_MATMUL_TMA", "64:3:0:1")
     real, taken = matmul_tma.launch, []
     monkeypatch.setattr(matmul_tma, "launch", lambda *a, **k: taken.append(1) or real(*a, **k))
@@ -108,6 +109,10 @@ def test_tma_ring_matmul_matches_the_unfused_torch_steps(epilogue, monkeypatch):
     linear(x, w, bias, **extras)
     linear(x[:, 1 : K - 7], w[:, 1 : K - 7], bias, **extras)  # off 16-byte alignment
     assert len(taken) == 2 + (epilogue in ("residual", "swiglu"))
+    residual = extras["residual"]
+    empty = matmul_tma.linear(x[:0], w, bias, ring=matmul_tma.DEFAULT_RING,
+                              **extras | {"residual": None if residual is None else residual[:0]})  # fmt: skip
+    assert empty.shape == (0, N) and len(taken) == 2 + (epilogue in ("residual", "swiglu"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -180,12 +180,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            residual: torch.Tensor | None = None, swiglu: bool = False, norm=None,
            conv=None) -> torch.Tensor:  # fmt: skip
     """invariant.matmul.linear's call (its norm before and conv after as kernels of their own) through `ring`;
-    calls TMA cannot read go there."""
+    calls TMA cannot read (and empty ones) go there."""
     if norm is not None:
         x = norm(x)
     N = checked_width("linear", x, weight, bias, residual, swiglu)
     x2 = as_rows(x, weight.shape[1])
-    if not fits(x2, weight):
+    if not (x2.shape[0] and fits(x2, weight)):
         y = invariant_linear(x2, weight, bias, residual=None if residual is None else as_rows(residual, N),
                              swiglu=swiglu)  # fmt: skip
     else:
