@@ -324,6 +324,24 @@ def test_gpu_fused_launches_keep_the_bits():
                 assert torch.equal(y[:16], want), (epilogue, N, K, t)
 
 
+def test_gpu_tma_matmul_gives_the_invariant_kernels_bits():
+    """On the GPU the TMA ring (layers.matmul_tma) sums each element as the invariant matmul does (the same slices,
+    the same chain of MMA steps in each): its rows equal that kernel's bit for bit, at 1-64 rows, K in one slice
+    and in eight, with each epilogue."""
+    if DEV != "cuda":
+        pytest.skip("the GPU's MMA chains (the interpreter sums another way)")
+    for epilogue in ["swiglu", "residual", "plain"]:
+        for N, K in [(1536, 4096), (16384, 1024)]:
+            assert inv.order(N, K, torch.bfloat16).split_k == (8 if K == 4096 else 1)
+            x, w, _, extras = inputs(64, N, K, torch.bfloat16, epilogue)
+            for M in (1, 7, 32, 64):
+                some = dict(
+                    swiglu=extras["swiglu"], residual=None if extras["residual"] is None else extras["residual"][:M]
+                )
+                got = matmul_tma.linear(x[:M], w, ring=matmul_tma.DEFAULT_RING, **some)
+                assert torch.equal(got, inv.linear(x[:M], w, **some)), (epilogue, N, K, M)
+
+
 FIVE_A_LAYER = {  # a decode step's Triton launches per layer with the fused kernels, in order
     "linear_attention": ["_gemv", "_recurrent_step", "_gemv", "_gemv", "_gemv"],  # conv in in_proj, norm in the step
     "full_attention": ["_gemv", "_partial_attention", "_gemv", "_gemv", "_gemv"],  # norms, RoPE, K/V, output gate
