@@ -55,10 +55,13 @@ def fused_at_few_rows(fused, gemv=None, gemv_rows: int = 0):
     def run(x, weight, bias=None, *, residual=None, swiglu=False, norm=None, conv=None):
         rows = x.numel() // x.shape[-1]
         small = weight.numel() * weight.element_size() <= GEMV_MAX_BYTES
-        ring = matmul_tma.ring_for(rows, x.device) if x.element_size() == 2 else None  # TMA's 16-bit dots
         if rows <= gemv_rows and small and weight.stride(-1) == 1:
             kernel = gemv
-        elif ring and ring.takes(rows, residual is not None or swiglu):
+        elif (
+            x.element_size() == 2  # TMA's 16-bit dots
+            and (ring := matmul_tma.ring_for(rows, x.device))
+            and ring.takes(rows, residual is not None or swiglu)
+        ):
             kernel = functools.partial(matmul_tma.linear, ring=ring)
         elif (residual is not None or swiglu) and rows <= FUSED_MAX_ROWS:
             kernel = fused

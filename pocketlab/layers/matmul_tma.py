@@ -29,6 +29,7 @@ from .invariant.dot import dot, precision
 from .invariant.matmul import SWIGLU, Fused, as_rows, checked_width, epilogue_of, finish, order
 from .invariant.matmul import linear as invariant_linear
 from .pdl import wait_then_release
+from .prefetch import bulk_prefetch
 
 MAX_ROWS = 64
 SHARED_BYTES = 224 << 10  # of an H100's or H200's 227 KiB a program may hold: the ring's stages must fit in it
@@ -76,14 +77,7 @@ def _prefetch_rows(w_ptr, n0, k_start, K, rows_total, stride_wn, ROWS: tl.conste
     r = n0 + tl.arange(0, ROWS)
     size = tl.minimum(tl.maximum((K - k_start) * 2, 0), BYTES)
     size = tl.where(r < rows_total, size, 0).to(tl.int32)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r",
-        [w_ptr.to(tl.int64) + (r.to(tl.int64) * stride_wn + k_start) * 2, size],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
+    bulk_prefetch(w_ptr.to(tl.int64) + (r.to(tl.int64) * stride_wn + k_start) * 2, size)
 
 
 @triton.jit(do_not_specialize=["rows"])

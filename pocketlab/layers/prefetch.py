@@ -64,10 +64,17 @@ def prefetch_l2(w_ptr, nbytes, LANES: tl.constexpr):
     program = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)
     programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
     start, size = pieces(nbytes, program, programs, LANES)
+    bulk_prefetch(w_ptr.to(tl.int64) + start, size)
+
+
+@triton.jit
+def bulk_prefetch(addresses, sizes):
+    """Each lane asks L2 for `sizes` bytes (int32, 16-byte multiples; 0: nothing) at `addresses` (int64, 16-byte
+    aligned): Hopper's cp.async.bulk.prefetch.L2, fire and forget."""
     tl.inline_asm_elementwise(
         "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
         "=r,l,r",
-        [w_ptr.to(tl.int64) + start, size],
+        [addresses, sizes],
         dtype=tl.int32,
         is_pure=False,
         pack=1,

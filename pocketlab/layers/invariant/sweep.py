@@ -105,6 +105,12 @@ FUSED_FEW = [Tiles(16, 32, 4, 4, LAST_SUMS), Tiles(16, 64, 4, 4, LAST_SUMS), Til
              Tiles(64, 32, 4, 3, LAST_SUMS)]  # fmt: skip
 
 
+def fused_weights(rows: int, K: int) -> list[torch.Tensor]:
+    """bf16 copies of a [rows, K] weight, up to 16 and 800 MiB: cycling over them, every call reads from HBM."""
+    copies = max(1, min(16, (800 * 2**20) // (rows * K * 2)))
+    return [torch.randn(rows, K, device="cuda", dtype=torch.bfloat16) * K**-0.5 for _ in range(copies)]
+
+
 def sweep_fused(rows: list[int], splits: list[int]) -> None:
     """The fused kernel (residual add or SwiGLU after the matmul) per order and launch at decode rows, as weight-read
     bandwidth, against cuBLAS's bare matmul of the same weight (which fuses nothing); '*' marks the order in use,
@@ -112,8 +118,7 @@ def sweep_fused(rows: list[int], splits: list[int]) -> None:
     print(f"{'shape':<20}{'M':>4}  {'order':<18}{'launch':<24}{'ms':>8}{'TB/s':>7}{'cuBLAS':>8}{'TB/s':>7}  bits")
     for name, (N, K, extra) in FUSED_SHAPES.items():
         rows_w = 2 * N if extra == "swiglu" else N
-        copies = max(1, min(16, (800 * 2**20) // (rows_w * K * 2)))
-        weights = [torch.randn(rows_w, K, device="cuda", dtype=torch.bfloat16) * K**-0.5 for _ in range(copies)]
+        weights = fused_weights(rows_w, K)
         chosen, tb = matmul.order(N, K, torch.bfloat16), rows_w * K * 2 / 1e9
         k_blocks = -(-K // chosen.block_k)
         orders = {
@@ -157,8 +162,7 @@ def sweep_tma(rows: list[int]) -> None:
     print(f"{'shape':<20}{'M':>4}  {'launch':<30}{'ms':>8}{'TB/s':>7}{'cuBLAS':>8}{'TB/s':>7}  max diff")
     for name, (N, K, extra) in FUSED_SHAPES.items():
         rows_w = 2 * N if extra == "swiglu" else N
-        copies = max(1, min(16, (800 * 2**20) // (rows_w * K * 2)))
-        weights = [torch.randn(rows_w, K, device="cuda", dtype=torch.bfloat16) * K**-0.5 for _ in range(copies)]
+        weights = fused_weights(rows_w, K)
         tb = rows_w * K * 2 / 1e9
         for M in rows:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
