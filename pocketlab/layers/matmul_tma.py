@@ -26,7 +26,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from . import gemv_tma, pdl
 from .arrivals import arrival_counts
 from .invariant.dot import dot, precision
-from .invariant.matmul import SWIGLU, Fused, as_rows, checked_width, epilogue_of, finish, order
+from .invariant.matmul import SWIGLU, Fused, as_rows, checked_width, epilogue_of, finish, last_sums, order
 from .invariant.matmul import linear as invariant_linear
 from .pdl import wait_then_release
 from .prefetch import bulk_prefetch
@@ -112,21 +112,8 @@ def _matmul_tma(x_desc, w_desc, w_ptr, b_ptr, y_ptr, part_ptr, arrived_ptr, res_
     total, total_up = tl.trans(acc), tl.trans(acc_up)  # [BLOCK_M, BLOCK_N]
     done = True
     if split_k > 1:  # the last of the tile's slices adds them all in slice order
-        parts = part_ptr + m[:, None] * stride_pm + n[None, :]
-        tl.store(parts + s * stride_ps, total, mask=live)
-        if TWO:
-            tl.store(parts + s * stride_ps + N, total_up, mask=live)
-        tl.debug_barrier()  # every thread's partials before the one thread's release
-        count = tl.atomic_add(arrived_ptr + pid_n, 1, sem="acq_rel")
-        done = count == split_k - 1
-        if done:
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            total_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for t in range(0, split_k):
-                total += tl.load(parts + t * stride_ps, mask=live, other=0.0, volatile=True)
-                if TWO:
-                    total_up += tl.load(parts + t * stride_ps + N, mask=live, other=0.0, volatile=True)
-            tl.atomic_xchg(arrived_ptr + pid_n, 0)  # ready for the next launch
+        total, total_up, done = last_sums(total, total_up, part_ptr + m[:, None] * stride_pm + n[None, :],
+                                          arrived_ptr + pid_n, s, split_k, live, stride_ps, N, TWO)  # fmt: skip
     if done:
         y = finish(total, total_up, b_ptr, res_ptr, m, n, live_m, live_n, stride_rm, y_ptr.dtype.element_ty,
                    HAS_BIAS, EPILOGUE)  # fmt: skip

@@ -146,26 +146,36 @@ def _matmul(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, arrived_ptr, res_ptr, rows, N,
         acc, acc_up = _slice_sum(x_rows, w_cols, up_cols, live_m, live_n, k_start,
                                  tl.minimum(k_start + k_per_split, K), K, stride_wk, TWO, PRECISION,
                                  BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
-        parts = part_ptr + m[:, None] * stride_pm + n[None, :]
-        tl.store(parts + s * stride_ps, acc, mask=live)
-        if TWO:
-            tl.store(parts + s * stride_ps + N, acc_up, mask=live)
-        # release our partials, acquire the others': the last arrival sees every slice's stores. The atomic runs
-        # on one thread: the barrier first puts every thread's stores before it
-        tl.debug_barrier()
         arrivals = arrived_ptr + pid_m * tl.num_programs(1) + pid_n  # this tile's count
-        count = tl.atomic_add(arrivals, 1, sem="acq_rel")
-        done = count == split_k - 1
-        if done:
-            for t in range(0, split_k):
-                total += tl.load(parts + t * stride_ps, mask=live, other=0.0, volatile=True)
-                if TWO:
-                    total_up += tl.load(parts + t * stride_ps + N, mask=live, other=0.0, volatile=True)
-            tl.atomic_xchg(arrivals, 0)  # ready for the next launch
+        total, total_up, done = last_sums(acc, acc_up, part_ptr + m[:, None] * stride_pm + n[None, :], arrivals, s,
+                                          split_k, live, stride_ps, N, TWO)  # fmt: skip
     if done:
         dtype = y_ptr.dtype.element_ty
         y = finish(total, total_up, b_ptr, res_ptr, m, n, live_m, live_n, stride_rm, dtype, HAS_BIAS, EPILOGUE)
         tl.store(y_ptr + m.to(tl.int64)[:, None] * stride_ym + n[None, :], y, mask=live)
+
+
+@triton.jit
+def last_sums(acc, acc_up, parts, arrivals, s, split_k, live, stride_ps, N, TWO: tl.constexpr):
+    """Slice s's fp32 partials (acc, and acc_up when TWO) stored at `parts` (slice s at s * stride_ps, the up half N
+    further) and counted in at `arrivals`: the last of the split_k slices to arrive gets (their sum in slice order,
+    the same for up, True) and zeroes the count for the next launch; the others get (zeros, zeros, False)."""
+    tl.store(parts + s * stride_ps, acc, mask=live)
+    if TWO:
+        tl.store(parts + s * stride_ps + N, acc_up, mask=live)
+    # release our partials, acquire the others': the last arrival sees every slice's stores. The atomic runs on one
+    # thread: the barrier first puts every thread's stores before it
+    tl.debug_barrier()
+    done = tl.atomic_add(arrivals, 1, sem="acq_rel") == split_k - 1
+    total = tl.zeros(acc.shape, dtype=tl.float32)
+    total_up = tl.zeros(acc.shape, dtype=tl.float32)
+    if done:
+        for t in range(0, split_k):
+            total += tl.load(parts + t * stride_ps, mask=live, other=0.0, volatile=True)
+            if TWO:
+                total_up += tl.load(parts + t * stride_ps + N, mask=live, other=0.0, volatile=True)
+        tl.atomic_xchg(arrivals, 0)  # ready for the next launch
+    return total, total_up, done
 
 
 @triton.jit
