@@ -9,6 +9,8 @@ the GPU busy at batch 1; the last split of each (sequence, kv head) to finish me
 split order, in the same launch.
 """
 
+import os
+
 import torch
 
 from .arrivals import arrival_counts
@@ -60,6 +62,32 @@ if triton is not None:
         sign = tl.where(d < ROT // 2, -1.0, 1.0)[None, :]
         rotated = x * cos[None, :] + sign * xp * sin[None, :]
         return tl.where((d < ROT)[None, :], rotated, x).to(dtype)
+
+    @triton.jit
+    def _cached_block(k_ptr, v_ptr, base, n, d, last, stride_ct):
+        """The cached K and V rows `n` [BLOCK_N, D] of one (slot, kv head) at `base`; zeros from the new token's
+        position on (its K/V come from the inputs)."""
+        cached = (n < last)[:, None]
+        k = tl.load(k_ptr + base + n[:, None] * stride_ct + d[None, :], mask=cached, other=0.0)
+        v = tl.load(v_ptr + base + n[:, None] * stride_ct + d[None, :], mask=cached, other=0.0)
+        return k, v
+
+    @triton.jit
+    def _attend(q, k, v, k_new, v_new, n, last, length, m, l, acc, scale, PRECISION: tl.constexpr):
+        """The keys `n` (cached rows k, v; the new token's own at `last`) into the running softmax (m, l, acc) of
+        q's rows; keys from `length` on weigh nothing."""
+        is_new = (n == last)[:, None]
+        k = tl.where(is_new, k_new, k)
+        v = tl.where(is_new, v_new, v)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_G, BLOCK_N]
+        s = tl.where((n < length)[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        return m_new, l, acc
 
     @triton.jit
     def _partial_attention(
@@ -114,18 +142,27 @@ if triton is not None:
         BLOCK_S: tl.constexpr,
         PRECISION: tl.constexpr,
         PREFETCH: tl.constexpr,
+        EARLY: tl.constexpr,
         PDL: tl.constexpr,
     ):
         b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         splits = tl.num_programs(2)
-        if PREFETCH:  # the next projection's weight into L2 while the kernel before ends (layers.prefetch)
-            prefetch_l2(pf_ptr, pf_bytes, LANES)
-        wait_then_release(PDL)
+        # the step's slot ids and lengths, and the cached keys, were written two or more launches back (layers.pdl)
         slot = tl.load(slot_ptr + b).to(tl.int64)
         length = tl.load(len_ptr + b)
         last = length - 1  # the new token: its K/V come from kn/vn, not the cache
-        g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, D)
+        base = slot * stride_cs + kvh * stride_ch
+        start = split * SPLIT_LEN
+        n = start + tl.arange(0, BLOCK_N)
+        if EARLY:  # the split's first block of cached K/V in flight while the kernel before ends
+            k_first, v_first = _cached_block(k_ptr, v_ptr, base, n, d, last, stride_ct)
+        if PREFETCH:  # the next projection's weight into L2 while the kernel before ends (layers.prefetch)
+            prefetch_l2(pf_ptr, pf_bytes, LANES)
+        wait_then_release(PDL)
+        if not EARLY:
+            k_first, v_first = _cached_block(k_ptr, v_ptr, base, n, d, last, stride_ct)
+        g = tl.arange(0, BLOCK_G)
         partner = tl.where(d < ROT, (d + ROT // 2) % ROT, d)
         cos = tl.load(cos_ptr + b * stride_rb + d, mask=d < ROT, other=1.0).to(tl.float32)
         sin = tl.load(sin_ptr + b * stride_rb + d, mask=d < ROT, other=0.0).to(tl.float32)
@@ -163,36 +200,21 @@ if triton is not None:
             OFFSET,
         )  # [1, D]
         v_new = tl.load(vn_ptr + b * stride_vb + kvh * stride_vh + d)[None, :]
-        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        l = tl.zeros([BLOCK_G], tl.float32)
-        acc = tl.zeros([BLOCK_G, D], tl.float32)
-        base = slot * stride_cs + kvh * stride_ch
-        start = split * SPLIT_LEN
         at = last + 0 * d[None, :]  # [1, D] copies of the new token's position: stored by the split holding it
         mine = (at >= start) & (at < start + SPLIT_LEN)
         tl.store(k_ptr + base + last * stride_ct + d[None, :], k_new, mask=mine)
         tl.store(v_ptr + base + last * stride_ct + d[None, :], v_new, mask=mine)
-        if SPLIT_LEN == BLOCK_N:  # one block: a loop of static length (masked loads past `length` move no memory)
-            span = BLOCK_N
-        else:  # the blocks holding live keys only: one past `length` would leave m, l and acc exactly as they are
-            span = tl.minimum(SPLIT_LEN, length - start)
-        for n0 in range(0, span, BLOCK_N):
-            n = start + n0 + tl.arange(0, BLOCK_N)
-            cached = n < last
-            k = tl.load(k_ptr + base + n[:, None] * stride_ct + d[None, :], mask=cached[:, None], other=0.0)
-            v = tl.load(v_ptr + base + n[:, None] * stride_ct + d[None, :], mask=cached[:, None], other=0.0)
-            is_new = (n == last)[:, None]
-            k = tl.where(is_new, k_new, k)
-            v = tl.where(is_new, v_new, v)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_G, BLOCK_N]
-            s = tl.where((n < length)[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m - m_safe)
-            l = l * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m = m_new
+        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, D], tl.float32)
+        # a block wholly past `length` leaves m, l and acc exactly as they are: the first block is always attended,
+        # the others only where they hold live keys (one block a split: a loop of static length, none)
+        m, l, acc = _attend(q, k_first, v_first, k_new, v_new, n, last, length, m, l, acc, scale, PRECISION)
+        span = BLOCK_N if SPLIT_LEN == BLOCK_N else tl.minimum(SPLIT_LEN, length - start)
+        for n0 in range(BLOCK_N, span, BLOCK_N):
+            keys = start + n0 + tl.arange(0, BLOCK_N)
+            k, v = _cached_block(k_ptr, v_ptr, base, keys, d, last, stride_ct)
+            m, l, acc = _attend(q, k, v, k_new, v_new, keys, last, length, m, l, acc, scale, PRECISION)
         out = acc / tl.where(l == 0, 1.0, l)[:, None]
         lse = tl.where(l == 0, float("-inf"), m + tl.log(l))
         o_off = b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
@@ -229,6 +251,12 @@ if triton is not None:
 
 
 PROGRAMS_WANTED = 256  # two waves on an H200's 132 SMs (reports/gpu/decode-attention-splits-h200.txt)
+
+
+def early_loads() -> bool:
+    """Whether each program reads its first block of cached K/V before its PDL wait, as the GEMVs read their first
+    weight tiles: POCKETLAB_ATTN_EARLY not 0 (0 reads it after, to measure)."""
+    return os.environ.get("POCKETLAB_ATTN_EARLY", "1") != "0"
 
 
 def available(device) -> bool:
@@ -326,6 +354,7 @@ def decode_attention(
         BLOCK_S=max(triton.next_power_of_2(splits), 2),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         PREFETCH=prefetching,
+        EARLY=early_loads(),
         num_stages=2,
         num_warps=4,  # prefetch.LANES: a piece a thread
         **pdl.launch(q.device),
