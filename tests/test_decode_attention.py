@@ -81,6 +81,28 @@ def test_the_output_gate_in_the_merge_is_sigmoid_gate_after_it(dtype, max_len):
     torch.testing.assert_close(got, sigmoid_gate(out, gate), atol=0, rtol=0 if dtype == torch.bfloat16 else 1e-6)
 
 
+@pytest.mark.parametrize("max_len", [2000, 64])  # several key splits; one
+def test_the_first_block_read_before_the_wait_changes_no_bit(monkeypatch, max_len):
+    """POCKETLAB_ATTN_EARLY=1 reads each split's first block of cached K/V before the PDL wait: the same arithmetic
+    on the same keys, so the same output and cache bits as the read after it."""
+    dev = "cuda" if on_gpu else "cpu"
+    gen = torch.Generator(device="cpu").manual_seed(7)
+    heads, kv_heads, dim, rot = 4, 2, 16, 8
+    caches = [torch.randn(4, kv_heads, max_len, dim, generator=gen).to(dev) for _ in range(2)]
+    q, k_new, v_new = (torch.randn(3, n, dim, generator=gen).to(dev) for n in (heads, kv_heads, kv_heads))
+    cos, sin = (torch.randn(3, rot, generator=gen).to(dev) for _ in range(2))
+    norms = (torch.randn(dim, generator=gen).to(dev), torch.randn(dim, generator=gen).to(dev), 1e-6, False)
+    slots, lengths = torch.tensor([2, 0, 3], device=dev), torch.tensor([max_len - 5, 1, max_len // 3], device=dev)
+    runs = []
+    for early in ("0", "1"):
+        monkeypatch.setenv("POCKETLAB_ATTN_EARLY", early)
+        k_cache, v_cache = (c.clone() for c in caches)
+        out = da.decode_attention(q, k_new, v_new, k_cache, v_cache, slots, lengths, max_len, dim**-0.5, (cos, sin),
+                                  norms)  # fmt: skip
+        runs.append((out, k_cache, v_cache))
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
 @pytest.mark.parametrize("programs,max_len", [(1, 128), (8, 4096), (256, 4096), (2048, 64), (1, 10**6)])
 def test_splits_are_whole_blocks_and_few(programs, max_len):
     split = da.split_length(programs, max_len, 64)

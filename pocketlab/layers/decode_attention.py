@@ -255,8 +255,8 @@ PROGRAMS_WANTED = 256  # two waves on an H200's 132 SMs (reports/gpu/decode-atte
 
 def early_loads() -> bool:
     """Whether each program reads its first block of cached K/V before its PDL wait, as the GEMVs read their first
-    weight tiles: POCKETLAB_ATTN_EARLY not 0 (0 reads it after, to measure)."""
-    return os.environ.get("POCKETLAB_ATTN_EARLY", "1") != "0"
+    weight tiles: POCKETLAB_ATTN_EARLY=1, a switch until an A/B on the GPU says whether it pays."""
+    return os.environ.get("POCKETLAB_ATTN_EARLY", "0") == "1"
 
 
 def available(device) -> bool:
