@@ -54,7 +54,8 @@
 #                    GEMV_SWEEP_CAP_S [300]), the pre-norm's cost own vs folded (GEMV_NORM_CHAIN [1]), kernel tables
 #                    per mode (engine options or env vars such as POCKETLAB_PDL=0, comma-separated);
 #                    ATTENTION_SWEEP [0] 1: the decode attention's split counts (layers.decode_attention_sweep;
-#                    ATTENTION_SWEEP_ARGS [] e.g. "--batches 1,8,32")
+#                    ATTENTION_SWEEP_ARGS [] e.g. "--batches 1,8,32", or "--launches 0:4:2:0,0:4:2:1,0:8:2:0"
+#                    for its launches, ATTENTION_SWEEP_FILE [decode-attention-splits] e.g. decode-attention-launches)
 #                    -> profile-<model>-<mode>-h200.txt
 #   INVARIANT_SWEEP  [0]  1: the invariant matmul's launch sweep   INVARIANT_PROFILE []  a model: kernel tables, both modes
 #   STALL_MODELS [qwen3-0.6b qwen3.5-0.8b]  STALL_BENCH_MODELS [qwen3-8b qwen3.5-9b]   the stalls step: cold vs warm
@@ -116,6 +117,7 @@ FUSED_BATCHES=${FUSED_BATCHES:-1,32}
 FUSED_PREFILL=${FUSED_PREFILL-4096}
 ATTENTION_SWEEP=${ATTENTION_SWEEP:-0}
 ATTENTION_SWEEP_ARGS=${ATTENTION_SWEEP_ARGS:-}
+ATTENTION_SWEEP_FILE=${ATTENTION_SWEEP_FILE:-decode-attention-splits}
 FUSED_MODES=${FUSED_MODES:-fused_linear=torch fused_linear=triton,gemv_rows=0 fused_linear=triton}
 GEMV_SWEEP=${GEMV_SWEEP:-1}
 GEMV_SWEEP_ARGS=${GEMV_SWEEP_ARGS:-}
@@ -285,7 +287,7 @@ if wants fused; then
   [ "$GEMV_NORM_CHAIN" = 1 ] && step "gemv pre-norm, own kernel vs folded" 120 "$reserve" bash -o pipefail -c \
     "python3 -m pocketlab.layers.gemv_sweep --norm-chain | tee reports/gpu/gemv-norm-chain-$GPU.txt"
   [ "$ATTENTION_SWEEP" = 1 ] && step "decode attention splits (sweep)" 200 "$reserve" bash -o pipefail -c \
-    "TQDM_DISABLE=1 python3 -m pocketlab.layers.decode_attention_sweep $ATTENTION_SWEEP_ARGS | tee reports/gpu/decode-attention-splits-$GPU.txt"
+    "TQDM_DISABLE=1 python3 -m pocketlab.layers.decode_attention_sweep $ATTENTION_SWEEP_ARGS | tee reports/gpu/$ATTENTION_SWEEP_FILE-$GPU.txt"
   for m in $FUSED_MODELS; do
     for mode in $FUSED_MODES; do   # a mode: NAME=VALUE, comma-separated: engine options, or UPPER_CASE env vars
       opts="" envs=""

@@ -81,10 +81,17 @@ def test_the_output_gate_in_the_merge_is_sigmoid_gate_after_it(dtype, max_len):
     torch.testing.assert_close(got, sigmoid_gate(out, gate), atol=0, rtol=0 if dtype == torch.bfloat16 else 1e-6)
 
 
+def test_other_launches_attend_alike(monkeypatch):
+    """Other key blocks, warps and stages (POCKETLAB_ATTN_LAUNCH, for the sweep and tools.ab) against the reference,
+    the first blocks read before the PDL wait: 32-key blocks over 2,000 keys in several splits."""
+    monkeypatch.setenv("POCKETLAB_ATTN_LAUNCH", "32:8:3:1")
+    test_matches_reference_and_stores_the_new_token(4, 1, 16, 2000, 8, "w")
+
+
 @pytest.mark.parametrize("max_len", [2000, 64])  # several key splits; one
 def test_the_first_block_read_before_the_wait_changes_no_bit(monkeypatch, max_len):
-    """POCKETLAB_ATTN_EARLY=1 reads each split's first block of cached K/V before the PDL wait: the same arithmetic
-    on the same keys, so the same output and cache bits as the read after it."""
+    """Launch.early reads each split's first block of cached K/V before the PDL wait: the same arithmetic on the
+    same keys, so the same output and cache bits as the read after it."""
     dev = "cuda" if on_gpu else "cpu"
     gen = torch.Generator(device="cpu").manual_seed(7)
     heads, kv_heads, dim, rot = 4, 2, 16, 8
@@ -94,8 +101,8 @@ def test_the_first_block_read_before_the_wait_changes_no_bit(monkeypatch, max_le
     norms = (torch.randn(dim, generator=gen).to(dev), torch.randn(dim, generator=gen).to(dev), 1e-6, False)
     slots, lengths = torch.tensor([2, 0, 3], device=dev), torch.tensor([max_len - 5, 1, max_len // 3], device=dev)
     runs = []
-    for early in ("0", "1"):
-        monkeypatch.setenv("POCKETLAB_ATTN_EARLY", early)
+    for launch in ("0:4:2:0", "0:4:2:1"):
+        monkeypatch.setenv("POCKETLAB_ATTN_LAUNCH", launch)
         k_cache, v_cache = (c.clone() for c in caches)
         out = da.decode_attention(q, k_new, v_new, k_cache, v_cache, slots, lengths, max_len, dim**-0.5, (cos, sin),
                                   norms)  # fmt: skip

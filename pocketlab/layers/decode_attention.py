@@ -9,7 +9,7 @@ the GPU busy at batch 1; the last split of each (sequence, kv head) to finish me
 split order, in the same launch.
 """
 
-import os
+from dataclasses import dataclass
 
 import torch
 
@@ -22,7 +22,7 @@ except ImportError:  # CPU-only installs: the engine uses SDPA there
     triton = None
 
 if triton is not None:
-    from . import pdl
+    from . import gemv_tma, pdl
     from .invariant.elementwise import gated
     from .pdl import wait_then_release
     from .prefetch import LANES, prefetch_l2
@@ -253,10 +253,26 @@ if triton is not None:
 PROGRAMS_WANTED = 256  # two waves on an H200's 132 SMs (reports/gpu/decode-attention-splits-h200.txt)
 
 
-def early_loads() -> bool:
-    """Whether each program reads its first block of cached K/V before its PDL wait, as the GEMVs read their first
-    weight tiles: POCKETLAB_ATTN_EARLY=1, a switch until an A/B on the GPU says whether it pays."""
-    return os.environ.get("POCKETLAB_ATTN_EARLY", "0") == "1"
+@dataclass(frozen=True)
+class Launch:
+    """block_n keys a block (0: as many as make K and V tiles of 16 KiB, at most 64: two pipeline stages stay well
+    inside shared memory, float32 and head_dim 256 too), num_warps, the key loop's pipeline stages, and `early`: 1,
+    each program reads its first block of cached K/V before its PDL wait, as the GEMVs read their first weight
+    tiles (a kernel two or more launches back wrote them: layers.pdl)."""
+
+    block_n: int = 0
+    num_warps: int = 4  # prefetch.LANES: a piece a thread
+    num_stages: int = 2
+    early: int = 0
+
+
+DEFAULT_LAUNCH = Launch()  # early reads: a switch until an A/B on the GPU says whether they pay
+
+
+def launch_for() -> Launch:
+    """DEFAULT_LAUNCH (read at each call, so the sweep can vary it), or POCKETLAB_ATTN_LAUNCH's
+    "block_n:num_warps:num_stages:early", to measure (tools.ab)."""
+    return gemv_tma.ring_from_env("POCKETLAB_ATTN_LAUNCH", DEFAULT_LAUNCH, Launch) or DEFAULT_LAUNCH
 
 
 def available(device) -> bool:
@@ -290,8 +306,8 @@ def decode_attention(
     kvh = k_cache.shape[1]
     if gate is not None and (gate.shape != q.shape or gate.stride(-1) != 1):
         raise ValueError(f"decode_attention: gate {tuple(gate.shape)} should be q's shape {tuple(q.shape)}, rows whole")
-    # K and V tiles of 16 KiB each keep two pipeline stages well inside shared memory (fp32, head_dim 256 too)
-    block_n = max(16, min(64, 16384 // (D * k_cache.element_size())))
+    launch = launch_for()
+    block_n = launch.block_n or max(16, min(64, 16384 // (D * k_cache.element_size())))
     split_len = split_length(B * kvh, max_len, block_n)
     splits = triton.cdiv(max_len, split_len)
     o = torch.empty(B, H, splits, D, device=q.device, dtype=torch.float32)
@@ -354,9 +370,9 @@ def decode_attention(
         BLOCK_S=max(triton.next_power_of_2(splits), 2),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         PREFETCH=prefetching,
-        EARLY=early_loads(),
-        num_stages=2,
-        num_warps=4,  # prefetch.LANES: a piece a thread
+        EARLY=bool(launch.early),
+        num_stages=launch.num_stages,
+        num_warps=launch.num_warps,
         **pdl.launch(q.device),
     )
     return out
