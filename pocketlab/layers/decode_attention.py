@@ -73,6 +73,18 @@ if triton is not None:
         return k, v
 
     @triton.jit
+    def _first_block(slot_ptr, len_ptr, k_ptr, v_ptr, b, kvh, split, d, stride_cs, stride_ch, stride_ct,
+                     SPLIT_LEN: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+        """Sequence b's length, the cache offset of its (slot, kv head), and its split's first block: (length, base,
+        keys, k, v)."""
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        length = tl.load(len_ptr + b)
+        base = slot * stride_cs + kvh * stride_ch
+        n = split * SPLIT_LEN + tl.arange(0, BLOCK_N)
+        k, v = _cached_block(k_ptr, v_ptr, base, n, d, length - 1, stride_ct)
+        return length, base, n, k, v
+
+    @triton.jit
     def _attend(q, k, v, k_new, v_new, n, last, length, m, l, acc, scale, PRECISION: tl.constexpr):
         """The keys `n` (cached rows k, v; the new token's own at `last`) into the running softmax (m, l, acc) of
         q's rows; keys from `length` on weigh nothing."""
@@ -147,21 +159,20 @@ if triton is not None:
     ):
         b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         splits = tl.num_programs(2)
-        # the step's slot ids and lengths, and the cached keys, were written two or more launches back (layers.pdl)
-        slot = tl.load(slot_ptr + b).to(tl.int64)
-        length = tl.load(len_ptr + b)
-        last = length - 1  # the new token: its K/V come from kn/vn, not the cache
         d = tl.arange(0, D)
-        base = slot * stride_cs + kvh * stride_ch
-        start = split * SPLIT_LEN
-        n = start + tl.arange(0, BLOCK_N)
-        if EARLY:  # the split's first block of cached K/V in flight while the kernel before ends
-            k_first, v_first = _cached_block(k_ptr, v_ptr, base, n, d, last, stride_ct)
+        if EARLY:  # in flight while the kernel before ends: written two or more launches back (layers.pdl)
+            length, base, n, k_first, v_first = _first_block(
+                slot_ptr, len_ptr, k_ptr, v_ptr, b, kvh, split, d, stride_cs, stride_ch, stride_ct, SPLIT_LEN, BLOCK_N
+            )
         if PREFETCH:  # the next projection's weight into L2 while the kernel before ends (layers.prefetch)
             prefetch_l2(pf_ptr, pf_bytes, LANES)
         wait_then_release(PDL)
         if not EARLY:
-            k_first, v_first = _cached_block(k_ptr, v_ptr, base, n, d, last, stride_ct)
+            length, base, n, k_first, v_first = _first_block(
+                slot_ptr, len_ptr, k_ptr, v_ptr, b, kvh, split, d, stride_cs, stride_ch, stride_ct, SPLIT_LEN, BLOCK_N
+            )
+        last = length - 1  # the new token: its K/V come from kn/vn, not the cache
+        start = split * SPLIT_LEN
         g = tl.arange(0, BLOCK_G)
         partner = tl.where(d < ROT, (d + ROT // 2) % ROT, d)
         cos = tl.load(cos_ptr + b * stride_rb + d, mask=d < ROT, other=1.0).to(tl.float32)
