@@ -108,10 +108,12 @@ def test_bench_figures_are_positive_and_finite(result):
         assert all(
             positive(d[k]) for k in ("step_s", "tokens_per_s", "total_bytes", "roofline_step_s", "roofline_frac")
         )
+        assert d["step_s"] <= d["step_p90_s"]  # the median and its tail
     assert [(p["mode"], p["batch"]) for p in result["peer"]] == [("eager", 1), ("eager", 2)]
     for p in result["peer"]:
         assert "error" not in p, p
         assert all(positive(p[k]) for k in ("step_s", "tokens_per_s", "tokens_per_s_subtract"))
+        assert p["step_s"] <= p["step_p90_s"]
     assert set(result["ratios"]) == {
         "pocketlab_over_hf_eager_b1",
         "pocketlab_over_hf_eager_b2",

@@ -132,6 +132,7 @@ def bench_decode(
     return {
         "batch": batch,
         "step_s": step,
+        "step_p90_s": float(np.quantile(samples, 0.9)),  # the tail beside the median
         "tokens_per_s": batch / step,
         "mean_kv_len": mean_kv,
         **moved,

@@ -73,6 +73,7 @@ def bench_peer(
         "seconds_full": clock.pick(full),
         "seconds_one": one,
         "step_s": step,
+        "step_p90_s": float(np.quantile(steps, 0.9)),
         "tokens_per_s": batch / step,
         "tokens_per_s_subtract": batch * (new_tokens - 1) / max(clock.pick(full) - one, 1e-9),
     }

@@ -36,6 +36,7 @@ def tables(result: dict) -> dict[str, pd.DataFrame]:
             {
                 "batch": d["batch"],
                 "step ms": d["step_s"] * 1e3,
+                "p90 ms": d.get("step_p90_s", float("nan")) * 1e3,  # absent in JSONs from before it
                 "tokens/s": d["tokens_per_s"],
                 "roofline ms": d["roofline_step_s"] * 1e3,
                 "roofline frac": d["roofline_frac"],
@@ -50,11 +51,12 @@ def tables(result: dict) -> dict[str, pd.DataFrame]:
                 "batch": p["batch"],
                 "new_tokens": p["new_tokens"],
                 "tokens/s": p.get("tokens_per_s", float("nan")),
+                "step p90 ms": p.get("step_p90_s", float("nan")) * 1e3,
                 "error": p.get("error", ""),
             }
             for p in result["peer"]
         ],
-        columns=["mode", "batch", "new_tokens", "tokens/s", "error"],
+        columns=["mode", "batch", "new_tokens", "tokens/s", "step p90 ms", "error"],
     )
     for mode in sorted(set(peers["mode"])):
         rates = peers[peers["mode"] == mode].set_index("batch")["tokens/s"]
