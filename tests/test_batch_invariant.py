@@ -24,7 +24,7 @@ from pocketlab.layers.gated_delta import backend_name
 from pocketlab.layers.kernels import kernels_for
 from pocketlab.layers.linear import composed
 from pocketlab.layers.rotary import apply_rotary
-from pocketlab.verify.common import load_pair
+from pocketlab.verify.common import load_pair, seq_len_for
 from pocketlab.verify.invariance import CASES, _solo, compare, invariance
 
 
@@ -120,7 +120,7 @@ LONG_PROMPT = 2800
 
 
 def test_the_long_prompt_splits_its_keys_by_the_batch_size():
-    keys, kv_heads = LONG_PROMPT + 2 + 8, 2  # invariance's max_seq_len: the key bucket; the tiny model's kv heads
+    keys, kv_heads = seq_len_for([LONG_PROMPT], 2), 2  # the mutant run's key bucket; the tiny model's kv heads
     assert split_length(kv_heads, keys, 64) != split_length(3 * kv_heads, keys, 64)
 
 

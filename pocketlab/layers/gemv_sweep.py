@@ -310,15 +310,17 @@ def few_row_matmul_resources() -> None:
     for epilogue, what in ((RESIDUAL, "o, down + residual"), (SWIGLU, "gate_up + SwiGLU")):
         for bm, bn, stages in ((32, 64, 4), (32, 64, 3), (32, 32, 4), (64, 64, 4), (64, 32, 3)):
             usage = fused_matmul_usage(matmul.Tiles(bm, bn, 4, stages, matmul.LAST_SUMS), epilogue)
-            shared = int(cast(re.Match[str], re.search(r"(\d+) B shared", usage))[1])
-            print(f"{what:<20} fused matmul {bm}x{bn} s{stages:<8}{usage}, "
-                  f"{(228 << 10) // (shared + 1024)} programs an SM by shared memory")  # fmt: skip
+            print(f"{what:<20} fused matmul {bm}x{bn} s{stages:<8}{with_programs_an_sm(usage)}")
         for bm in (16, 32, 64):  # layers.matmul_tma's default ring, as W @ x^T
             ring = matmul_tma.DEFAULT_RING
             usage = tma_matmul_usage(bm, ring, epilogue)
-            shared = int(cast(re.Match[str], re.search(r"(\d+) B shared", usage))[1])
-            print(f"{what:<20} TMA matmul {ring.block_n}x{bm} s{ring.stages:<9}{usage}, "
-                  f"{(228 << 10) // (shared + 1024)} programs an SM by shared memory")  # fmt: skip
+            print(f"{what:<20} TMA matmul {ring.block_n}x{bm} s{ring.stages:<9}{with_programs_an_sm(usage)}")
+
+
+def with_programs_an_sm(usage: str) -> str:
+    """`compiled`'s line and how many such programs an SM holds by shared memory (228 KiB, 1 KiB a program kept)."""
+    shared = int(cast(re.Match[str], re.search(r"(\d+) B shared", usage))[1])
+    return f"{usage}, {(228 << 10) // (shared + 1024)} programs an SM by shared memory"
 
 
 def fused_matmul_usage(t, epilogue: int) -> str:

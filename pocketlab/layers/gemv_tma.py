@@ -64,10 +64,10 @@ def one_row_ring(weight: torch.Tensor) -> Ring | None:
     return ring if ring and fits(weight) else None
 
 
-def fits(weight: torch.Tensor) -> bool:
-    """TMA reads rows of 16-byte multiples from a 16-byte aligned start."""
-    row_bytes = weight.stride(0) * weight.element_size()
-    return weight.stride(1) == 1 and weight.data_ptr() % 16 == 0 and row_bytes % 16 == 0
+def fits(matrix: torch.Tensor) -> bool:
+    """TMA reads rows of 16-byte multiples from a 16-byte aligned start (a weight, or matmul_tma's x)."""
+    row_bytes = matrix.stride(0) * matrix.element_size()
+    return matrix.stride(1) == 1 and matrix.data_ptr() % 16 == 0 and row_bytes % 16 == 0
 
 
 def has_tma(device: torch.device) -> bool:
