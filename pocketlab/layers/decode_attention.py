@@ -73,16 +73,10 @@ if triton is not None:
         return k, v
 
     @triton.jit
-    def _first_block(slot_ptr, len_ptr, k_ptr, v_ptr, b, kvh, split, d, stride_cs, stride_ch, stride_ct,
-                     SPLIT_LEN: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-        """Sequence b's length, the cache offset of its (slot, kv head), and its split's first block: (length, base,
-        keys, k, v)."""
+    def _slot_and_length(slot_ptr, len_ptr, b, kvh, stride_cs, stride_ch):
+        """Sequence b's length and the cache offset of its (slot, kv head)."""
         slot = tl.load(slot_ptr + b).to(tl.int64)
-        length = tl.load(len_ptr + b)
-        base = slot * stride_cs + kvh * stride_ch
-        n = split * SPLIT_LEN + tl.arange(0, BLOCK_N)
-        k, v = _cached_block(k_ptr, v_ptr, base, n, d, length - 1, stride_ct)
-        return length, base, n, k, v
+        return tl.load(len_ptr + b), slot * stride_cs + kvh * stride_ch
 
     @triton.jit
     def _attend(q, k, v, k_new, v_new, n, last, length, m, l, acc, scale, PRECISION: tl.constexpr):
@@ -160,19 +154,17 @@ if triton is not None:
         b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         splits = tl.num_programs(2)
         d = tl.arange(0, D)
+        start = split * SPLIT_LEN
         if EARLY:  # in flight while the kernel before ends: written two or more launches back (layers.pdl)
-            length, base, n, k_first, v_first = _first_block(
-                slot_ptr, len_ptr, k_ptr, v_ptr, b, kvh, split, d, stride_cs, stride_ch, stride_ct, SPLIT_LEN, BLOCK_N
-            )
+            length, base = _slot_and_length(slot_ptr, len_ptr, b, kvh, stride_cs, stride_ch)
+            n = start + tl.arange(0, BLOCK_N)
+            k_first, v_first = _cached_block(k_ptr, v_ptr, base, n, d, length - 1, stride_ct)
         if PREFETCH:  # the next projection's weight into L2 while the kernel before ends (layers.prefetch)
             prefetch_l2(pf_ptr, pf_bytes, LANES)
         wait_then_release(PDL)
         if not EARLY:
-            length, base, n, k_first, v_first = _first_block(
-                slot_ptr, len_ptr, k_ptr, v_ptr, b, kvh, split, d, stride_cs, stride_ch, stride_ct, SPLIT_LEN, BLOCK_N
-            )
+            length, base = _slot_and_length(slot_ptr, len_ptr, b, kvh, stride_cs, stride_ch)
         last = length - 1  # the new token: its K/V come from kn/vn, not the cache
-        start = split * SPLIT_LEN
         g = tl.arange(0, BLOCK_G)
         partner = tl.where(d < ROT, (d + ROT // 2) % ROT, d)
         cos = tl.load(cos_ptr + b * stride_rb + d, mask=d < ROT, other=1.0).to(tl.float32)
@@ -218,11 +210,12 @@ if triton is not None:
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, D], tl.float32)
-        # a block wholly past `length` leaves m, l and acc exactly as they are: the first block is always attended,
-        # the others only where they hold live keys (one block a split: a loop of static length, none)
-        m, l, acc = _attend(q, k_first, v_first, k_new, v_new, n, last, length, m, l, acc, scale, PRECISION)
+        # a block wholly past `length` leaves m, l and acc exactly as they are: the loop walks the blocks holding
+        # live keys (one block a split: a loop of static length), the first read before the wait where EARLY
+        if EARLY:
+            m, l, acc = _attend(q, k_first, v_first, k_new, v_new, n, last, length, m, l, acc, scale, PRECISION)
         span = BLOCK_N if SPLIT_LEN == BLOCK_N else tl.minimum(SPLIT_LEN, length - start)
-        for n0 in range(BLOCK_N, span, BLOCK_N):
+        for n0 in range(BLOCK_N if EARLY else 0, span, BLOCK_N):
             keys = start + n0 + tl.arange(0, BLOCK_N)
             k, v = _cached_block(k_ptr, v_ptr, base, keys, d, last, stride_ct)
             m, l, acc = _attend(q, k, v, k_new, v_new, keys, last, length, m, l, acc, scale, PRECISION)
