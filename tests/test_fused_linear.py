@@ -411,6 +411,37 @@ def test_a_decode_layer_is_five_launches(make_engine, monkeypatch, preset):
         assert got == list(FIVE_A_LAYER[kind]), kind
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="counts the interpreter's launches")
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen3_5"])
+def test_a_batch_decode_step_folds_every_pre_norm_its_rings_can(make_engine, monkeypatch, preset):
+    """With Ring.norms (the sixth field of POCKETLAB_MATMUL_TMA), a bf16 decode step of three slots runs the norm
+    kernel twice, whatever the layers: the first layer's input norm (the embedding is no ring's output) and the final
+    norm; every other pre-norm, attention's or Gated DeltaNet's, rides in its projection's ring. Its logits are the
+    unfolded rings' to the sums' order (bf16: within a few of its ulps), its tokens the same."""
+    from conftest import random_prompt
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from pocketlab import BatchedRequest
+
+    steps = {}
+    for norms in (0, 1):
+        monkeypatch.setenv("POCKETLAB_MATMUL_TMA", f"64:3:0:1:2:{norms}")
+        engine = make_engine(preset, dtype="bfloat16", fused_linear="triton", linear_decode="triton",
+                             decode_attention="triton")  # fmt: skip
+        requests = [BatchedRequest(i, random_prompt(5 + 3 * i, seed=i)) for i in range(3)]
+        engine.batch_prefill(requests)
+        launches: list[str] = []
+        run = InterpretedFunction.run
+        with monkeypatch.context() as m:
+            m.setattr(InterpretedFunction, "run", lambda f, *a, **k: launches.append(f.fn.__name__) or run(f, *a, **k))
+            steps[norms] = engine.batch_decode_step(requests)
+        layers = engine.cfg.num_hidden_layers
+        assert launches.count("_rms_norm_rows") == (2 if norms else 2 * layers + 1), (norms, launches)
+    folded, unfolded = steps[1].logits, steps[0].logits
+    assert (folded - unfolded).abs().max() <= 0.05 * unfolded.abs().max()
+    assert steps[1].next_tokens == steps[0].next_tokens
+
+
 def test_the_resources_table_compiles_the_kernel_the_jit_builds():
     """gemv_sweep's sm_90 table (compiled on the CPU) marks pointers, sizes and strides divisible by 16 as the JIT
     finds them at the Qwen shapes. Only then does the fused matmul's 32-row SwiGLU tile pipeline its loads: its four
