@@ -423,6 +423,13 @@ def test_a_batch_decode_step_folds_every_pre_norm_its_rings_can(make_engine, mon
 
     from pocketlab import BatchedRequest
 
+    launches: list[str] = []
+    run = InterpretedFunction.run
+
+    def counted(f, *args, **kwargs):
+        launches.append(f.fn.__name__)
+        return run(f, *args, **kwargs)
+
     steps = {}
     for norms in (0, 1):
         monkeypatch.setenv("POCKETLAB_MATMUL_TMA", f"64:3:0:1:2:{norms}")
@@ -430,11 +437,10 @@ def test_a_batch_decode_step_folds_every_pre_norm_its_rings_can(make_engine, mon
                              decode_attention="triton")  # fmt: skip
         requests = [BatchedRequest(i, random_prompt(5 + 3 * i, seed=i)) for i in range(3)]
         engine.batch_prefill(requests)
-        launches: list[str] = []
-        run = InterpretedFunction.run
-        with monkeypatch.context() as m:
-            m.setattr(InterpretedFunction, "run", lambda f, *a, **k: launches.append(f.fn.__name__) or run(f, *a, **k))
-            steps[norms] = engine.batch_decode_step(requests)
+        launches.clear()
+        monkeypatch.setattr(InterpretedFunction, "run", counted)
+        steps[norms] = engine.batch_decode_step(requests)
+        monkeypatch.setattr(InterpretedFunction, "run", run)
         layers = engine.cfg.num_hidden_layers
         assert launches.count("_rms_norm_rows") == (2 if norms else 2 * layers + 1), (norms, launches)
     folded, unfolded = steps[1].logits, steps[0].logits
