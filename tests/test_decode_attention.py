@@ -88,10 +88,11 @@ def test_other_launches_attend_alike(monkeypatch):
     test_matches_reference_and_stores_the_new_token(4, 1, 16, 2000, 8, "w")
 
 
-@pytest.mark.parametrize("max_len", [2000, 64])  # several key splits; one
+@pytest.mark.parametrize("max_len", [4000, 64])  # several key splits of two blocks; one split of one
 def test_the_first_block_read_before_the_wait_changes_no_bit(monkeypatch, max_len):
     """Launch.early reads each split's first block of cached K/V before the PDL wait: the same arithmetic on the
-    same keys, so the same output and cache bits as the read after it."""
+    same keys, so the same output and cache bits as the read after it, always or (the default) where a split holds
+    several blocks (here at 4,000 keys, not at 64)."""
     dev = "cuda" if on_gpu else "cpu"
     gen = torch.Generator(device="cpu").manual_seed(7)
     heads, kv_heads, dim, rot = 4, 2, 16, 8
@@ -101,13 +102,14 @@ def test_the_first_block_read_before_the_wait_changes_no_bit(monkeypatch, max_le
     norms = (torch.randn(dim, generator=gen).to(dev), torch.randn(dim, generator=gen).to(dev), 1e-6, False)
     slots, lengths = torch.tensor([2, 0, 3], device=dev), torch.tensor([max_len - 5, 1, max_len // 3], device=dev)
     runs = []
-    for launch in ("0:4:2:0", "0:4:2:1"):
+    assert da.reads_early(da.DEFAULT_LAUNCH, da.split_length(3 * kv_heads, max_len, 64), 64) == (max_len == 4000)
+    for launch in ("0:4:2:0", "0:4:2:1", "0:4:2:2"):
         monkeypatch.setenv("POCKETLAB_ATTN_LAUNCH", launch)
         k_cache, v_cache = (c.clone() for c in caches)
         out = da.decode_attention(q, k_new, v_new, k_cache, v_cache, slots, lengths, max_len, dim**-0.5, (cos, sin),
                                   norms)  # fmt: skip
         runs.append((out, k_cache, v_cache))
-    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+    assert all(torch.equal(first, other) for first, *rest in zip(*runs, strict=True) for other in rest)
 
 
 @pytest.mark.parametrize("programs,max_len", [(1, 128), (8, 4096), (256, 4096), (2048, 64), (1, 10**6)])

@@ -115,36 +115,6 @@ def test_tma_ring_matmul_matches_the_unfused_torch_steps(epilogue, monkeypatch):
     assert empty.shape == (0, N) and len(taken) == 2 + (epilogue in ("residual", "swiglu"))
 
 
-@pytest.mark.parametrize("offset", [False, True])
-def test_the_tma_ring_folds_the_pre_norm_of_the_residual_stream_it_wrote(offset):
-    """With Ring.norms a residual add through the ring stores each output tile's row sums of squares beside its
-    output; the next call handed that output and its RMSNorm (Qwen3's `w * x`, Qwen3.5's `(1 + w) * x`) norms x's
-    tiles itself, with no norm launch. Its normed rows (read through an identity weight) are the norm kernel's, but
-    where the sum of squares' order tips a rounding; its outputs are the ring's on those rows, bit for bit. Rows
-    padded to 16 and 32, the consumer's K over two slices, the producer's last tile off the row's end."""
-    ring, dtype = matmul_tma.Ring(64, 3, 0, True, 2, norms=True), torch.bfloat16
-    K, N = 1096, 72  # the residual stream's width (18 producer tiles), the consumer's outputs
-    assert matmul.order(N, K, dtype).split_k == 2
-    for M in (3, 20):
-        x, w_o, _, extras = inputs(M, K, 136, dtype, "residual", seed=M)
-        h = matmul_tma.linear(x, w_o, ring=ring, residual=extras["residual"] * 3.0)  # rms ~3: a norm left out shows
-        tiles = F.pad(h.float(), (0, 18 * 64 - K)).view(M, 18, 64).pow(2).sum(-1)
-        torch.testing.assert_close(matmul_tma.row_squares(h), tiles, rtol=1e-5, atol=0)
-        norm = RMSNorm(randn(K, dtype=dtype, seed=M + 7) + 1.0, 1e-2, offset)
-        calls: list[int] = []
-        norm.norm = lambda *a, real=norm.norm, calls=calls: calls.append(1) or real(*a)
-        normed = matmul_tma.linear(h, torch.eye(K, dtype=dtype, device=DEV), ring=ring, norm=norm)
-        assert_matches_the_unfused_steps(normed, _rms_norm(h, norm.weight, norm.eps, offset), dtype, (M, offset))
-        for epilogue in ("plain", "swiglu"):
-            _, w, _, more = inputs(M, N, K, dtype, epilogue, seed=M + 1)
-            got = matmul_tma.linear(h, w, ring=ring, norm=norm, **more)
-            assert torch.equal(got, matmul_tma.linear(normed, w, ring=ring, **more)), (M, epilogue, offset)
-            assert matmul_tma.row_squares(got) is None
-        assert calls == []
-        matmul_tma.linear(h, w, ring=dataclasses.replace(ring, norms=False), norm=norm, **more)
-        assert calls == [1]
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("epilogue", EPILOGUES)
 def test_tma_ring_gemv_matches_the_unfused_torch_steps(dtype, epilogue, monkeypatch):
@@ -409,43 +379,6 @@ def test_a_decode_layer_is_five_launches(make_engine, monkeypatch, preset):
     assert len(layers) == len(kinds) and (preset == "tiny-qwen3" or {*kinds} == {*FIVE_A_LAYER})
     for kind, got in zip(kinds, layers, strict=True):
         assert got == list(FIVE_A_LAYER[kind]), kind
-
-
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="counts the interpreter's launches")
-@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen3_5"])
-def test_a_batch_decode_step_folds_every_pre_norm_its_rings_can(make_engine, monkeypatch, preset):
-    """With Ring.norms (the sixth field of POCKETLAB_MATMUL_TMA), a bf16 decode step of three slots runs the norm
-    kernel twice, whatever the layers: the first layer's input norm (the embedding is no ring's output) and the final
-    norm; every other pre-norm, attention's or Gated DeltaNet's, rides in its projection's ring. Its logits are the
-    unfolded rings' to the sums' order (bf16: within a few of its ulps), its tokens the same."""
-    from conftest import random_prompt
-    from triton.runtime.interpreter import InterpretedFunction
-
-    from pocketlab import BatchedRequest
-
-    launches: list[str] = []
-    run = InterpretedFunction.run
-
-    def counted(f, *args, **kwargs):
-        launches.append(f.fn.__name__)
-        return run(f, *args, **kwargs)
-
-    steps = {}
-    for norms in (0, 1):
-        monkeypatch.setenv("POCKETLAB_MATMUL_TMA", f"64:3:0:1:2:{norms}")
-        engine = make_engine(preset, dtype="bfloat16", fused_linear="triton", linear_decode="triton",
-                             decode_attention="triton")  # fmt: skip
-        requests = [BatchedRequest(i, random_prompt(5 + 3 * i, seed=i)) for i in range(3)]
-        engine.batch_prefill(requests)
-        launches.clear()
-        monkeypatch.setattr(InterpretedFunction, "run", counted)
-        steps[norms] = engine.batch_decode_step(requests)
-        monkeypatch.setattr(InterpretedFunction, "run", run)
-        layers = engine.cfg.num_hidden_layers
-        assert launches.count("_rms_norm_rows") == (2 if norms else 2 * layers + 1), (norms, launches)
-    folded, unfolded = steps[1].logits, steps[0].logits
-    assert (folded - unfolded).abs().max() <= 0.05 * unfolded.abs().max()
-    assert steps[1].next_tokens == steps[0].next_tokens
 
 
 def test_the_resources_table_compiles_the_kernel_the_jit_builds():

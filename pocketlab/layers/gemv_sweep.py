@@ -25,7 +25,6 @@ thread, the shared memory a program and the TMA loads in the machine code (Trito
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import inspect
 import itertools
 import os
@@ -313,11 +312,10 @@ def few_row_matmul_resources() -> None:
         for bm, bn, stages in ((32, 64, 4), (32, 64, 3), (32, 32, 4), (64, 64, 4), (64, 32, 3)):
             usage = fused_matmul_usage(matmul.Tiles(bm, bn, 4, stages, matmul.LAST_SUMS), epilogue)
             print(f"{what:<20} fused matmul {bm}x{bn} s{stages:<8}{with_programs_an_sm(usage)}")
-        for bm in (16, 32, 64):  # layers.matmul_tma's default ring, as W @ x^T, and with the pre-norms folded
-            for ring in (matmul_tma.DEFAULT_RING, dataclasses.replace(matmul_tma.DEFAULT_RING, norms=True)):
-                usage = tma_matmul_usage(bm, ring, epilogue)
-                form = f"TMA matmul {ring.block_n}x{bm} s{ring.stages}{' norms' if ring.norms else ''}"
-                print(f"{what:<20} {form:<29}{with_programs_an_sm(usage)}")
+        for bm in (16, 32, 64):  # layers.matmul_tma's default ring, as W @ x^T
+            ring = matmul_tma.DEFAULT_RING
+            usage = tma_matmul_usage(bm, ring, epilogue)
+            print(f"{what:<20} TMA matmul {ring.block_n}x{bm} s{ring.stages:<9}{with_programs_an_sm(usage)}")
 
 
 def with_programs_an_sm(usage: str) -> str:
@@ -339,19 +337,14 @@ def fused_matmul_usage(t, epilogue: int) -> str:
 
 def tma_matmul_usage(block_m: int, ring, epilogue: int) -> str:
     """`compiled` for layers.matmul_tma's launch of `ring` at block_m rows with `epilogue`, in bf16 (its stages as
-    the launch caps them for SwiGLU); with `ring.norms` a residual add stores its row squares, other calls fold a
-    pre-norm of the 8B's width (64 partials a row)."""
+    the launch caps them for SwiGLU)."""
     stages = matmul_tma.stages_that_fit(ring, block_m, 128 * 2, epilogue == SWIGLU)
     signature = {"x_desc": f"tensordesc<bf16[{block_m}, 128]>", "w_desc": f"tensordesc<bf16[{ring.block_n}, 128]>"}
-    signature |= dict.fromkeys(("w_ptr", "b_ptr", "y_ptr", "res_ptr", "g_ptr"), "*bf16")
-    signature |= dict.fromkeys(("part_ptr", "sq_in_ptr", "sq_out_ptr"), "*fp32") | {"eps": "fp32"}
-    ints = ("rows", "N", "K", "k_per_split", "split_k", "tiles_in", "stride_wn", "stride_ym", "stride_ps", "stride_pm",
-            "stride_rm", "stride_sq_in", "stride_sq_out")  # fmt: skip
+    signature |= dict.fromkeys(("w_ptr", "b_ptr", "y_ptr", "res_ptr"), "*bf16") | {"part_ptr": "*fp32"}
+    ints = ("rows", "N", "K", "k_per_split", "split_k", "stride_wn", "stride_ym", "stride_ps", "stride_pm", "stride_rm")
     signature |= {"arrived_ptr": "*i32"} | dict.fromkeys(ints, "i32")
-    folds = ring.norms and epilogue != RESIDUAL
-    constants = dict(HAS_BIAS=False, EPILOGUE=epilogue, NORM=int(folds), TILES_IN=64 if folds else 1,
-                     SQUARES=ring.norms and epilogue == RESIDUAL, PRECISION="tf32", BLOCK_M=block_m,
-                     BLOCK_N=ring.block_n, BLOCK_K=128, STAGES=stages, PREFETCH=ring.prefetch)  # fmt: skip
+    constants = dict(HAS_BIAS=False, EPILOGUE=epilogue, PRECISION="tf32", BLOCK_M=block_m, BLOCK_N=ring.block_n,
+                     BLOCK_K=128, STAGES=stages, PREFETCH=ring.prefetch)  # fmt: skip
     return compiled(matmul_tma._matmul_tma, signature, constants, 4, 3, ("k_per_split",))
 
 

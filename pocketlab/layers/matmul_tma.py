@@ -9,15 +9,9 @@ weight tiles are asked into L2 before its PDL wait. K is cut as the invariant ma
 slices added in slice order by the last of a tile's programs) and the epilogue is its `finish`; on the GPU each
 element is the same chain of MMA steps, and the sweep and the engine found the same bits as the invariant kernel's.
 
-The pre-norm of a call can ride in the ring too (`Ring.norms`): a call with a residual add (o_proj, down: the
-residual stream) also stores each output tile's sum of squares of its rounded rows, [rows, N / BLOCK_N], beside its
-output (`row_squares`); a call handed that output and its RMSNorm sums the row's partials in order, and norms each
-x tile on its way to the MMA, rounded as layers.norm rounds. No program reads a whole row, and the norm's launch is
-gone; only the sum of squares' order differs from the norm kernel's.
-
 The default engine sends its calls of up to 64 rows here on sm_90 and later (`ring_for`), save those the GEMV takes
 and one-row calls with an epilogue: the lm_head at batch 1 among them, which cuBLAS ran before. POCKETLAB_MATMUL_TMA=0
-turns that off, "block_n:stages:prefetch[:plain[:min_rows[:norms]]]" tries another ring.
+turns that off, "block_n:stages:prefetch[:plain[:min_rows]]" tries another ring.
 """
 
 from __future__ import annotations
@@ -34,9 +28,6 @@ from .arrivals import arrival_counts
 from .invariant.dot import dot, precision
 from .invariant.matmul import SWIGLU, Fused, as_rows, checked_width, epilogue_of, finish, last_sums, order
 from .invariant.matmul import linear as invariant_linear
-from .invariant.norm import weighted
-from .invariant.rounding import cast
-from .norm import RMSNorm, norm_flavour
 from .pdl import wait_then_release
 from .prefetch import bulk_prefetch
 
@@ -48,14 +39,13 @@ SHARED_BYTES = 224 << 10  # of an H100's or H200's 227 KiB a program may hold: t
 class Ring:
     """BLOCK_N weight rows a program (the MMA's M side), STAGES tiles in the ring, PREFETCH first tiles into L2
     before the PDL wait; `plain`: projections without an epilogue take it too (else cuBLAS's); calls with an
-    epilogue take it from `min_rows` rows (else the invariant matmul's); `norms`: pre-norms fold in (module doc)."""
+    epilogue take it from `min_rows` rows (else the invariant matmul's)."""
 
     block_n: int = 64
     stages: int = 4
     prefetch: int = 2
     plain: bool = True
     min_rows: int = 2
-    norms: bool = False
 
     def takes(self, rows: int, epilogue: bool) -> bool:
         return rows >= self.min_rows if epilogue else self.plain
@@ -88,36 +78,14 @@ def _prefetch_rows(w_ptr, n0, k_start, K, rows_total, stride_wn, ROWS: tl.conste
     bulk_prefetch(w_ptr.to(tl.int64) + (r.to(tl.int64) * stride_wn + k_start) * 2, size)
 
 
-@triton.jit
-def _inv_rms(sq_ptr, m, live_m, tiles, stride_sq, K, eps, TILES: tl.constexpr):
-    """1 / rms of rows m: their `tiles` partial sums of squares (a producer's output tiles) added in order."""
-    t = tl.arange(0, TILES)
-    parts = tl.load(sq_ptr + m[:, None] * stride_sq + t[None, :], mask=live_m[:, None] & (t < tiles)[None, :],
-                    other=0.0)  # fmt: skip
-    return tl.rsqrt(tl.sum(parts, axis=1) / K + eps)
-
-
-@triton.jit
-def _normed(x, g_ptr, k0, K, inv_rms, NORM: tl.constexpr, BLOCK_K: tl.constexpr):
-    """x's tile [rows, BLOCK_K] at column k0 through the RMSNorm of weight g, rounded where layers.norm rounds."""
-    k = k0 + tl.arange(0, BLOCK_K)
-    g = tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
-    normed = x.to(tl.float32) * inv_rms[:, None]
-    y = normed * (1.0 + g) if NORM == 2 else weighted(normed, g, x.dtype, x.dtype)
-    return cast(y, x.dtype)
-
-
 @triton.jit(do_not_specialize=["rows"])
-def _matmul_tma(x_desc, w_desc, w_ptr, b_ptr, y_ptr, part_ptr, arrived_ptr, res_ptr, sq_in_ptr, g_ptr, sq_out_ptr,
-                eps, rows, N, K, k_per_split, split_k, tiles_in, stride_wn, stride_ym, stride_ps, stride_pm,
-                stride_rm, stride_sq_in, stride_sq_out, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
-                NORM: tl.constexpr, TILES_IN: tl.constexpr, SQUARES: tl.constexpr, PRECISION: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                PREFETCH: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+def _matmul_tma(x_desc, w_desc, w_ptr, b_ptr, y_ptr, part_ptr, arrived_ptr, res_ptr, rows, N, K, k_per_split,
+                split_k, stride_wn, stride_ym, stride_ps, stride_pm, stride_rm, HAS_BIAS: tl.constexpr,
+                EPILOGUE: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
+                PDL: tl.constexpr):  # fmt: skip
     """Slice program_id(1) of weight rows [BLOCK_N from program_id(0)] times every row of x; EPILOGUE as the
-    invariant matmul's (2: W is [gate | up], up rows N further; gate rows past N read up rows, never stored).
-    NORM: x is RMS-normed with weight g first, each row's 1 / rms from its `tiles_in` partial sums of squares at
-    sq_in_ptr; SQUARES: each row's sum of squares of this tile's output is stored at sq_out_ptr[row, program_id(0)]."""
+    invariant matmul's (2: W is [gate | up], up rows N further; gate rows past N read up rows, never stored)."""
     pid_n, s = tl.program_id(0), tl.program_id(1)
     n0 = pid_n * BLOCK_N
     k_start = s * k_per_split
@@ -128,16 +96,10 @@ def _matmul_tma(x_desc, w_desc, w_ptr, b_ptr, y_ptr, part_ptr, arrived_ptr, res_
         if TWO:
             _prefetch_rows(w_ptr, n0 + N, k_start, K, N * 2, stride_wn, BLOCK_N, PREFETCH * BLOCK_K * 2)
     wait_then_release(PDL)
-    if NORM:
-        r = tl.arange(0, BLOCK_M)
-        inv_rms = _inv_rms(sq_in_ptr, r, r < rows, tiles_in, stride_sq_in, K, eps, TILES_IN)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
-        x = x_desc.load([0, k0])  # [BLOCK_M, BLOCK_K]; rows past `rows` and columns past K read zeros
-        if NORM:
-            x = _normed(x, g_ptr, k0, K, inv_rms, NORM, BLOCK_K)
-        x = tl.trans(x)
+        x = tl.trans(x_desc.load([0, k0]))  # [BLOCK_K, BLOCK_M]; rows past `rows` and columns past K read zeros
         acc = dot(w_desc.load([n0, k0]), x, acc, PRECISION)
         if TWO:
             acc_up = dot(w_desc.load([n0 + N, k0]), x, acc_up, PRECISION)
@@ -154,9 +116,6 @@ def _matmul_tma(x_desc, w_desc, w_ptr, b_ptr, y_ptr, part_ptr, arrived_ptr, res_
         y = finish(total, total_up, b_ptr, res_ptr, m, n, live_m, live_n, stride_rm, y_ptr.dtype.element_ty,
                    HAS_BIAS, EPILOGUE)  # fmt: skip
         tl.store(y_ptr + m.to(tl.int64)[:, None] * stride_ym + n[None, :], y, mask=live)
-        if SQUARES:  # the next pre-norm's share of these rows: the values as stored
-            y = tl.where(live, y.to(tl.float32), 0.0)
-            tl.store(sq_out_ptr + m * stride_sq_out + pid_n, tl.sum(y * y, axis=1), mask=live_m)
 
 
 def stages_that_fit(ring: Ring, block_m: int, row_bytes: int, two: bool) -> int:
@@ -165,35 +124,10 @@ def stages_that_fit(ring: Ring, block_m: int, row_bytes: int, two: bool) -> int:
     return max(2, min(ring.stages, SHARED_BYTES // ((ring.block_n * (1 + two) + block_m) * row_bytes)))
 
 
-@dataclass(frozen=True)
-class PreNorm:
-    """A pre-norm folded into the ring: the RMSNorm (layers.norm.RMSNorm) and x's row squares ([rows, tiles])."""
-
-    norm: RMSNorm
-    squares: torch.Tensor
-
-
-def row_squares(h: torch.Tensor) -> torch.Tensor | None:
-    """The per-tile sums of squares a residual-producing ring stored beside `h` (None: none)."""
-    return getattr(h, "row_squares", None)
-
-
-def folded(x: torch.Tensor, norm, ring: Ring) -> PreNorm | None:
-    """`norm` of x as the ring can fold it: x came out of a ring with its row squares, the norm's weight is x's
-    dtype and width (else the norm runs first, as its own kernel)."""
-    squares = row_squares(x) if norm is not None and ring.norms else None
-    if squares is None or squares.shape[0] != x.numel() // x.shape[-1]:
-        return None
-    w = norm.weight
-    return PreNorm(norm, squares) if w.dtype == x.dtype and w.shape == x.shape[-1:] else None
-
-
 def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, ring: Ring,
-           fused: Fused | None = None, pre: PreNorm | None = None,
-           squares: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+           fused: Fused | None = None) -> torch.Tensor:  # fmt: skip
     """y [M, N] = x2 [M, K] @ weight^T (+ bias), then `fused`'s epilogue, the weight read through `ring`
-    (`fits(x2, weight)` checked by the caller); x2's rows normed first by `pre`; `squares` [M, cdiv(N, block_n)]:
-    where the rows' per-tile sums of squares go."""
+    (`fits(x2, weight)` checked by the caller)."""
     fused = fused or Fused()
     M, K = x2.shape
     N = y.shape[1]
@@ -210,17 +144,13 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
     else:
         part = arrived = y  # never read
     res = fused.residual
-    sq_in = y if pre is None else pre.squares  # absent: never read
     _matmul_tma[(grid_n, o.split_k)](
-        x_desc, w_desc, weight, y if bias is None else bias, y, part, arrived, y if res is None else res, sq_in,
-        y if pre is None else pre.norm.weight, y if squares is None else squares,
-        0.0 if pre is None else float(pre.norm.eps), M, N, K, o.k_per_split, o.split_k, sq_in.shape[-1],
-        weight.stride(0), y.stride(0), part.stride(0) if o.split_k > 1 else 0, part.stride(1) if o.split_k > 1 else 0,
-        0 if res is None else res.stride(0), sq_in.stride(0), 0 if squares is None else squares.stride(0),
-        HAS_BIAS=bias is not None, EPILOGUE=fused.epilogue, NORM=norm_flavour(None if pre is None else pre.norm),
-        TILES_IN=triton.next_power_of_2(sq_in.shape[-1]) if pre is not None else 1, SQUARES=squares is not None,
-        PRECISION=precision(x2.dtype, x2.device), BLOCK_M=block_m, BLOCK_N=ring.block_n, BLOCK_K=o.block_k,
-        STAGES=stages, PREFETCH=ring.prefetch if pdl.sm90(x2.device) else 0, num_warps=4, **pdl.launch(x2.device),
+        x_desc, w_desc, weight, y if bias is None else bias, y, part, arrived, y if res is None else res, M, N, K,
+        o.k_per_split, o.split_k, weight.stride(0), y.stride(0), part.stride(0) if o.split_k > 1 else 0,
+        part.stride(1) if o.split_k > 1 else 0, 0 if res is None else res.stride(0), HAS_BIAS=bias is not None,
+        EPILOGUE=fused.epilogue, PRECISION=precision(x2.dtype, x2.device), BLOCK_M=block_m, BLOCK_N=ring.block_n,
+        BLOCK_K=o.block_k, STAGES=stages, PREFETCH=ring.prefetch if pdl.sm90(x2.device) else 0,
+        num_warps=4, **pdl.launch(x2.device),
     )  # fmt: skip
     return y
 
@@ -228,25 +158,18 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, ring: Ring,
            residual: torch.Tensor | None = None, swiglu: bool = False, norm=None,
            conv=None) -> torch.Tensor:  # fmt: skip
-    """invariant.matmul.linear's call through `ring`, its norm folded in where `folded` says so (else a kernel of
-    its own, before) and its conv after; calls TMA cannot read (and empty ones) go to the invariant matmul. With
-    `ring.norms` a residual add's output carries its row squares (`row_squares`) for the next pre-norm."""
-    pre = folded(x, norm, ring)
-    if norm is not None and pre is None:
+    """invariant.matmul.linear's call (its norm before and conv after as kernels of their own) through `ring`;
+    calls TMA cannot read (and empty ones) go there."""
+    if norm is not None:
         x = norm(x)
     N = checked_width("linear", x, weight, bias, residual, swiglu)
     x2 = as_rows(x, weight.shape[1])
-    squares = None
     if not (x2.shape[0] and fits(x2, weight)):
-        y = invariant_linear(x2 if pre is None else norm(x2), weight, bias,
-                             residual=None if residual is None else as_rows(residual, N), swiglu=swiglu)  # fmt: skip
+        y = invariant_linear(x2, weight, bias, residual=None if residual is None else as_rows(residual, N),
+                             swiglu=swiglu)  # fmt: skip
     else:
         y = torch.empty(x2.shape[0], N, dtype=x.dtype, device=x.device)
         fused = Fused(None if residual is None else as_rows(residual, N), epilogue_of(residual, swiglu))
-        if ring.norms and residual is not None and conv is None:
-            squares = torch.empty(x2.shape[0], triton.cdiv(N, ring.block_n), dtype=torch.float32, device=x.device)
-        launch(x2, weight, bias, y, ring, fused, pre, squares)
+        launch(x2, weight, bias, y, ring, fused)
     y = y.reshape(*x.shape[:-1], N)
-    if squares is not None:
-        y.row_squares = squares  # type: ignore[attr-defined]  # read by the next ring's `folded`
     return y if conv is None else conv(y)
