@@ -4,10 +4,10 @@ python -m pocketlab.layers.decode_attention_sweep [--launches 0:4:2:0,0:4:2:1,32
 On CUDA, at the Qwen3-8B (32 query heads, 8 kv heads, head_dim 128, w*x q/k norms) and Qwen3.5-9B (16, 4, 256,
 (1+w)*x) attention shapes, for batches of 1 to 64 sequences of a few live lengths, each in its graph's key bucket
 (graphs.key_buckets): the kernel's time for each PROGRAMS_WANTED (the split count follows from it, split_length),
-or with --launches for each decode_attention.Launch ("block_n:num_warps:num_stages:early") at the default count,
-and the live K/V it reads per microsecond. Times are medians of CUDA-graph replays cycling over cache copies
-(invariant.sweep.graph_ms), so each call reads its keys from HBM as a decode step does and, with PDL, starts while
-the call before it ends.
+or with --launches for each decode_attention.Launch ("block_n:num_warps:num_stages:early", early 0 never, 1 always,
+2 the default's rule, `reads_early`) at the default count, and the live K/V it reads per microsecond. Times are
+medians of CUDA-graph replays cycling over cache copies (invariant.sweep.graph_ms), so each call reads its keys
+from HBM as a decode step does and, with PDL, starts while the call before it ends.
 """
 
 from __future__ import annotations
