@@ -313,11 +313,12 @@ def test_ab_holds_each_variant_to_the_baselines_greedy_decode(make_engine, monke
 
 def test_ab_alternates_variants_and_restores_the_environment(capsys, monkeypatch):
     """tools.ab: one row per (batch, variant, round), each variant's switch set only during its rounds, and an engine
-    of its own for a variant with engine options."""
+    of its own for a variant with engine options; --context: the decode steps (timed, and the agreement's) from
+    prompts that long, past the bench's default."""
     from pocketlab.tools import ab
 
     seen = []
-    real = ab.median_call
+    real, real_step = ab.median_call, ab.decode_step
     monkeypatch.setattr(ab, "median_call", lambda *a: seen.append(os.environ.get("POCKETLAB_AB_TEST")) or real(*a))
     monkeypatch.delenv("POCKETLAB_AB_TEST", raising=False)
     ab.main(["--model", "tiny-qwen3", "--device", "cpu", "--variants", "POCKETLAB_AB_TEST=a;POCKETLAB_AB_TEST=b",
@@ -330,6 +331,11 @@ def test_ab_alternates_variants_and_restores_the_environment(capsys, monkeypatch
     ab.main(["--model", "tiny-qwen3_5", "--device", "cpu", "--variants", ";POCKETLAB_AB_TEST=b", "--rounds", "1",
              "--steps", "1", "--warm", "0", "--prefill", "40"])  # fmt: skip
     assert seen == [None, "b"] and "prefill of 40 tokens" in capsys.readouterr().out
+    contexts = []
+    monkeypatch.setattr(ab, "decode_step", lambda e, b, context: contexts.append(context) or real_step(e, b, context))
+    ab.main(["--model", "tiny-qwen3", "--device", "cpu", "--variants", ";POCKETLAB_AB_TEST=b", "--rounds", "1",
+             "--steps", "1", "--warm", "0", "--context", "300"])  # fmt: skip
+    assert contexts == [300] * 4 and "decode step after 300-token prompts" in capsys.readouterr().out  # + agreement
     engines = []
     monkeypatch.setattr(ab, "median_call", lambda engine, *a: engines.append(engine) or real(engine, *a))
     ab.main(["--model", "tiny-qwen3", "--device", "cpu", "--variants", ";gemv_rows=0;POCKETLAB_AB_TEST=c",

@@ -8,6 +8,7 @@ in how many rounds it was the faster), which the drift between rounds does not r
 
     python -m pocketlab.tools.ab --model qwen3-30b-a3b --variants "POCKETLAB_PDL=1;POCKETLAB_PDL=0" [--rounds 5]
     python -m pocketlab.tools.ab --model qwen3.5-0.8b --variants ";linear_in_place_tokens=2048" --prefill 512
+    python -m pocketlab.tools.ab --model qwen3-8b --variants ";POCKETLAB_ATTN_LAUNCH=0:4:2:0" --context 3000
     python -m pocketlab.tools.ab --summary-of reports/gpu/ab-*.txt   (the summary of tables saved by earlier runs)
 
 A variant is comma-separated NAME=VALUE pairs: environment variables (set for its rounds, restored after), and
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from ..engine import QwenEngine
 
 ENGINE_OPTIONS = {f.name for f in dataclasses.fields(EngineOptions)}
+CONTEXT = BenchConfig.decode_prompt  # tokens a slot holds before the timed decode steps, as the bench's
 
 
 def parse_variant(text: str) -> tuple[dict[str, str], dict[str, object]]:
@@ -60,14 +62,15 @@ def parse_variant(text: str) -> tuple[dict[str, str], dict[str, object]]:
     return env, options
 
 
-def median_call(engine, batch: int, steps: int, warm: int, prefill: int = 0) -> float:
+def median_call(engine, batch: int, steps: int, warm: int, prefill: int = 0, context: int = CONTEXT) -> float:
     """Seconds of the median of `steps` decode steps (graphed on CUDA, tools.timing's Clock) after `warm` untimed
-    ones (graphs captured among those), from a fresh prefill so every variant decodes the same positions; or with
-    `prefill`, of that many tokens prefilled into slot 0 from empty (its default checkpoints taken)."""
+    ones (graphs captured among those), from a fresh prefill of `context` tokens a slot, so every variant decodes
+    the same positions; or with `prefill`, of that many tokens prefilled into slot 0 from empty (its default
+    checkpoints taken)."""
     clock = Clock(str(engine.options.device))
     if prefill:
         return clock.measure(prefill_call(engine, prefill), steps, warm, setup=lambda: engine.reset(0))
-    return clock.measure(decode_step(engine, batch), steps, warm)
+    return clock.measure(decode_step(engine, batch, context), steps, warm)
 
 
 @contextmanager
@@ -90,7 +93,7 @@ def under(engine: QwenEngine, variant: str) -> Iterator[None]:
 
 
 def run(engines: dict[str, QwenEngine], variants: list[str], batch_sizes, rounds: int, steps: int, warm: int,
-        prefill: int = 0) -> pd.DataFrame:  # fmt: skip
+        prefill: int = 0, context: int = CONTEXT) -> pd.DataFrame:  # fmt: skip
     """One row per (batch, variant, round): the median graphed step (or prefill) of that round, in us, each variant
     on its engine (`engines[variant]`). Odd rounds run the variants in reverse order, so a drift that is linear in
     time weighs on every variant alike over each pair of rounds."""
@@ -98,13 +101,14 @@ def run(engines: dict[str, QwenEngine], variants: list[str], batch_sizes, rounds
     work = [(b, r, v) for b in batch_sizes for r in range(rounds) for v in (variants[:: -1 if r % 2 else 1])]
     for batch, rnd, variant in tqdm(work, desc="A/B rounds"):
         with under(engines[variant], variant):
-            step_s = median_call(engines[variant], batch, steps, warm, prefill)
+            step_s = median_call(engines[variant], batch, steps, warm, prefill, context)
         rows.append({"batch": batch, "variant": variant or "(as is)", "round": rnd,
                      "step_us": step_s * 1e6})  # fmt: skip
     return pd.DataFrame(rows)
 
 
-def agreement(engines: dict[str, QwenEngine], variants: list[str], batch: int, steps: int = 8) -> pd.DataFrame:
+def agreement(engines: dict[str, QwenEngine], variants: list[str], batch: int, steps: int = 8,
+              context: int = CONTEXT) -> pd.DataFrame:  # fmt: skip
     """Per variant, its greedy decode of `steps` steps from the same prompts (graphed where the engine graphs)
     against the first variant's: the first step's largest logit difference over the baseline's largest |logit|, and
     how many steps every row's token equals the baseline's before one differs. Reading the wrong rows shows at once;
@@ -112,7 +116,7 @@ def agreement(engines: dict[str, QwenEngine], variants: list[str], batch: int, s
     runs = {}
     for variant in variants:
         with under(engines[variant], variant):
-            step = decode_step(engines[variant], batch)
+            step = decode_step(engines[variant], batch, context)
             results = [step() for _ in range(steps)]
         runs[variant] = (results[0].logits.float(), [r.next_tokens for r in results])
     base_logits, base_tokens = runs[variants[0]]
@@ -188,6 +192,7 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warm", type=int, default=5)
     p.add_argument("--prefill", type=int, default=0, help="N: time N-token prefills instead of decode steps")
+    p.add_argument("--context", type=int, default=CONTEXT, help="decode steps after prompts of this many tokens")
     a = p.parse_args(argv)
     for path in a.summary_of:
         df = rounds_of(Path(path).read_text())
@@ -200,17 +205,17 @@ def main(argv=None) -> None:
     for v in variants:
         parse_variant(v)
     cfg = BenchConfig(model=a.model, device=a.device, batch_sizes=a.batch_sizes, peer=False,
-                      prompt_lens=(a.prefill,) if a.prefill else (), latency_batch_sizes=a.batch_sizes,
-                      latency_steps=0)  # fmt: skip
+                      prompt_lens=(a.prefill,) if a.prefill else (), decode_prompt=a.context,
+                      latency_batch_sizes=a.batch_sizes, latency_steps=0)  # fmt: skip
     engines = engines_for(cfg, variants)
-    df = run(engines, variants, (1,) if a.prefill else a.batch_sizes, a.rounds, a.steps, a.warm, a.prefill)
-    what = f"prefill of {a.prefill} tokens" if a.prefill else "decode step"
+    df = run(engines, variants, (1,) if a.prefill else a.batch_sizes, a.rounds, a.steps, a.warm, a.prefill, a.context)
+    what = f"prefill of {a.prefill} tokens" if a.prefill else f"decode step after {a.context}-token prompts"
     print(f"\n{a.model} on {a.device}: {what}, us (median of {a.steps} per round, {a.rounds} rounds)")
     rounds = df.pivot_table(index=["batch", "round"], columns="variant", values="step_us", sort=False)
     print(rounds.round(1).to_string())
     print("\n" + printed(summary(df, variants[0] or "(as is)")))
     if not a.prefill:
-        agreeing = pd.concat([agreement(engines, variants, b) for b in a.batch_sizes])
+        agreeing = pd.concat([agreement(engines, variants, b, context=a.context) for b in a.batch_sizes])
         print(f"\nagainst the first variant's greedy decode:\n{agreeing.to_string(index=False)}")
 
 
