@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from ..graphs import key_buckets
 from . import decode_attention as da
+from . import gemv_tma
 from .invariant.sweep import graph_ms
 
 SHAPES = {"8b": (32, 8, 128, False), "9b": (16, 4, 256, True)}  # heads, kv heads, head_dim, (1+w)*x norms
@@ -58,7 +59,7 @@ def columns(launches: str) -> list[tuple[str, int, da.Launch]]:
     "block_n:num_warps:num_stages:early") at the default program count."""
     if not launches:
         return [(f"{t} progs", t, da.DEFAULT_LAUNCH) for t in TARGETS]
-    return [(spec, da.PROGRAMS_WANTED, da.Launch(*(int(v) for v in spec.split(":")))) for spec in launches.split(",")]
+    return [(spec, da.PROGRAMS_WANTED, gemv_tma.launch_of(spec, da.Launch)) for spec in launches.split(",")]
 
 
 def main(argv=None) -> None:

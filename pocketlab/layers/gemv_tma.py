@@ -52,7 +52,12 @@ def ring_from_env(name: str = "POCKETLAB_GEMV_TMA", unset=None, kind=Ring):
     value = os.environ.get(name, "")
     if value in ("", "0"):
         return None if value else unset
-    return kind() if value == "1" else kind(*(int(v) for v in value.replace(":", ",").split(",")))
+    return kind() if value == "1" else launch_of(value, kind)
+
+
+def launch_of(text: str, kind):
+    """kind(a, b, c) from "a:b:c" (or "a,b,c"): a ring or launch written as its fields' integers."""
+    return kind(*(int(v) for v in text.replace(":", ",").split(",")))
 
 
 def one_row_ring(weight: torch.Tensor) -> Ring | None:
