@@ -5,8 +5,10 @@
 # Why one script: the GPU machine has no network and a short lease; one call does everything, each step
 # bounded by what is left of the time budget, and a failing step never stops the next one.
 #
-# One call is limited to 10 minutes. On a two-GPU machine (kind nvidia-h200-x2) run two lanes at once, one per GPU,
-# each in its own copy of the tree (both lanes tar reports/) and with its own OUT, e.g.
+# One call is limited to 10 minutes, and its reply brings back at most 8 files from $OUT: this script leaves three
+# (gpu_run.log, summary.txt, reports.tgz), so run it at most twice a call, each with its own OUT. On a two-GPU
+# machine (kind nvidia-h200-x2) run two lanes at once, one per GPU, each in its own copy of the tree (both lanes tar
+# reports/) and with its own OUT, e.g.
 #   mkdir -p /tmp/b && cp -r . /tmp/b
 #   (CUDA_VISIBLE_DEVICES=0 OUT=$OUT/a STEPS=... MODELS=... bash scripts/gpu_run.sh &
 #    cd /tmp/b && CUDA_VISIBLE_DEVICES=1 OUT=$OUT/b STEPS=... MODELS=... bash scripts/gpu_run.sh; wait) >/dev/null
