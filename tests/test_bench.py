@@ -222,6 +222,20 @@ def test_profile_tables_a_decode_step_and_a_prefill(make_engine):
         assert any(re.search(r"aten::(add)?mm$|gemm", name, re.I) for name in kernels.kernel)
 
 
+def test_profile_names_the_device_and_the_hybrid_prompts_backend(monkeypatch, capsys):
+    """A profile's first line says which device ran it and, for a hybrid model, whether its Gated DeltaNet prompts ran
+    fla's kernels or our torch code: a prefill row from a run without fla otherwise reads as one with it."""
+    from pocketlab.tools import bench, profile
+
+    monkeypatch.setattr(profile, "backend_name", lambda device: "fla (stubbed)")
+    args = ["--device", "cpu", "--batch-sizes", "1", "--prefill-lens", "8", "--steps", "2", "--top", "1"]
+    profile.main(["--model", "tiny-qwen3_5", *args])
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == f"[tiny-qwen3_5 on {bench.device_name('cpu')}; Gated DeltaNet prompts through fla (stubbed)]"
+    profile.main(["--model", "tiny-qwen3", *args])
+    assert capsys.readouterr().out.splitlines()[0] == f"[tiny-qwen3 on {bench.device_name('cpu')}]"
+
+
 def test_host_time_names_where_a_prefill_spends_its_host_time(make_engine):
     """tools.host_time: one prefill under cProfile; the engine's forward must be among the rows, sorted by the
     chosen time."""

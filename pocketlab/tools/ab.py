@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 
 from ..config import EngineOptions
 from ..graphs import StepGraphs
-from .bench import BenchConfig
+from .bench import BenchConfig, device_name
 from .bench_engine import build, engine_over
 from .cli import ints, option
 from .profile import decode_step, prefill_call
@@ -210,7 +210,7 @@ def main(argv=None) -> None:
     engines = engines_for(cfg, variants)
     df = run(engines, variants, (1,) if a.prefill else a.batch_sizes, a.rounds, a.steps, a.warm, a.prefill, a.context)
     what = f"prefill of {a.prefill} tokens" if a.prefill else f"decode step after {a.context}-token prompts"
-    print(f"\n{a.model} on {a.device}: {what}, us (median of {a.steps} per round, {a.rounds} rounds)")
+    print(f"\n{a.model} on {device_name(a.device)}: {what}, us (median of {a.steps} per round, {a.rounds} rounds)")
     rounds = df.pivot_table(index=["batch", "round"], columns="variant", values="step_us", sort=False)
     print(rounds.round(1).to_string())
     print("\n" + printed(summary(df, variants[0] or "(as is)")))

@@ -218,6 +218,11 @@ def device_memory(cfg: BenchConfig) -> dict:
     return {"allocated": torch.cuda.memory_allocated(cfg.device), "peak": torch.cuda.max_memory_allocated(cfg.device)}
 
 
+def device_name(device: str) -> str:
+    """The GPU's name (an H100 and an H200 take the same calls here), or the CPU's."""
+    return torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else platform.processor() or "cpu"
+
+
 def meta(cfg: BenchConfig, engine: QwenEngine, hf) -> dict:
     cuda = cfg.device.startswith("cuda")
     notes = [
@@ -235,7 +240,7 @@ def meta(cfg: BenchConfig, engine: QwenEngine, hf) -> dict:
     return {
         "config": asdict(cfg),
         "engine_options": {k: v for k, v in asdict(engine.options).items()},
-        "device_name": torch.cuda.get_device_name(cfg.device) if cuda else platform.processor() or "cpu",
+        "device_name": device_name(cfg.device),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "cuda": torch.version.cuda,

@@ -21,8 +21,9 @@ import torch
 from torch.autograd import DeviceType
 
 from ..engine import QwenEngine
+from ..layers.gated_delta import backend_name
 from ..requests import BatchedRequest
-from .bench import BenchConfig
+from .bench import BenchConfig, device_name
 from .bench_engine import build, random_tokens
 from .cli import ints, option
 from .host_time import profile_call
@@ -138,6 +139,8 @@ def main(argv=None) -> None:
                       engine_options=dict(a.engine_option))  # fmt: skip
     hf, engine = build(cfg)
     del hf
+    prompts = f"; Gated DeltaNet prompts through {backend_name(a.device)}" if engine.cfg.is_hybrid else ""
+    print(f"[{a.model} on {device_name(a.device)}{prompts}]")  # a profile without fla reads as one with it otherwise
     graphs, summaries = engine.graphs, []
     runs: list[tuple[str, int, bool | None]] = [
         (f"decode graphs={g}", b, g) for g in (True, False) for b in a.batch_sizes
