@@ -219,7 +219,7 @@ def device_memory(cfg: BenchConfig) -> dict:
 
 
 def device_name(device: str) -> str:
-    """The GPU's name (an H100 and an H200 take the same calls here), or the CPU's."""
+    """The GPU's name, or the CPU's: timings compare only on the same card, so each table says which."""
     return torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else platform.processor() or "cpu"
 
 
