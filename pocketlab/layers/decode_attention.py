@@ -274,8 +274,8 @@ DEFAULT_LAUNCH = Launch()
 
 
 def reads_early(launch: Launch, split_len: int, block_n: int) -> bool:
-    """launch.early 0: never, 1: always, 2: where a split holds several key blocks (batch 32: 2-3% faster steps,
-    paired; at batch 1's splits of one block it was up to 1.4% slower)."""
+    """launch.early 0: never, 1: always, 2: where a split holds several key blocks (batch 32's splits, and batch 1's
+    at long prompts: faster there in paired A/Bs; a one-block split gained nothing, reports/performance-history.md)."""
     return launch.early == 1 or (launch.early == 2 and split_len > block_n)
 
 
