@@ -130,3 +130,71 @@ def test_engine_decodes_the_same_with_either_attention(make_engine, preset):
     assert runs["triton"][0] == runs["sdpa"][0]
     scale = runs["sdpa"][1].abs().max().item() if runs["sdpa"][1].dtype != torch.float32 else 1.0
     assert (runs["triton"][1] - runs["sdpa"][1]).abs().max() <= LOGIT_TOL * scale
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim,max_len,gated,dtype",
+    [(16, 8, 32, 256, False, torch.float32), (8, 2, 64, 100, True, torch.float32), (4, 4, 16, 64, False, torch.float32),
+     (8, 2, 32, 300, True, torch.bfloat16)],
+)  # fmt: skip
+def test_attention_and_o_proj_in_one_launch_match_the_two(heads, kv_heads, dim, max_len, gated, dtype):
+    """layers.attend_project (one sequence: attention, output gate, o_proj and the residual add in one launch)
+    against decode_attention then residual + out @ o^T: the same output to rounding, the same K/V stored, and
+    the arrival counts left at zero for the next launch (run twice)."""
+    from pocketlab.layers.arrivals import arrival_counts
+    from pocketlab.layers.attend_project import attend_project
+
+    dev = "cuda" if on_gpu else "cpu"
+    gen = torch.Generator(device="cpu").manual_seed(max_len)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(dev, dtype)
+
+    caches = [randn(3, kv_heads, max_len, dim) for _ in range(2)]
+    q_and_gate = randn(1, heads, 2 * dim)
+    q, gate = q_and_gate[..., :dim], (q_and_gate[..., dim:] if gated else None)
+    k_new, v_new = randn(1, kv_heads, dim), randn(1, kv_heads, dim)
+    rope = (randn(1, dim // 2), randn(1, dim // 2))
+    norms = (randn(dim), randn(dim), 1e-6, gated)
+    o_weight, residual = randn(96, heads * dim) / dim, randn(1, 96)
+    for length in (max_len - 3, 1):
+        slots, lengths = torch.tensor([1], device=dev), torch.tensor([length], device=dev)
+        args = (q, k_new, v_new, None, None, slots, lengths, max_len, dim**-0.5, rope, norms, gate)
+        want_caches = [c.clone() for c in caches]
+        out = da.decode_attention(*args[:3], *want_caches, *args[5:])
+        want = (residual.float() + out.reshape(1, -1).float() @ o_weight.float().T).to(dtype)
+        got_caches = [c.clone() for c in caches]
+        got = attend_project(*args[:3], *got_caches, *args[5:], o_weight, residual)
+        tol = 1e-5 if dtype == torch.float32 else 0.03
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+        assert all(torch.equal(a, b) for a, b in zip(got_caches, want_caches, strict=True))
+        assert not arrival_counts(got.device, 64)[:64].any()
+
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen3_5"])  # Qwen3.5: its output gate before o_proj
+def test_engine_takes_the_one_launch_at_one_row_and_decodes_as_without(make_engine, preset, monkeypatch):
+    """The default Triton engine sends each one-sequence decode step's attention and o_proj through attend_project
+    (spied: once an attention layer a step), and decodes the tokens the two launches give, logits within LOGIT_TOL;
+    POCKETLAB_ATTEND_PROJECT=0 turns it off."""
+    import pocketlab.layers.attend_project as ap
+    from conftest import LOGIT_TOL, greedy_run, random_prompt
+
+    real, calls = ap.attend_project, []
+
+    def spy(*args):
+        calls.append(args[0].shape[0])
+        return real(*args)
+
+    monkeypatch.setattr(ap, "attend_project", spy)
+    runs = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv("POCKETLAB_ATTEND_PROJECT", switch)
+        engine = make_engine(preset, decode_attention="triton", fused_linear="triton")
+        runs[switch] = greedy_run(engine, random_prompt(20, seed=1), 6)
+        attention_layers = sum(hasattr(layer.mixer, "o") for layer in engine.model.layers)
+        assert len(calls) == (6 * attention_layers if switch == "1" else 0) and set(calls) <= {1}
+        calls.clear()
+    assert runs["1"][0] == runs["0"][0]
+    scale = runs["0"][1].abs().max().item() if runs["0"][1].dtype != torch.float32 else 1.0
+    assert (runs["1"][1] - runs["0"][1]).abs().max() <= LOGIT_TOL * scale
