@@ -49,6 +49,21 @@ def test_matches_reference_and_stores_the_new_token(heads, kv_heads, dim, max_le
         assert (out[b] - torch.einsum("hn,hnd->hd", probs, v)).abs().max() < 1e-4
 
 
+
+def test_bf16_attends_as_float32_does():
+    """The same bf16-valued inputs in bf16 and in float32: outputs within bf16's rounding. (Triton's interpreter
+    multiplies bf16 tiles as their raw 16-bit integers, so its dots take float32 operands: invariant.dot.)"""
+    dev = "cuda" if on_gpu else "cpu"
+    gen = torch.Generator(device="cpu").manual_seed(3)
+    inputs = [torch.randn(*shape, generator=gen).to(torch.bfloat16) for shape in
+              ((2, 2, 300, 32), (2, 2, 300, 32), (1, 4, 32), (1, 2, 32), (1, 2, 32), (1, 32), (1, 32))]  # fmt: skip
+    slots, lengths = torch.tensor([1], device=dev), torch.tensor([250], device=dev)
+    outs = []
+    for dtype in (torch.bfloat16, torch.float32):
+        k_cache, v_cache, q, k, v, cos, sin = (t.to(dev, dtype) for t in inputs)
+        outs.append(da.decode_attention(q, k, v, k_cache, v_cache, slots, lengths, 300, 32**-0.5, (cos, sin)))
+    assert (outs[0].float() - outs[1]).abs().max() < 2e-2
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("max_len", [600, 64])  # several key splits to merge; one
 def test_the_output_gate_in_the_merge_is_sigmoid_gate_after_it(dtype, max_len):

@@ -31,6 +31,7 @@ if triton is not None:  # CPU-only installs: `takes` is False there, the kernel 
 
     from . import pdl
     from .decode_attention import _attend, _cached_block, _norm_rope, _slot_and_length
+    from .invariant.dot import dot, precision
     from .invariant.elementwise import gated
     from .invariant.matmul import finish
     from .pdl import wait_then_release
@@ -85,10 +86,13 @@ if triton is not None:  # CPU-only installs: `takes` is False there, the kernel 
         if GATED:  # Qwen3.5's output gate, as decode_attention applies it
             gate = tl.load(gate_ptr + heads[:, None] * stride_gh + d[None, :], mask=g[:, None] < G, other=0.0)
             out = gated(out, gate.to(tl.float32), dtype).to(tl.float32)
-        # this kv head's G query heads, [BLOCK_G, D] -> the G * D columns of o_proj's input they are
-        mine_g = g[:, None, None] == tl.arange(0, G)[None, :, None]
-        x = tl.reshape(tl.sum(tl.where(mine_g, out[:, None, :], 0.0), axis=0), [G * D])
-        partial = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        # o_proj's rows times this kv head's G query heads: row (o, g) of the [BLOCK_O * G, D] view of w dotted with
+        # every head's output (out is rounded to the dtype, so exact in it), then column g of it, summed over g
+        nothing = tl.zeros((BLOCK_O * G, BLOCK_G), tl.float32)
+        heads_out = dot(tl.reshape(w, [BLOCK_O * G, D]), tl.trans(out.to(dtype)), nothing, PRECISION)
+        heads_out = tl.reshape(heads_out, [BLOCK_O, G, BLOCK_G])
+        own = tl.arange(0, G)[None, :, None] == g[None, None, :]
+        partial = tl.sum(tl.sum(tl.where(own, heads_out, 0.0), axis=2), axis=1)
         tl.store(part_ptr + kvh * N + rows, partial, mask=rows < N)
 
         # the last kv head of this row block to finish sums the partials in kv-head order and adds the residual (the
@@ -145,6 +149,6 @@ def attend_project(q, k, v, k_cache, v_cache, slot_ids, lengths, max_len: int, s
         k_cache.stride(2), o_weight.stride(0), N, G=G, BLOCK_G=max(triton.next_power_of_2(G), 16), D=D,
         ROT=cos.shape[-1], HAS_NORM=norms is not None, OFFSET=bool(offset), GATED=gate is not None,
         BLOCK_N=KEY_BLOCK, BLOCK_O=block_o, BLOCK_H=max(triton.next_power_of_2(kvh), 2),
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=8, **pdl.launch(q.device),
+        PRECISION=precision(q.dtype, q.device), num_warps=8, **pdl.launch(q.device),
     )  # fmt: skip
     return y

@@ -23,6 +23,7 @@ except ImportError:  # CPU-only installs: the engine uses SDPA there
 
 if triton is not None:
     from . import gemv_tma, pdl
+    from .invariant.dot import dot, precision
     from .invariant.elementwise import gated
     from .pdl import wait_then_release
     from .prefetch import LANES, prefetch_l2
@@ -85,14 +86,15 @@ if triton is not None:
         is_new = (n == last)[:, None]
         k = tl.where(is_new, k_new, k)
         v = tl.where(is_new, v_new, v)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_G, BLOCK_N]
+        nothing = tl.zeros((q.shape[0], k.shape[0]), tl.float32)
+        s = dot(q, tl.trans(k), nothing, PRECISION) * scale  # [BLOCK_G, BLOCK_N]
         s = tl.where((n < length)[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m - m_safe)
         l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, tl.zeros_like(acc), PRECISION)
         return m_new, l, acc
 
     @triton.jit
@@ -378,7 +380,7 @@ def decode_attention(
         BLOCK_N=block_n,
         SPLIT_LEN=split_len,
         BLOCK_S=max(triton.next_power_of_2(splits), 2),
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION=precision(q.dtype, q.device),  # the interpreter's dots in float32: it has no bf16 matmul
         PREFETCH=prefetching,
         EARLY=reads_early(launch, split_len, block_n),
         num_stages=launch.num_stages,
