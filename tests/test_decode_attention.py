@@ -49,7 +49,6 @@ def test_matches_reference_and_stores_the_new_token(heads, kv_heads, dim, max_le
         assert (out[b] - torch.einsum("hn,hnd->hd", probs, v)).abs().max() < 1e-4
 
 
-
 def test_bf16_attends_as_float32_does():
     """The same bf16-valued inputs in bf16 and in float32: outputs within bf16's rounding. (Triton's interpreter
     multiplies bf16 tiles as their raw 16-bit integers, so its dots take float32 operands: invariant.dot.)"""
@@ -63,6 +62,7 @@ def test_bf16_attends_as_float32_does():
         k_cache, v_cache, q, k, v, cos, sin = (t.to(dev, dtype) for t in inputs)
         outs.append(da.decode_attention(q, k, v, k_cache, v_cache, slots, lengths, 300, 32**-0.5, (cos, sin)))
     assert (outs[0].float() - outs[1]).abs().max() < 2e-2
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("max_len", [600, 64])  # several key splits to merge; one
@@ -186,14 +186,14 @@ def test_attention_and_o_proj_in_one_launch_match_the_two(heads, kv_heads, dim, 
         assert not arrival_counts(got.device, 64)[:64].any()
 
 
-
 @pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen3_5"])  # Qwen3.5: its output gate before o_proj
 def test_engine_takes_the_one_launch_at_one_row_and_decodes_as_without(make_engine, preset, monkeypatch):
     """The default Triton engine sends each one-sequence decode step's attention and o_proj through attend_project
-    (spied: once an attention layer a step), and decodes the tokens the two launches give, logits within LOGIT_TOL;
+    (spied, eager: once an attention layer a step), and decodes the tokens the two launches give, logits within LOGIT_TOL;
     POCKETLAB_ATTEND_PROJECT=0 turns it off."""
-    import pocketlab.layers.attend_project as ap
     from conftest import LOGIT_TOL, greedy_run, random_prompt
+
+    import pocketlab.layers.attend_project as ap
 
     real, calls = ap.attend_project, []
 
@@ -205,7 +205,7 @@ def test_engine_takes_the_one_launch_at_one_row_and_decodes_as_without(make_engi
     runs = {}
     for switch in ("1", "0"):
         monkeypatch.setenv("POCKETLAB_ATTEND_PROJECT", switch)
-        engine = make_engine(preset, decode_attention="triton", fused_linear="triton")
+        engine = make_engine(preset, decode_attention="triton", fused_linear="triton", cuda_graphs=False)
         runs[switch] = greedy_run(engine, random_prompt(20, seed=1), 6)
         attention_layers = sum(hasattr(layer.mixer, "o") for layer in engine.model.layers)
         assert len(calls) == (6 * attention_layers if switch == "1" else 0) and set(calls) <= {1}

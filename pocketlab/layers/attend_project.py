@@ -64,11 +64,11 @@ if triton is not None:  # CPU-only installs: `takes` is False there, the kernel 
         sin = tl.load(sin_ptr + d, mask=d < ROT, other=0.0).to(tl.float32)
         heads = kvh * G + g
         q_rows = q_ptr + heads[:, None] * stride_qh
-        q = _norm_rope(q_rows + d[None, :], q_rows + partner[None, :], g[:, None] < G, qw_ptr, cos, sin, d, partner, eps,
-                       D, ROT, HAS_NORM, OFFSET)  # fmt: skip
+        q = _norm_rope(q_rows + d[None, :], q_rows + partner[None, :], g[:, None] < G, qw_ptr, cos, sin, d, partner,
+                       eps, D, ROT, HAS_NORM, OFFSET)  # fmt: skip
         k_row = kn_ptr + kvh * stride_kh + tl.zeros([1], tl.int32)[:, None]
-        k_new = _norm_rope(k_row + d[None, :], k_row + partner[None, :], d[None, :] < D, kw_ptr, cos, sin, d, partner, eps,
-                           D, ROT, HAS_NORM, OFFSET)  # [1, D]  # fmt: skip
+        k_new = _norm_rope(k_row + d[None, :], k_row + partner[None, :], d[None, :] < D, kw_ptr, cos, sin, d, partner,
+                           eps, D, ROT, HAS_NORM, OFFSET)  # [1, D]  # fmt: skip
         v_new = tl.load(vn_ptr + kvh * stride_vh + d)[None, :]
         mine = (block + 0 * d[None, :]) == 0  # the first row block stores the new token's K/V
         tl.store(k_ptr + base + last * stride_ct + d[None, :], k_new, mask=mine)

@@ -64,8 +64,9 @@ class Attention:
         if in_one_kernel:  # one kernel norms, rotates, stores K/V, attends (and gates)
             assert ctx.kv_lengths is not None  # ctx.prepare set it for DECODE_KERNEL
             rope = cast(tuple[torch.Tensor, torch.Tensor], tuple(t[:, 0, 0] for t in ctx.rope))
-            args = (q[:, 0], k[:, 0], v[:, 0], k_cache, v_cache, ctx.slot_ids, ctx.kv_lengths, ctx.kv_len)
-            args += (self.hd**-0.5, rope, norms, gate[:, 0] if self.gated else None)
+            new_gate = gate[:, 0] if self.gated else None
+            args = (q[:, 0], k[:, 0], v[:, 0], k_cache, v_cache, ctx.slot_ids, ctx.kv_lengths, ctx.kv_len,
+                    self.hd**-0.5, rope, norms, new_gate)  # fmt: skip
             if self.kernels.attend_project and takes(B, self.nq, self.nkv, self.hd, ctx.kv_len, self.o):
                 return self.kernels.attend_project(*args, self.o, h).view(B, T, -1)  # o_proj in the same launch
             out = decode_attention(*args, prefetch=self.o)[:, None]  # o_proj reads `prefetch` next
