@@ -114,6 +114,12 @@ def enabled() -> bool:
     return triton is not None and os.environ.get("POCKETLAB_ATTEND_PROJECT", "1") != "0"
 
 
+def programs() -> int:
+    """PROGRAMS, or POCKETLAB_ATTEND_PROJECT's count where it names one (2 or more), to measure."""
+    wanted = int(os.environ.get("POCKETLAB_ATTEND_PROJECT", "1") or 1)
+    return wanted if wanted > 1 else PROGRAMS
+
+
 def takes(batch: int, heads: int, kv_heads: int, head_dim: int, max_len: int, o_weight: torch.Tensor) -> bool:
     """Whether one launch serves this step: one sequence, a key bucket of at most MAX_KEYS, query heads a power of
     two per kv head, and o_proj's tile for a program at most MAX_TILE_BYTES."""
@@ -125,7 +131,7 @@ def takes(batch: int, heads: int, kv_heads: int, head_dim: int, max_len: int, o_
 
 def _block_rows(n: int, kv_heads: int) -> int:
     """o_proj rows a program: about PROGRAMS programs in all, a power of two each."""
-    per_head = max(1, PROGRAMS // kv_heads)
+    per_head = max(1, programs() // kv_heads)
     return 1 << (-(-n // per_head) - 1).bit_length()
 
 
