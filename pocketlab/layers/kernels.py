@@ -27,7 +27,6 @@ class Kernels:
     decay_and_beta: Callable = activations.decay_and_beta
     attention: Callable | None = None  # over the slot cache for every query; None: SDPA / the decode kernel
     norm_rotate_store: Callable | None = None  # q/k norms, RoPE and the K/V write before `attention`
-    attend_project: Callable | None = None  # one decode row's attention, o_proj and residual add in one launch
     delta_rule_in_place: bool = False  # Gated DeltaNet: every token through the in-place kernels, no chunked rule
     moe_route: Callable = moe.route  # (router logits, top_k, renormalize) -> (weights, expert ids)
     moe_experts: Callable = moe.grouped_experts  # (x, gate_up, down, weights, ids, residual, shared, shared_gate)
@@ -79,11 +78,7 @@ def kernels_for(options) -> Kernels:
     from ..parallel import comm
 
     return dataclasses.replace(
-        kernels,
-        all_reduce=comm.all_reduce,
-        embedding=comm.vocab_embedding,
-        gather_vocab=comm.gather_last,
-        attend_project=None,  # o_proj's partial sums go through the all-reduce
+        kernels, all_reduce=comm.all_reduce, embedding=comm.vocab_embedding, gather_vocab=comm.gather_last
     )
 
 
@@ -111,12 +106,10 @@ def _kernels_for(options) -> Kernels:
 
     rows = (invariant.rms_norm, invariant.gated_rms_norm, invariant.sigmoid_gate, invariant.decay_and_beta)
     if not options.batch_invariant:  # rows never mix in these, so the row kernels cost no speed: only the matmul
-        from .attend_project import attend_project
         from .gemv import gemv
 
         linear = fused_at_few_rows(invariant.linear, gemv, options.gemv_rows)  # stays cuBLAS beyond decode's rows
-        fused_out = attend_project if options.gemv_rows else None  # with the GEMV path, which it replaces at o_proj
-        return Kernels(linear, *rows, norm_rotate_store=norm_rotate_store, attend_project=fused_out)
+        return Kernels(linear, *rows, norm_rotate_store=norm_rotate_store)  # a prompt's q/k norms, RoPE, K/V write
     from .invariant.attention import attention
 
     return Kernels(invariant.linear, *rows, attention, norm_rotate_store, delta_rule_in_place=True)

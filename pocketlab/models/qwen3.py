@@ -9,7 +9,6 @@ import torch
 from ..cache import SlotCache
 from ..config import ModelConfig
 from ..forward import AttentionPath, ForwardContext
-from ..layers.attend_project import takes
 from ..layers.attention import cached_attention, write_kv
 from ..layers.decode_attention import available as decode_attention_available
 from ..layers.decode_attention import decode_attention
@@ -64,12 +63,21 @@ class Attention:
         if in_one_kernel:  # one kernel norms, rotates, stores K/V, attends (and gates)
             assert ctx.kv_lengths is not None  # ctx.prepare set it for DECODE_KERNEL
             rope = cast(tuple[torch.Tensor, torch.Tensor], tuple(t[:, 0, 0] for t in ctx.rope))
-            new_gate = gate[:, 0] if self.gated else None
-            args = (q[:, 0], k[:, 0], v[:, 0], k_cache, v_cache, ctx.slot_ids, ctx.kv_lengths, ctx.kv_len,
-                    self.hd**-0.5, rope, norms, new_gate)  # fmt: skip
-            if self.kernels.attend_project and takes(B, self.nq, self.nkv, self.hd, ctx.kv_len, self.o):
-                return self.kernels.attend_project(*args, self.o, h).view(B, T, -1)  # o_proj in the same launch
-            out = decode_attention(*args, prefetch=self.o)[:, None]  # o_proj reads `prefetch` next
+            out = decode_attention(
+                q[:, 0],
+                k[:, 0],
+                v[:, 0],
+                k_cache,
+                v_cache,
+                ctx.slot_ids,
+                ctx.kv_lengths,
+                ctx.kv_len,
+                self.hd**-0.5,
+                rope,
+                norms,
+                gate[:, 0] if self.gated else None,
+                prefetch=self.o,  # o_proj reads it next
+            )[:, None]
         else:
             assert ctx.kv_targets is not None  # ctx.prepare set it for every path but DECODE_KERNEL
             if self.kernels.norm_rotate_store is not None:  # one row kernel norms, rotates and stores

@@ -3,7 +3,8 @@
 On the GPU an element of tl.dot is one chain of MMA steps, whatever its row's place in the tile. The CPU
 interpreter hands tl.dot to numpy's BLAS, whose micro-kernels may sum a row in another order at another place
 in the tile (seen with OpenBLAS's Haswell kernels), which would make the CPU tests judge the BLAS, not our
-kernels: there the products are summed over k by elementwise adds instead.
+kernels: there the products are summed over k by elementwise adds instead. (Triton 3.9's interpreter also
+multiplies bf16 tiles as their raw 16-bit integers, numpy having no bf16: float32 operands avoid that too.)
 """
 
 import torch
