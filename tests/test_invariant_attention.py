@@ -18,7 +18,6 @@ pytestmark = pytest.mark.skipif(
     reason="needs Triton on a GPU (or TRITON_INTERPRET=1)",
 )
 DEV = "cuda" if on_gpu else "cpu"
-BF16_INTERPRETED = "Triton's interpreter multiplies bfloat16 bit patterns as integers in tl.dot"
 
 
 def caches(slots, kv_heads, length, dim, dtype, seed):
@@ -52,7 +51,7 @@ def reference(q, k_cache, v_cache, slots, start, lengths):
         (4, 4, 32, torch.float32),
         (6, 2, 16, torch.float32),  # a group of 3: 21 queries per 64-row tile
         (16, 2, 128, torch.float32),
-        pytest.param(8, 2, 128, torch.bfloat16, marks=pytest.mark.skipif(not on_gpu, reason=BF16_INTERPRETED)),
+        (8, 2, 128, torch.bfloat16),
     ],
 )
 def test_matches_float64_attention(heads, kv_heads, dim, dtype):
