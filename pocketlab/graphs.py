@@ -60,20 +60,24 @@ def key_buckets(max_seq_len: int, smallest: int = 128) -> list[int]:
 @dataclass
 class StaticInputs:
     """A captured step's inputs: named views into ONE [T + 3, B] long buffer (T token rows, then slot ids, start
-    positions, lengths), so a replay loads them with one host-to-device copy. The graph reads them: they must
-    outlive it."""
+    positions, lengths), so a replay loads them with one host-to-device copy, from a pinned host copy of the buffer
+    without waiting for it (`copied` marks when the GPU has read it). The graph reads them: they must outlive it."""
 
     buffer: torch.Tensor
     tokens: torch.Tensor  # [B, T] (a transposed view)
     slot_ids: torch.Tensor  # [B]
     start: torch.Tensor  # [B]
     lengths: torch.Tensor  # [B]
+    host: torch.Tensor  # the buffer's host side: pinned where the buffer is on a GPU
+    copied: torch.cuda.Event | None = None
 
     @classmethod
     def allocate(cls, rows: int, tokens: int, scratch_slot: int, device) -> StaticInputs:
         """Buffers for `rows` runs of `tokens` tokens, every row a filler run on the scratch slot."""
         buffer = torch.zeros(tokens + 3, rows, dtype=torch.long, device=device)
-        inputs = cls(buffer, buffer[:tokens].t(), *buffer[tokens:])
+        host = torch.zeros_like(buffer, device="cpu", pin_memory=buffer.is_cuda)
+        slot_ids, start, lengths = buffer[tokens:]
+        inputs = cls(buffer, buffer[:tokens].t(), slot_ids, start, lengths, host)
         inputs.slot_ids.fill_(scratch_slot)
         inputs.lengths.fill_(tokens)
         return inputs
@@ -87,13 +91,17 @@ class StaticInputs:
                 f"these inputs hold at most {rows} runs of {T} tokens; got {[len(r.tokens) for r in runs]}"
             )
         pad = rows - len(runs)
-        tokens = [run.tokens + [0] * (T - len(run.tokens)) for run in runs] + [[0] * T] * pad
-        slots = [run.slot for run in runs] + [scratch_slot] * pad
-        start = [run.start for run in runs] + [0] * pad
-        lengths = [len(run.tokens) if real_lengths else T for run in runs] + [T] * pad
-        self.buffer.copy_(
-            torch.tensor([list(column) for column in zip(*tokens, strict=True)] + [slots, start, lengths])
-        )
+        columns = [
+            run.tokens + [0] * (T - len(run.tokens)) + [run.slot, run.start, len(run.tokens) if real_lengths else T]
+            for run in runs
+        ] + [[0] * T + [scratch_slot, 0, T]] * pad
+        if self.copied is not None:  # the GPU may still be reading the last step's inputs from `host`
+            self.copied.synchronize()
+        self.host.copy_(torch.tensor(columns).t())
+        self.buffer.copy_(self.host, non_blocking=True)
+        if self.buffer.is_cuda:
+            self.copied = self.copied or torch.cuda.Event()
+            self.copied.record()
 
     def context(self, kv_len: int, scratch_slot: int) -> ForwardContext:
         """A context over these buffers (hooks off); kv_len: the key bucket the graph attends over."""
@@ -130,6 +138,7 @@ class StepGraphs:
         self.failed: dict[tuple, str] = {}  # key -> why its capture failed twice (those steps run eagerly)
         self.pool = None  # one memory pool for all of this engine's graphs, made at the first capture
         self.captures = 0  # capture attempts (replays' and rollbacks'): after warm-up this stays put
+        self.last: Captured | None = None  # the graph replayed last (tools.profile times it alone)
 
     def logits(self, runs: list[Run]) -> torch.Tensor:
         """[B, vocab] float32 logits of one decode step; runs of one token each."""
@@ -191,6 +200,7 @@ class StepGraphs:
             return None
         captured.inputs.load(runs, self.cache.scratch, real_lengths)
         captured.graph.replay()
+        self.last = captured
         return captured.outputs
 
     def ensure(self, key: tuple, step) -> Captured | None:

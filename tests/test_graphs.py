@@ -8,7 +8,8 @@ import torch
 from conftest import DEVICE, LOGIT_TOL, random_prompt
 
 from pocketlab import BatchedRequest
-from pocketlab.graphs import key_buckets
+from pocketlab.forward import Run
+from pocketlab.graphs import StaticInputs, key_buckets
 from pocketlab.verify.graph_doubles import RerunGraphs, rerun_graphs
 
 
@@ -69,6 +70,21 @@ def test_a_retried_capture_takes_a_fresh_pool(make_engine):
         batch_decode(eng, [random_prompt(5, seed=1)], 2)
     assert eng.graphs.pools_seen[:2] == [None, None] and not eng.graphs.failed
     assert ("decode", 1, 1, 128) in eng.graphs.graphs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a host-to-device copy that can still be pending: CUDA")
+def test_inputs_loaded_twice_before_the_gpu_reads_them_reach_it_in_order():
+    """A replay's inputs go to the GPU from a pinned host buffer without waiting: loading the next step's into that
+    buffer must wait until the GPU has read the last one (two prompt chunks can replay one graph back to back)."""
+    inputs = StaticInputs.allocate(2, 1, scratch_slot=7, device="cuda")
+    seen = []
+    for token in (11, 22):
+        torch.cuda._sleep(50_000_000)  # the GPU busy for a while, so the copy is still queued when load returns
+        inputs.load([Run(3, 40, [token])], scratch_slot=7, real_lengths=False)
+        seen.append(inputs.buffer.clone())  # what a replay enqueued now would read
+    torch.cuda.synchronize()
+    want = [[[token, 0], [3, 7], [40, 0], [1, 1]] for token in (11, 22)]
+    assert [s.tolist() for s in seen] == want
 
 
 def test_key_buckets_double_up_to_the_context():

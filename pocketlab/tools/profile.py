@@ -21,6 +21,7 @@ import torch
 from torch.autograd import DeviceType
 
 from ..engine import QwenEngine
+from ..graphs import StepGraphs
 from ..layers.gated_delta import backend_name
 from ..requests import BatchedRequest
 from .bench import BenchConfig, device_name
@@ -109,6 +110,21 @@ def profile(step, steps: int, batch: int, what: str, setup=None, layers: int = 1
     return summary, kernels
 
 
+def graph_us(graphs: StepGraphs, replays: int) -> float:
+    """The GPU time of the graph replayed last, alone: `replays` replays back to back, so the GPU never waits for the
+    host. A step's wall time beyond it is its sampling, copies and the host's work between steps. The replays
+    rerun the same inputs: recurrent states move on, so the slots need a reset after."""
+    assert graphs.last is not None, "no graph was replayed"
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(replays):
+        graphs.last.graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / replays
+
+
 def decode_step(engine: QwenEngine, batch: int, prompt: int = 128, seed: int = 0):
     """One batch_decode_step over `batch` slots holding `prompt` tokens each."""
     gen = torch.Generator().manual_seed(seed)
@@ -150,6 +166,9 @@ def main(argv=None) -> None:
         if use_graphs is not None:
             engine.graphs = graphs if use_graphs else None
             summary, kernels = profile(decode_step(engine, n), a.steps, n, what, layers=engine.cfg.num_hidden_layers)
+            if use_graphs and graphs is not None and graphs.last is not None and a.device == "cuda":
+                summary["graph_us"] = graph_us(graphs, a.steps)
+                summary["beyond_graph_us"] = summary["wall_us"] - summary["graph_us"]
         else:
             summary, kernels = profile(
                 prefill_call(engine, n), max(a.steps // 4, 2), n, what, setup=lambda: engine.reset(0)
