@@ -15,6 +15,7 @@ import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from .forward import ForwardContext, Run
@@ -97,7 +98,7 @@ class StaticInputs:
         ] + [[0] * T + [scratch_slot, 0, T]] * pad
         if self.copied is not None:  # the GPU may still be reading the last step's inputs from `host`
             self.copied.synchronize()
-        self.host.copy_(torch.tensor(columns).t())
+        self.host.numpy()[:] = np.array(columns, dtype=np.int64).T
         self.buffer.copy_(self.host, non_blocking=True)
         if self.buffer.is_cuda:
             self.copied = self.copied or torch.cuda.Event()
