@@ -7,7 +7,9 @@ the gaps between many tiny kernels.
 
     python -m pocketlab.tools.profile --model qwen3-0.6b [--batch-sizes 1,32] [--prefill-lens 512,4096] [--steps 20]
 
-`--host N` adds, per prefill length, the N functions with the most own host time in one prefill (cProfile).
+`--host N` adds, per prefill length, the N functions with the most own host time in one prefill (cProfile). Graphed
+decode rows also time their graph alone (`graph_once_us`, `graph_us`): the step's wall time beyond it is spent outside
+the graph (the host's work, the inputs' and logits' copies, sampling).
 """
 
 from __future__ import annotations
