@@ -16,6 +16,7 @@ from pocketlab.config import EngineOptions, ModelConfig
 from pocketlab.engine import QwenEngine
 from pocketlab.tools import bench, bench_serving, bench_tables, synthetic
 from pocketlab.verify import perf
+from pocketlab.verify.graph_doubles import rerun_graphs
 
 ARGS = [
     "--model",
@@ -249,6 +250,21 @@ def test_host_time_names_where_a_prefill_spends_its_host_time(make_engine):
     assert any("(prefill)" in r["function"] for r in rows)
     _, own = profile_call(profile.prefill_call(engine, 20), 5, key="own_s")
     assert [r["own_s"] for r in own] == sorted((r["own_s"] for r in own), reverse=True)
+
+
+def test_a_decode_steps_timeline_stamps_its_phases_in_order(make_engine):
+    """tools.host_time.step_timeline on a graphed decode step (CPU graph doubles): every stamp, in the order the step
+    takes them, and the engine's functions as they were afterwards."""
+    from pocketlab.graphs import StaticInputs
+    from pocketlab.tools import profile
+    from pocketlab.tools.host_time import step_timeline
+
+    load = StaticInputs.load
+    engine = rerun_graphs(make_engine("tiny-qwen3", cuda_graphs=False))
+    timeline = step_timeline(profile.decode_step(engine, 2), 3)
+    assert list(timeline) == ["load", "loaded", "launched", "sampled", "done"]
+    assert 0 < timeline["load"] < timeline["loaded"] < timeline["launched"] < timeline["sampled"] < timeline["done"]
+    assert StaticInputs.load is load
 
 
 def test_serving_peer_for_a_model_hf_continuous_batching_refuses():

@@ -1,15 +1,25 @@
-"""Where a call's host (Python) time goes: cProfile over one call, as table rows.
+"""Where a call's host (Python) time goes: cProfile over one call, as table rows; and a decode step's timeline.
 
 Why: a GPU call whose wall time is far above its GPU-busy time spends the rest on the host (Python, launches,
-syncs); the functions with the most own time name the place, e.g. a device sync inside `.tolist()`.
+syncs); the functions with the most own time name the place, e.g. a device sync inside `.tolist()`. cProfile's own
+cost swamps calls of microseconds, so a graphed decode step is timed instead by the host clock at a few points.
 """
 
 from __future__ import annotations
 
+import contextlib
 import cProfile
 import pstats
+import statistics
 import time
 from pathlib import Path
+
+from .. import engine as engine_module
+from ..graphs import StaticInputs, StepGraphs
+
+# where a graphed decode step stamps the host clock: (owner, function, stamp on entry, stamp on return)
+STAMPED = ((StaticInputs, "load", "load", "loaded"), (StepGraphs, "replay", None, "launched"),
+           (engine_module, "sample", None, "sampled"))  # fmt: skip
 
 
 def profile_call(fn, n: int, key: str = "cumulative_s") -> tuple[float, list[dict]]:
@@ -29,3 +39,43 @@ def profile_call(fn, n: int, key: str = "cumulative_s") -> tuple[float, list[dic
         where = f"{Path(file).name}:{line}({name})" if line else name
         rows.append({"function": where, "calls": calls, "own_s": own, "cumulative_s": cumulative})
     return seconds, sorted(rows, key=lambda r: -r[key])[:n]
+
+
+@contextlib.contextmanager
+def stamping(stamps: dict[str, float]):
+    """Within the block each STAMPED function writes time.perf_counter() into `stamps` under its names."""
+
+    def stamped(f, on_entry, on_return):
+        def call(*args, **kwargs):
+            if on_entry:
+                stamps[on_entry] = time.perf_counter()
+            out = f(*args, **kwargs)
+            stamps[on_return] = time.perf_counter()
+            return out
+
+        return call
+
+    originals = [getattr(owner, name) for owner, name, _, _ in STAMPED]
+    try:
+        for (owner, name, on_entry, on_return), f in zip(STAMPED, originals, strict=True):
+            setattr(owner, name, stamped(f, on_entry, on_return))
+        yield stamps
+    finally:
+        for (owner, name, _, _), f in zip(STAMPED, originals, strict=True):
+            setattr(owner, name, f)
+
+
+def step_timeline(step, steps: int, sync=lambda: None) -> dict[str, float]:
+    """Medians over `steps` calls of step() (a graphed decode step, from an idle device: `sync` first) of the host
+    clock at each stamp, in us from the call: `load` (its inputs' copy starts), `loaded`, `launched` (the graph's
+    replay call returned), `sampled` (the argmax launched) and `done` (the tokens read back, the step returned)."""
+    rows = []
+    with stamping({}) as stamps:
+        for _ in range(steps):
+            sync()
+            stamps.clear()
+            start = time.perf_counter()
+            step()
+            stamps["done"] = time.perf_counter()
+            rows.append({k: (t - start) * 1e6 for k, t in stamps.items()})
+    return {k: statistics.median(r[k] for r in rows) for k in rows[0]}

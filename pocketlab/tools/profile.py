@@ -9,7 +9,8 @@ the gaps between many tiny kernels.
 
 `--host N` adds, per prefill length, the N functions with the most own host time in one prefill (cProfile). Graphed
 decode rows also time their graph alone (`graph_once_us`, `graph_us`): the step's wall time beyond it is spent outside
-the graph (the host's work, the inputs' and logits' copies, sampling).
+the graph (the host's work, the inputs' and logits' copies, sampling); `host_*_us` say when, in a step, the host
+loaded the graph's inputs, launched it and sampled (tools.host_time.step_timeline).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from ..requests import BatchedRequest
 from .bench import BenchConfig, device_name
 from .bench_engine import build, random_tokens
 from .cli import ints, option
-from .host_time import profile_call
+from .host_time import profile_call, step_timeline
 
 
 def _self_us(event, cuda: bool) -> float:
@@ -179,6 +180,8 @@ def main(argv=None) -> None:
             if use_graphs and graphs is not None and graphs.last is not None and a.device == "cuda":
                 summary["graph_once_us"], summary["graph_us"] = graph_us(graphs, a.steps)
                 summary["beyond_graph_us"] = summary["wall_us"] - summary["graph_once_us"]
+                timeline = step_timeline(decode_step(engine, n), a.steps, torch.cuda.synchronize)
+                summary |= {f"host_{k}_us": v for k, v in timeline.items()}
         else:
             summary, kernels = profile(
                 prefill_call(engine, n), max(a.steps // 4, 2), n, what, setup=lambda: engine.reset(0)
