@@ -70,15 +70,16 @@ class StaticInputs:
     start: torch.Tensor  # [B]
     lengths: torch.Tensor  # [B]
     host: torch.Tensor  # the buffer's host side: pinned where the buffer is on a GPU
-    copied: torch.cuda.Event | None = None
+    copied: torch.cuda.Event | None  # on a GPU: recorded after each copy (synchronizing one never recorded returns)
 
     @classmethod
     def allocate(cls, rows: int, tokens: int, scratch_slot: int, device) -> StaticInputs:
         """Buffers for `rows` runs of `tokens` tokens, every row a filler run on the scratch slot."""
         buffer = torch.zeros(tokens + 3, rows, dtype=torch.long, device=device)
         host = torch.zeros_like(buffer, device="cpu", pin_memory=buffer.is_cuda)
+        copied = torch.cuda.Event() if buffer.is_cuda else None
         slot_ids, start, lengths = buffer[tokens:]
-        inputs = cls(buffer, buffer[:tokens].t(), slot_ids, start, lengths, host)
+        inputs = cls(buffer, buffer[:tokens].t(), slot_ids, start, lengths, host, copied)
         inputs.slot_ids.fill_(scratch_slot)
         inputs.lengths.fill_(tokens)
         return inputs
@@ -100,8 +101,7 @@ class StaticInputs:
             self.copied.synchronize()
         self.host.numpy()[:] = np.array(columns, dtype=np.int64).T
         self.buffer.copy_(self.host, non_blocking=True)
-        if self.buffer.is_cuda:
-            self.copied = self.copied or torch.cuda.Event()
+        if self.copied is not None:
             self.copied.record()
 
     def context(self, kv_len: int, scratch_slot: int) -> ForwardContext:

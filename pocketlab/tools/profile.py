@@ -31,6 +31,7 @@ from .bench import BenchConfig, device_name
 from .bench_engine import build, random_tokens
 from .cli import ints, option
 from .host_time import profile_call, step_timeline
+from .timing import Clock
 
 
 def _self_us(event, cuda: bool) -> float:
@@ -120,20 +121,19 @@ def graph_us(graphs: StepGraphs, replays: int) -> tuple[float, float]:
     on, so the slots need a reset after."""
     assert graphs.last is not None, "no graph was replayed"
     graph = graphs.last.graph
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     single = []
-    for _ in range(replays):
+    for _ in range(replays):  # timed as profile() times a step: the host clock from one sync to the next
         torch.cuda.synchronize()
         t = time.perf_counter()
         graph.replay()
         torch.cuda.synchronize()
         single.append(time.perf_counter() - t)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return float(pd.Series(single).median() * 1e6), start.elapsed_time(end) * 1e3 / replays
+
+    def back_to_back() -> None:
+        for _ in range(replays):
+            graph.replay()
+
+    return float(pd.Series(single).median() * 1e6), Clock("cuda").time(back_to_back) * 1e6 / replays
 
 
 def decode_step(engine: QwenEngine, batch: int, prompt: int = 128, seed: int = 0):
