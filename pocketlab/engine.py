@@ -302,14 +302,15 @@ class QwenEngine:
     def _check_plan(self, slots: list[int], seqs: list[tuple[int, list[int]]], prefill: bool) -> None:
         for s in slots:
             self._check_slot(s)
-        dup = sorted(s for s, n in Counter(slots).items() if n > 1)
-        if dup:
+        if len(set(slots)) < len(slots):
+            dup = sorted(s for s, n in Counter(slots).items() if n > 1)
             raise ValueError(f"slot(s) {dup} appear more than once in one batch; each slot runs one sequence")
+        limit = self.options.max_seq_len
         for s, toks in seqs:
-            end = len(toks) if prefill else self.cache.slots[s].position + len(toks)
-            if end > self.options.max_seq_len:
-                raise ValueError(f"slot {s}: {end} tokens would exceed max_seq_len={self.options.max_seq_len}")
-            if not prefill and self.cache.slots[s].position == 0:
+            position = 0 if prefill else self.cache.slots[s].position
+            if position + len(toks) > limit:
+                raise ValueError(f"slot {s}: {position + len(toks)} tokens would exceed max_seq_len={limit}")
+            if not prefill and position == 0:
                 raise ValueError(f"slot {s} holds no sequence: prefill it before decode_step")
 
     # -- forward -------------------------------------------------------------------------------
@@ -356,8 +357,10 @@ class QwenEngine:
         return self.prefix.prepare(slot, tokens)
 
     def _decode(self, items: list[tuple[int, int, SamplingParams]]):
+        vocab = self.cfg.vocab_size
         for s, tok, _ in items:
-            self.check_tokens([tok], f"decode token for slot {s}")
+            if not (isinstance(tok, int) and 0 <= tok < vocab):  # check_tokens inline: this runs every step
+                self.check_tokens([tok], f"decode token for slot {s}")
         self._check_plan([s for s, _, _ in items], [(s, [t]) for s, t, _ in items], prefill=False)
         with self._transaction([s for s, _, _ in items]):
             if self.speculator is not None:  # tokens per item: accepted drafts + one, from one verify forward
@@ -365,20 +368,23 @@ class QwenEngine:
                 self.forward_count += 1
                 return out
             runs = [Run(s, self.cache.slots[s].position, [tok]) for s, tok, _ in items]
-            logits = self._decode_logits(runs)
+            logits, greedy = self._decode_logits(runs)
             positions = [run.start + 1 for run in runs]
             params = [sp for _, _, sp in items]
             seen = penalize(logits, params, lambda b: [*self.cache.slots[items[b][0]].tokens, items[b][1]])
-            tokens = sample(seen, params, positions).tolist()
+            plain = seen is logits and all(p.greedy for p in params)  # no penalty, no draw: the argmax as it is
+            tokens = greedy if plain else sample(seen, params, positions).tolist()
             for s, tok, _ in items:
                 self.cache.slots[s].extend([tok])
         return [[t] for t in tokens], logits, positions
 
     @torch.inference_mode()
-    def _decode_logits(self, runs: list[Run]) -> torch.Tensor:
+    def _decode_logits(self, runs: list[Run]) -> tuple[torch.Tensor, list[int]]:
+        """One decode step's [B, vocab] float32 logits and their argmax per row (the greedy tokens)."""
         if self.graphs is None:
             hidden, _ = self._forward(runs)
-            return self.model.logits(hidden[:, 0])
+            logits = self.model.logits(hidden[:, 0])
+            return logits, logits.argmax(dim=-1).tolist()
         self.forward_count += 1
         return self.graphs.logits(runs)
 

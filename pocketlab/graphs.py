@@ -140,16 +140,31 @@ class StepGraphs:
         self.pool = None  # one memory pool for all of this engine's graphs, made at the first capture
         self.captures = 0  # capture attempts (replays' and rollbacks'): after warm-up this stays put
         self.last: Captured | None = None  # the graph replayed last (tools.profile times it alone)
+        # a decode step's greedy tokens reach the host through this pinned buffer, ahead of its logits' copy
+        on_gpu = torch.device(options.device).type == "cuda"
+        self.greedy_host = torch.zeros(self.batch_sizes[-1], dtype=torch.long, pin_memory=on_gpu)
+        self.greedy_copied = torch.cuda.Event() if on_gpu else None
 
-    def logits(self, runs: list[Run]) -> torch.Tensor:
-        """[B, vocab] float32 logits of one decode step; runs of one token each."""
+    def logits(self, runs: list[Run]) -> tuple[torch.Tensor, list[int]]:
+        """One decode step (runs of one token each): its [B, vocab] float32 logits and their argmax per row, the
+        greedy tokens. Replayed, the graph computes the argmax too, and the host waits for those B tokens alone,
+        not for the logits' copy out of the graph's buffer queued after them."""
         out = self.replay("decode", self._decode, runs)
         if out is None:
-            return self._decode(ForwardContext.build(runs, self.cache.scratch, self.device))
-        return out[: len(runs)].clone()  # the next replay overwrites it
+            logits, greedy = self._decode(ForwardContext.build(runs, self.cache.scratch, self.device))
+            return logits, greedy.tolist()
+        n = len(runs)
+        greedy = self.greedy_host[:n].copy_(out[1][:n], non_blocking=True)
+        if self.greedy_copied is not None:
+            self.greedy_copied.record()
+        logits = out[0][:n].clone()  # the next replay overwrites the graph's; queued behind the tokens' copy
+        if self.greedy_copied is not None:
+            self.greedy_copied.synchronize()
+        return logits, greedy.tolist()
 
-    def _decode(self, ctx: ForwardContext) -> torch.Tensor:
-        return self.model.logits(self.model.forward(ctx, self.cache)[:, 0])
+    def _decode(self, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.model.logits(self.model.forward(ctx, self.cache)[:, 0])
+        return logits, logits.argmax(dim=-1)
 
     def prefill(self, runs: list[Run]) -> torch.Tensor | None:
         """[B, T, hidden] final-normed hidden states of the runs' tokens from a graph whose rows run T, the token

@@ -262,8 +262,8 @@ def test_a_decode_steps_timeline_stamps_its_phases_in_order(make_engine):
     load = StaticInputs.load
     engine = rerun_graphs(make_engine("tiny-qwen3", cuda_graphs=False))
     timeline = step_timeline(profile.decode_step(engine, 2), 3)
-    assert list(timeline) == ["load", "loaded", "launched", "sampled", "done"]
-    assert 0 < timeline["load"] < timeline["loaded"] < timeline["launched"] < timeline["sampled"] < timeline["done"]
+    assert list(timeline) == ["load", "loaded", "launched", "read", "done"]
+    assert 0 < timeline["load"] < timeline["loaded"] < timeline["launched"] < timeline["read"] < timeline["done"]
     assert StaticInputs.load is load
 
 

@@ -10,6 +10,7 @@ from conftest import DEVICE, LOGIT_TOL, random_prompt
 from pocketlab import BatchedRequest
 from pocketlab.forward import Run
 from pocketlab.graphs import StaticInputs, key_buckets
+from pocketlab.sampling import GREEDY, SamplingParams, sample
 from pocketlab.verify.graph_doubles import RerunGraphs, rerun_graphs
 
 
@@ -33,32 +34,45 @@ class FlakyGraphs(RerunGraphs):
         return super().record(fn)
 
 
-def batch_decode(eng, prompts, steps):
-    reqs = [BatchedRequest(i, p) for i, p in enumerate(prompts)]
+# a request that draws its tokens among greedy ones: the graph's argmax must not stand in for its draws
+DRAWN = SamplingParams(temperature=1.0, seed=5)
+
+
+def batch_decode(eng, prompts, steps, sampling=None):
+    sampling = sampling or [GREEDY] * len(prompts)
+    reqs = [BatchedRequest(i, p, sampling=sp) for i, (p, sp) in enumerate(zip(prompts, sampling, strict=True))]
     eng.batch_prefill(reqs)
     logits = [eng.batch_decode_step(reqs).logits for _ in range(steps)]
     return [r.generated_tokens for r in reqs], torch.stack(logits)
 
 
-@pytest.mark.parametrize("graphs", [RerunGraphs, FailingGraphs])
-def test_graphed_decode_equals_eager(make_engine, graphs):
+@pytest.mark.parametrize("sampling", [(GREEDY,) * 3, (GREEDY, DRAWN, GREEDY)], ids=["greedy", "one-drawn"])
+@pytest.mark.parametrize("graphs", [RerunGraphs, FailingGraphs, "cuda"])
+def test_graphed_decode_equals_eager(make_engine, graphs, sampling):
     """Batch decode steps through the graph path (3 slots in the 4-row bucket: one filler row on the scratch
     slot; keys crossing from the 128 to the 160 bucket), or through its eager fallback, give eager decoding's
-    tokens and logits."""
+    tokens and logits: all greedy (the graph's own argmax, read back ahead of the logits), and with one row
+    drawing its tokens. `cuda`: real captures (POCKETLAB_DEVICE=cuda) against an engine without graphs."""
     prompts = [random_prompt(n, seed=40 + n) for n in (3, 9, 115)]
     decode_only = dict(max_slots=4, max_seq_len=160, prefill_graph_tokens=0)  # prompt graphs: test_graphed_prompts_*
-    want = batch_decode(make_engine("tiny-qwen3_5", **decode_only), prompts, 20)
+    if graphs == "cuda" and DEVICE != "cuda":
+        pytest.skip("real CUDA graphs: POCKETLAB_DEVICE=cuda")
+    want = batch_decode(make_engine("tiny-qwen3_5", cuda_graphs=False, **decode_only), prompts, 20, sampling)
     eng = make_engine("tiny-qwen3_5", **decode_only)
-    eng.graphs = graphs(eng.model, eng.cache, eng.options)
+    if graphs != "cuda":
+        eng.graphs = graphs(eng.model, eng.cache, eng.options)
     if graphs is FailingGraphs:
         with pytest.warns(RuntimeWarning, match="runs eagerly"):
-            got = batch_decode(eng, prompts, 20)
+            got = batch_decode(eng, prompts, 20, sampling)
         assert eng.graphs.failed and not eng.graphs.graphs
     else:
-        got = batch_decode(eng, prompts, 20)
+        got = batch_decode(eng, prompts, 20, sampling)
         assert set(eng.graphs.graphs) == {("decode", 4, 1, 128), ("decode", 4, 1, 160)}
     assert got[0] == want[0]
     torch.testing.assert_close(got[1], want[1], atol=LOGIT_TOL, rtol=0)  # a 4-row matmul rounds differently
+    for i, (prompt, sp) in enumerate(zip(prompts, sampling, strict=True)):  # each token: its own logits' draw
+        drawn = [sample(got[1][k, i][None], [sp], [len(prompt) + k + 1]).item() for k in range(20)]
+        assert got[0][i][1:] == drawn
 
 
 def test_a_retried_capture_takes_a_fresh_pool(make_engine):

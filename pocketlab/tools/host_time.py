@@ -14,12 +14,11 @@ import statistics
 import time
 from pathlib import Path
 
-from .. import engine as engine_module
 from ..graphs import StaticInputs, StepGraphs
 
 # where a graphed decode step stamps the host clock: (owner, function, stamp on entry, stamp on return)
 STAMPED = ((StaticInputs, "load", "load", "loaded"), (StepGraphs, "replay", None, "launched"),
-           (engine_module, "sample", None, "sampled"))  # fmt: skip
+           (StepGraphs, "logits", None, "read"))  # fmt: skip
 
 
 def profile_call(fn, n: int, key: str = "cumulative_s") -> tuple[float, list[dict]]:
@@ -68,7 +67,8 @@ def stamping(stamps: dict[str, float]):
 def step_timeline(step, steps: int, sync=lambda: None) -> dict[str, float]:
     """Medians over `steps` calls of step() (a graphed decode step, from an idle device: `sync` first) of the host
     clock at each stamp, in us from the call: `load` (its inputs' copy starts), `loaded`, `launched` (the graph's
-    replay call returned), `sampled` (the argmax launched) and `done` (the tokens read back, the step returned)."""
+    replay call returned), `read` (the greedy tokens on the host, the logits' copy queued) and `done` (the step
+    returned)."""
     rows = []
     with stamping({}) as stamps:
         for _ in range(steps):

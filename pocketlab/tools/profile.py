@@ -9,8 +9,8 @@ the gaps between many tiny kernels.
 
 `--host N` adds, per prefill length, the N functions with the most own host time in one prefill (cProfile). Graphed
 decode rows also time their graph alone (`graph_once_us`, `graph_us`): the step's wall time beyond it is spent outside
-the graph (the host's work, the inputs' and logits' copies, sampling); `host_*_us` say when, in a step, the host
-loaded the graph's inputs, launched it and sampled (tools.host_time.step_timeline).
+the graph (the host's work, the inputs' and logits' copies, reading the tokens back); `host_*_us` say when, in a step,
+the host loaded the graph's inputs, launched it and had the greedy tokens back (tools.host_time.step_timeline).
 """
 
 from __future__ import annotations
