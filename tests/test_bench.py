@@ -267,6 +267,20 @@ def test_a_decode_steps_timeline_stamps_its_phases_in_order(make_engine):
     assert StaticInputs.load is load
 
 
+def test_a_decode_steps_ladder_times_every_rung_at_the_same_keys(make_engine):
+    """tools.host_time.step_ladder (CPU graph doubles): every rung timed, and every slot and request cut back to
+    where it was after each call, so the rungs attend over the same keys."""
+    from pocketlab.tools import profile
+    from pocketlab.tools.host_time import step_ladder
+
+    engine = rerun_graphs(make_engine("tiny-qwen3", cuda_graphs=False))
+    reqs = profile.prefilled(engine, 2, prompt=20)
+    ladder = step_ladder(engine, reqs, 3)
+    assert list(ladder) == ["graph", "load", "logits", "engine", "step"] and all(t > 0 for t in ladder.values())
+    assert [engine.cache.slots[r.slot_id].position for r in reqs] == [21, 21]  # the prompt and the ladder's first step
+    assert [len(r.generated_tokens) for r in reqs] == [2, 2]
+
+
 def test_serving_peer_for_a_model_hf_continuous_batching_refuses():
     """The hybrid Qwen3.5: HF's continuous batching refuses it (reported), and the peer becomes HF generate() over
     arrival batches, every request's tokens counted; a trace arriving at once is one batch, finishing together."""

@@ -1,8 +1,10 @@
-"""Where a call's host (Python) time goes: cProfile over one call, as table rows; and a decode step's timeline.
+"""Where a call's host (Python) time goes: cProfile over one call, as table rows; a decode step's timeline; and its
+ladder.
 
 Why: a GPU call whose wall time is far above its GPU-busy time spends the rest on the host (Python, launches,
 syncs); the functions with the most own time name the place, e.g. a device sync inside `.tolist()`. cProfile's own
-cost swamps calls of microseconds, so a graphed decode step is timed instead by the host clock at a few points.
+cost swamps calls of microseconds, so a graphed decode step is timed instead by the host clock at a few points, and
+by a ladder of calls that each add one piece of the step to its graph's replay, all at the same keys.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ import statistics
 import time
 from pathlib import Path
 
+import torch
+
+from ..forward import Run
 from ..graphs import StaticInputs, StepGraphs
 
 # where a graphed decode step stamps the host clock: (owner, function, stamp on entry, stamp on return)
@@ -24,8 +29,6 @@ STAMPED = ((StaticInputs, "load", "load", "loaded"), (StepGraphs, "replay", None
 def profile_call(fn, n: int, key: str = "cumulative_s") -> tuple[float, list[dict]]:
     """Run fn() once under cProfile: its seconds and the n functions with the most `key` time
     (cumulative_s or own_s)."""
-    import torch
-
     profiler = cProfile.Profile()
     start = time.perf_counter()
     profiler.runcall(fn)
@@ -79,3 +82,46 @@ def step_timeline(step, steps: int, sync=lambda: None) -> dict[str, float]:
             stamps["done"] = time.perf_counter()
             rows.append({k: (t - start) * 1e6 for k, t in stamps.items()})
     return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+
+
+def step_ladder(engine, reqs: list, steps: int, sync=lambda: None) -> dict[str, float]:
+    """Medians over `steps` calls, each from an idle device (`sync` first), in us, of a graphed decode step of the
+    prefilled `reqs` built up piece by piece: `graph` (the step's decode graph replayed alone), `load` (its inputs'
+    copy first), `logits` (StepGraphs.logits: the logits' copy and the greedy tokens read back too), `engine` (the
+    engine's checks, sampling and slot histories too) and `step` (the public batch_decode_step). Every slot and
+    request is cut back to where it was after each call, so every rung attends over the same keys (a hybrid
+    model's states move on regardless: reset the slots after)."""
+    graphs = engine.graphs
+    assert graphs is not None and engine.speculator is None, "the ladder times a graphed plain decode step"
+    engine.batch_decode_step(reqs)  # captures the graph, and gives every request a token to feed
+    captured = graphs.last
+    assert captured is not None
+    slots = [engine.cache.slots[r.slot_id] for r in reqs]
+    positions, generated = [s.position for s in slots], [len(r.generated_tokens) for r in reqs]
+    runs = [Run(r.slot_id, p, [r.last_token]) for r, p in zip(reqs, positions, strict=True)]
+    items = [(r.slot_id, r.last_token, r.sampling) for r in reqs]
+
+    def replay():
+        captured.graph.replay()
+        sync()
+
+    rungs = {
+        "graph": replay,
+        "load": lambda: (captured.inputs.load(runs, engine.cache.scratch, False), replay()),
+        "logits": lambda: (graphs.logits(runs), sync()),
+        "engine": lambda: engine._decode(items),
+        "step": lambda: engine.batch_decode_step(reqs),
+    }
+    times: dict[str, list[float]] = {name: [] for name in rungs}
+    with torch.inference_mode():  # as the engine's calls run: the graph's buffers are inference tensors
+        for _ in range(steps):
+            for name, call in rungs.items():
+                sync()
+                start = time.perf_counter()
+                call()
+                times[name].append((time.perf_counter() - start) * 1e6)
+                for slot, p in zip(slots, positions, strict=True):
+                    slot.truncate(p)
+                for r, n in zip(reqs, generated, strict=True):
+                    del r.generated_tokens[n:]
+    return {name: statistics.median(t) for name, t in times.items()}

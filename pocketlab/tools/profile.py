@@ -10,7 +10,9 @@ the gaps between many tiny kernels.
 `--host N` adds, per prefill length, the N functions with the most own host time in one prefill (cProfile). Graphed
 decode rows also time their graph alone (`graph_once_us`, `graph_us`): the step's wall time beyond it is spent outside
 the graph (the host's work, the inputs' and logits' copies, reading the tokens back); `host_*_us` say when, in a step,
-the host loaded the graph's inputs, launched it and had the greedy tokens back (tools.host_time.step_timeline).
+the host loaded the graph's inputs, launched it and had the greedy tokens back (tools.host_time.step_timeline);
+`--ladder` adds `ladder_*_us`: the step built up piece by piece from its graph alone, at fixed keys
+(tools.host_time.step_ladder).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from ..requests import BatchedRequest
 from .bench import BenchConfig, device_name
 from .bench_engine import build, random_tokens
 from .cli import ints, option
-from .host_time import profile_call, step_timeline
+from .host_time import profile_call, step_ladder, step_timeline
 from .timing import Clock
 
 
@@ -136,12 +138,18 @@ def graph_us(graphs: StepGraphs, replays: int) -> tuple[float, float]:
     return float(pd.Series(single).median() * 1e6), Clock("cuda").time(back_to_back) * 1e6 / replays
 
 
-def decode_step(engine: QwenEngine, batch: int, prompt: int = 128, seed: int = 0):
-    """One batch_decode_step over `batch` slots holding `prompt` tokens each."""
+def prefilled(engine: QwenEngine, batch: int, prompt: int = 128, seed: int = 0) -> list[BatchedRequest]:
+    """`batch` requests of `prompt` random tokens each, prefilled into slots 0.. of the engine, reset first."""
     gen = torch.Generator().manual_seed(seed)
     reqs = [BatchedRequest(i, random_tokens(prompt, engine.cfg.vocab_size, gen), slot_id=i) for i in range(batch)]
     engine.reset()
     engine.batch_prefill(reqs)
+    return reqs
+
+
+def decode_step(engine: QwenEngine, batch: int, prompt: int = 128, seed: int = 0):
+    """One batch_decode_step over `batch` slots holding `prompt` tokens each."""
+    reqs = prefilled(engine, batch, prompt, seed)
     return lambda: engine.batch_decode_step(reqs)
 
 
@@ -161,6 +169,7 @@ def main(argv=None) -> None:
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--engine-option", type=option, action="append", default=[], metavar="NAME=VALUE")
     p.add_argument("--host", type=int, default=0, help="N: each prefill's top N functions by own host time")
+    p.add_argument("--ladder", action="store_true", help="graphed decode rows: ladder_*_us (tools.host_time)")
     a = p.parse_args(argv)
     cfg = BenchConfig(model=a.model, device=a.device, batch_sizes=a.batch_sizes, prompt_lens=a.prefill_lens, peer=False,
                       engine_options=dict(a.engine_option))  # fmt: skip
@@ -182,6 +191,9 @@ def main(argv=None) -> None:
                 summary["beyond_graph_us"] = summary["wall_us"] - summary["graph_once_us"]
                 timeline = step_timeline(decode_step(engine, n), a.steps, torch.cuda.synchronize)
                 summary |= {f"host_{k}_us": v for k, v in timeline.items()}
+                if a.ladder:
+                    ladder = step_ladder(engine, prefilled(engine, n), a.steps, torch.cuda.synchronize)
+                    summary |= {f"ladder_{k}_us": v for k, v in ladder.items()}
         else:
             summary, kernels = profile(
                 prefill_call(engine, n), max(a.steps // 4, 2), n, what, setup=lambda: engine.reset(0)
