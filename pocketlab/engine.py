@@ -373,18 +373,18 @@ class QwenEngine:
             params = [sp for _, _, sp in items]
             seen = penalize(logits, params, lambda b: [*self.cache.slots[items[b][0]].tokens, items[b][1]])
             plain = seen is logits and all(p.greedy for p in params)  # no penalty, no draw: the argmax as it is
-            tokens = greedy if plain else sample(seen, params, positions).tolist()
+            tokens = greedy if plain and greedy is not None else sample(seen, params, positions).tolist()
             for s, tok, _ in items:
                 self.cache.slots[s].extend([tok])
         return [[t] for t in tokens], logits, positions
 
     @torch.inference_mode()
-    def _decode_logits(self, runs: list[Run]) -> tuple[torch.Tensor, list[int]]:
-        """One decode step's [B, vocab] float32 logits and their argmax per row (the greedy tokens)."""
+    def _decode_logits(self, runs: list[Run]) -> tuple[torch.Tensor, list[int] | None]:
+        """One decode step's [B, vocab] float32 logits, and their argmax per row (the greedy tokens) where a graph
+        computed it (None: `sample` takes it)."""
         if self.graphs is None:
             hidden, _ = self._forward(runs)
-            logits = self.model.logits(hidden[:, 0])
-            return logits, logits.argmax(dim=-1).tolist()
+            return self.model.logits(hidden[:, 0]), None
         self.forward_count += 1
         return self.graphs.logits(runs)
 

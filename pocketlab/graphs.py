@@ -145,14 +145,13 @@ class StepGraphs:
         self.greedy_host = torch.zeros(self.batch_sizes[-1], dtype=torch.long, pin_memory=on_gpu)
         self.greedy_copied = torch.cuda.Event() if on_gpu else None
 
-    def logits(self, runs: list[Run]) -> tuple[torch.Tensor, list[int]]:
+    def logits(self, runs: list[Run]) -> tuple[torch.Tensor, list[int] | None]:
         """One decode step (runs of one token each): its [B, vocab] float32 logits and their argmax per row, the
-        greedy tokens. Replayed, the graph computes the argmax too, and the host waits for those B tokens alone,
-        not for the logits' copy out of the graph's buffer queued after them."""
+        greedy tokens (None where the step ran eagerly). Replayed, the graph computes the argmax too, and the host
+        waits for those B tokens alone, not for the logits' copy out of the graph's buffer queued after them."""
         out = self.replay("decode", self._decode, runs)
         if out is None:
-            logits, greedy = self._decode(ForwardContext.build(runs, self.cache.scratch, self.device))
-            return logits, greedy.tolist()
+            return self._decode(ForwardContext.build(runs, self.cache.scratch, self.device))[0], None
         n = len(runs)
         greedy = self.greedy_host[:n].copy_(out[1][:n], non_blocking=True)
         if self.greedy_copied is not None:
