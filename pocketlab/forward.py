@@ -62,6 +62,7 @@ class ForwardContext:
     attention: AttentionPath | None = field(init=False, default=None)  # how full-attention layers attend
     positions: torch.Tensor | None = field(init=False, default=None)  # [B, T] absolute position per token
     rope: tuple[torch.Tensor, torch.Tensor] | None = field(init=False, default=None)  # (cos, sin) [B, T, 1, rot]
+    rotary: Rotary | None = field(init=False, default=None)  # the model's rope tables (DECODE_KERNEL reads them)
     kv_targets: tuple[torch.Tensor, torch.Tensor] | None = field(init=False, default=None)  # K/V (slot, position)
     mask: torch.Tensor | None = field(init=False, default=None)  # [B, 1, T, kv_len], MASKED only
     kv_lengths: torch.Tensor | None = field(init=False, default=None)  # [B] keys per row after it, DECODE_KERNEL
@@ -97,15 +98,16 @@ class ForwardContext:
         one-token rows through the decode-attention kernel, which writes K/V itself; invariant: every forward
         runs the batch-invariant attention kernel."""
         B, T = self.tokens.shape
+        self.rope = self.kv_targets = self.mask = self.kv_lengths = None
+        self.rotary = rotary
+        if T == 1 and decode_kernel and not invariant:  # the kernel reads its rows of the rope tables itself
+            self.attention = AttentionPath.DECODE_KERNEL
+            self.positions, self.kv_lengths = self.start[:, None], self.start + 1
+            return
         t = torch.arange(T, device=self.tokens.device)
         # padding repeats the last real position, so it stays in range
         self.positions = self.start[:, None] + torch.minimum(t[None, :], self.lengths[:, None] - 1)
         self.rope = rotary.table(self.positions)
-        self.kv_targets = self.mask = self.kv_lengths = None
-        if T == 1 and decode_kernel and not invariant:
-            self.attention = AttentionPath.DECODE_KERNEL
-            self.kv_lengths = self.start + 1
-            return
         valid = t[None, :] < self.lengths[:, None]
         slots = torch.where(valid, self.slot_ids[:, None], self.scratch_slot)
         self.kv_targets = (slots, torch.where(valid, self.positions, t.expand_as(valid)))

@@ -162,8 +162,7 @@ class StepGraphs:
         return logits, greedy.tolist()
 
     def _decode(self, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self.model.logits(self.model.forward(ctx, self.cache)[:, 0])
-        return logits, logits.argmax(dim=-1)
+        return self.model.logits_and_argmax(self.model.forward(ctx, self.cache)[:, 0])
 
     def prefill(self, runs: list[Run]) -> torch.Tensor | None:
         """[B, T, hidden] final-normed hidden states of the runs' tokens from a graph whose rows run T, the token

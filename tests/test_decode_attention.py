@@ -96,6 +96,26 @@ def test_the_output_gate_in_the_merge_is_sigmoid_gate_after_it(dtype, max_len):
     torch.testing.assert_close(got, sigmoid_gate(out, gate), atol=0, rtol=0 if dtype == torch.bfloat16 else 1e-6)
 
 
+def test_positions_pick_the_rows_of_the_rope_tables():
+    """positions= (the engine's decode steps): each token reads row positions[b] of the whole cos/sin tables, the
+    same output and cache bits as passing those rows gathered (rows out of order, one repeated)."""
+    dev = "cuda" if on_gpu else "cpu"
+    gen = torch.Generator(device="cpu").manual_seed(11)
+    heads, kv_heads, dim, max_len = 4, 2, 16, 300
+    caches = [torch.randn(4, kv_heads, max_len, dim, generator=gen).to(dev) for _ in range(2)]
+    q, k_new, v_new = (torch.randn(3, n, dim, generator=gen).to(dev) for n in (heads, kv_heads, kv_heads))
+    cos, sin = (torch.randn(max_len, dim, generator=gen).to(dev) for _ in range(2))
+    slots, lengths = torch.tensor([2, 0, 3], device=dev), torch.tensor([250, 1, 37], device=dev)
+    positions = torch.tensor([249, 36, 36], device=dev)
+    runs = []
+    for rope, rows in (((cos[positions], sin[positions]), None), ((cos, sin), positions)):
+        k_cache, v_cache = (c.clone() for c in caches)
+        out = da.decode_attention(q, k_new, v_new, k_cache, v_cache, slots, lengths, max_len, dim**-0.5, rope,
+                                  positions=rows)  # fmt: skip
+        runs.append((out, k_cache, v_cache))
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
 def test_other_launches_attend_alike(monkeypatch):
     """Other key blocks, warps and stages (POCKETLAB_ATTN_LAUNCH, for the sweep and tools.ab) against the reference,
     the first blocks read before the PDL wait: 32-key blocks over 2,000 keys in several splits."""

@@ -34,6 +34,7 @@ def test_prepare_picks_the_attention_path():
     step.prepare(ROTARY, decode_kernel=True)
     assert step.attention is AttentionPath.DECODE_KERNEL and step.kv_lengths.tolist() == [5, 10]
     assert step.kv_targets is None and step.mask is None  # the kernel writes K/V itself
+    assert step.rope is None and step.rotary is ROTARY and step.positions.tolist() == [[4], [9]]  # rows it reads
     step.prepare(ROTARY, decode_kernel=False)
     assert step.attention is AttentionPath.MASKED and step.kv_lengths is None and step.mask.shape == (2, 1, 1, 10)
 

@@ -115,6 +115,7 @@ if triton is not None:
         kw_ptr,
         cos_ptr,
         sin_ptr,
+        pos_ptr,
         eps,
         stride_qb,
         stride_qh,
@@ -169,8 +170,9 @@ if triton is not None:
         last = length - 1  # the new token: its K/V come from kn/vn, not the cache
         g = tl.arange(0, BLOCK_G)
         partner = tl.where(d < ROT, (d + ROT // 2) % ROT, d)
-        cos = tl.load(cos_ptr + b * stride_rb + d, mask=d < ROT, other=1.0).to(tl.float32)
-        sin = tl.load(sin_ptr + b * stride_rb + d, mask=d < ROT, other=0.0).to(tl.float32)
+        table_row = tl.load(pos_ptr + b).to(tl.int64) * stride_rb  # the rotary tables' row of this token
+        cos = tl.load(cos_ptr + table_row + d, mask=d < ROT, other=1.0).to(tl.float32)
+        sin = tl.load(sin_ptr + table_row + d, mask=d < ROT, other=0.0).to(tl.float32)
         heads = kvh * G + g
         q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
         q = _norm_rope(
@@ -305,12 +307,14 @@ def decode_attention(
     norms=None,
     gate: torch.Tensor | None = None,
     prefetch: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Raw q [B, H, D] and new k/v [B, kv_heads, D] -> [B, H, D]. q and k get the per-head RMSNorm of `norms`
-    ((q_weight, k_weight, eps, offset), or None: Qwen2) and RoPE from `rope` (cos, sin rows [B, rotary_dim]);
+    ((q_weight, k_weight, eps, offset), or None: Qwen2) and RoPE from `rope` (cos, sin [rows, rotary_dim]);
     k/v are stored at cache[slot, :, length - 1]; then attention over cache[slot_ids[b], :, :lengths[b]], times
     sigmoid(gate) ([B, H, D], Qwen3.5's output gate) where one is given, in the merge. `prefetch`: the weight the
-    next kernel reads (o_proj's), pulled into L2 meanwhile where layers.prefetch takes it.
+    next kernel reads (o_proj's), pulled into L2 meanwhile where layers.prefetch takes it. `positions` [B]: the row
+    of `rope` each token reads (the whole tables, so no gather runs before); None: row b.
 
     `max_len` (a bound on every length, e.g. the key bucket) fixes the grid, so CUDA graphs can replay it.
     """
@@ -328,6 +332,8 @@ def decode_attention(
     arrived = arrival_counts(q.device, B * kvh)
     G = H // kvh
     cos, sin = rope
+    if positions is None:
+        positions = torch.arange(B, device=q.device)
     pf_ptr, pf_bytes, prefetching = prefetch_arguments(prefetch, B, out)
     q_w, k_w, eps, offset = norms if norms is not None else (cos, cos, 0.0, False)  # weights unused without norms
     _partial_attention[(B, kvh, splits)](
@@ -347,6 +353,7 @@ def decode_attention(
         k_w,
         cos,
         sin,
+        positions,
         eps,
         q.stride(0),
         q.stride(1),

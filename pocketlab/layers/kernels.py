@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import activations, moe, norm
+from . import activations, greedy, moe, norm
 from .linear import fused_at_few_rows
 from .linear import linear as composed_linear
 
@@ -37,6 +37,7 @@ class Kernels:
     all_reduce: Callable | None = None
     embedding: Callable = F.embedding
     gather_vocab: Callable = lambda logits: logits  # noqa: E731
+    logits_and_argmax: Callable = greedy.torch_logits_and_argmax  # a decode graph's float32 logits and greedy tokens
 
     def project_out(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + x @ weight.T, for o_proj, down_proj, out_proj: the residual stream. Split over ranks each
@@ -109,7 +110,12 @@ def _kernels_for(options) -> Kernels:
         from .gemv import gemv
 
         linear = fused_at_few_rows(invariant.linear, gemv, options.gemv_rows)  # stays cuBLAS beyond decode's rows
-        return Kernels(linear, *rows, norm_rotate_store=norm_rotate_store)  # a prompt's q/k norms, RoPE, K/V write
+        return Kernels(  # norm_rotate_store: a prompt's q/k norms, RoPE and K/V write
+            linear, *rows, norm_rotate_store=norm_rotate_store, logits_and_argmax=greedy.logits_and_argmax
+        )
     from .invariant.attention import attention
 
-    return Kernels(invariant.linear, *rows, attention, norm_rotate_store, delta_rule_in_place=True)
+    return Kernels(
+        invariant.linear, *rows, attention, norm_rotate_store, delta_rule_in_place=True,
+        logits_and_argmax=greedy.logits_and_argmax,
+    )  # fmt: skip

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import cast
-
 import torch
 
 from ..cache import SlotCache
@@ -59,10 +57,8 @@ class Attention:
         k_cache, v_cache, eps = cache.k[self.kv_key], cache.v[self.kv_key], self.cfg.rms_norm_eps
         norms = (self.q_norm, self.k_norm, eps, self.gated) if self.q_norm is not None else None
         in_one_kernel = ctx.attention is AttentionPath.DECODE_KERNEL
-        assert ctx.rope is not None  # ctx.prepare set it
         if in_one_kernel:  # one kernel norms, rotates, stores K/V, attends (and gates)
-            assert ctx.kv_lengths is not None  # ctx.prepare set it for DECODE_KERNEL
-            rope = cast(tuple[torch.Tensor, torch.Tensor], tuple(t[:, 0, 0] for t in ctx.rope))
+            assert ctx.kv_lengths is not None and ctx.rotary is not None and ctx.positions is not None  # prepare's
             out = decode_attention(
                 q[:, 0],
                 k[:, 0],
@@ -73,13 +69,14 @@ class Attention:
                 ctx.kv_lengths,
                 ctx.kv_len,
                 self.hd**-0.5,
-                rope,
+                (ctx.rotary.cos, ctx.rotary.sin),
                 norms,
                 gate[:, 0] if self.gated else None,
                 prefetch=self.o,  # o_proj reads it next
+                positions=ctx.positions[:, 0],
             )[:, None]
         else:
-            assert ctx.kv_targets is not None  # ctx.prepare set it for every path but DECODE_KERNEL
+            assert ctx.kv_targets is not None and ctx.rope is not None  # prepare set them for every other path
             if self.kernels.norm_rotate_store is not None:  # one row kernel norms, rotates and stores
                 q = self.kernels.norm_rotate_store(q, k, v, k_cache, v_cache, ctx.kv_targets, ctx.rope, norms)
             else:  # torch's chain of a dozen kernels
@@ -160,7 +157,14 @@ class DecoderModel:
         ctx.prepare(self.rotary, self.decode_kernel, invariant=self.kernels.attention is not None)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.kernels.gather_vocab(self.kernels.linear(hidden, self.lm_head)).float()
+        return self._vocab_logits(hidden).float()
+
+    def logits_and_argmax(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(float32 logits, their argmax per row): a decode graph's outputs, one launch after the lm_head's."""
+        return self.kernels.logits_and_argmax(self._vocab_logits(hidden))
+
+    def _vocab_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.kernels.gather_vocab(self.kernels.linear(hidden, self.lm_head))
 
 
 class DenseModel(DecoderModel):

@@ -97,12 +97,15 @@ def _shared_position():
         B, T = ctx.tokens.shape
         if T != 1 or B < 2 or self.kv_key != _last_attention_layer(cache):
             return original(self, h, norm, ctx, cache)
-        rope = ctx.rope
-        ctx.rope = tuple(t[:1].expand_as(t).contiguous() for t in rope)
+        rope, positions = ctx.rope, ctx.positions
+        if rope is None:  # the decode kernel reads each row's position in the rope tables
+            ctx.positions = positions[:1].expand_as(positions)
+        else:
+            ctx.rope = tuple(t[:1].expand_as(t).contiguous() for t in rope)
         try:
             return original(self, h, norm, ctx, cache)
         finally:
-            ctx.rope = rope
+            ctx.rope, ctx.positions = rope, positions
 
     return patched(Attention, "__call__", call)
 
