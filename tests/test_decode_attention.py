@@ -96,9 +96,11 @@ def test_the_output_gate_in_the_merge_is_sigmoid_gate_after_it(dtype, max_len):
     torch.testing.assert_close(got, sigmoid_gate(out, gate), atol=0, rtol=0 if dtype == torch.bfloat16 else 1e-6)
 
 
-def test_positions_pick_the_rows_of_the_rope_tables():
+@pytest.mark.parametrize("expanded", [False, True], ids=["rows", "one-row-expanded"])
+def test_positions_pick_the_rows_of_the_rope_tables(expanded):
     """positions= (the engine's decode steps): each token reads row positions[b] of the whole cos/sin tables, the
-    same output and cache bits as passing those rows gathered (rows out of order, one repeated)."""
+    same output and cache bits as passing those rows gathered (rows out of order, one repeated; or one position
+    for every token through a stride-0 view, as the shared_position mutant passes it)."""
     dev = "cuda" if on_gpu else "cpu"
     gen = torch.Generator(device="cpu").manual_seed(11)
     heads, kv_heads, dim, max_len = 4, 2, 16, 300
@@ -107,6 +109,8 @@ def test_positions_pick_the_rows_of_the_rope_tables():
     cos, sin = (torch.randn(max_len, dim, generator=gen).to(dev) for _ in range(2))
     slots, lengths = torch.tensor([2, 0, 3], device=dev), torch.tensor([250, 1, 37], device=dev)
     positions = torch.tensor([249, 36, 36], device=dev)
+    if expanded:
+        positions = positions[:1].expand(3)
     runs = []
     for rope, rows in (((cos[positions], sin[positions]), None), ((cos, sin), positions)):
         k_cache, v_cache = (c.clone() for c in caches)

@@ -116,6 +116,7 @@ if triton is not None:
         cos_ptr,
         sin_ptr,
         pos_ptr,
+        stride_pb,
         eps,
         stride_qb,
         stride_qh,
@@ -170,7 +171,7 @@ if triton is not None:
         last = length - 1  # the new token: its K/V come from kn/vn, not the cache
         g = tl.arange(0, BLOCK_G)
         partner = tl.where(d < ROT, (d + ROT // 2) % ROT, d)
-        table_row = tl.load(pos_ptr + b).to(tl.int64) * stride_rb  # the rotary tables' row of this token
+        table_row = tl.load(pos_ptr + b * stride_pb).to(tl.int64) * stride_rb  # the rotary tables' row of this token
         cos = tl.load(cos_ptr + table_row + d, mask=d < ROT, other=1.0).to(tl.float32)
         sin = tl.load(sin_ptr + table_row + d, mask=d < ROT, other=0.0).to(tl.float32)
         heads = kvh * G + g
@@ -354,6 +355,7 @@ def decode_attention(
         cos,
         sin,
         positions,
+        positions.stride(0),
         eps,
         q.stride(0),
         q.stride(1),
