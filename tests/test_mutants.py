@@ -5,8 +5,9 @@ tiny Qwen3, and the calibrated bf16 verdicts of the isolation and batch checks."
 
 import pandas as pd
 import pytest
-from conftest import DEVICE
+from conftest import DEVICE, DTYPE
 
+from pocketlab.layers.gated_delta import backend_name
 from pocketlab.layers.moe import SparseMoE
 from pocketlab.models.qwen3 import Attention
 from pocketlab.verify import load_pair
@@ -35,11 +36,14 @@ def hybrid():
 
 
 def test_every_check_fails_every_mutant_it_targets_and_passes_the_correct_engine(hybrid):
-    mine = tuple(m.name for m in DENSE if set(m.targets) & set(FAST))
-    r = catch_matrix(hybrid, checks=FAST, slots=2, mutants=mine, full=False)
+    checks = FAST
+    if DTYPE == "float32" and backend_name(DEVICE) == "fla":  # as in test_parity: no 1e-4 reference there
+        checks = tuple(c for c in FAST if c != "parity")  # HF's float32 Qwen3.5 runs fla's TF32 chunk kernels
+    mine = tuple(m.name for m in DENSE if set(m.targets) & set(checks))
+    r = catch_matrix(hybrid, checks=checks, slots=2, mutants=mine, full=False)
     targeted = _assert_all_caught(r)
     # every mutant is targeted by at least one check that ran here, so none is silently out of reach
-    want = {(m, c) for m in mine for c in MUTANTS[m].targets if c in FAST and applies(MUTANTS[m], c, hybrid)}
+    want = {(m, c) for m in mine for c in MUTANTS[m].targets if c in checks and applies(MUTANTS[m], c, hybrid)}
     assert set(zip(targeted.mutant, targeted.check, strict=True)) == want
     assert {m for m, _ in want} == set(mine)
     eff = r.tables["effects"].set_index("mutant")
