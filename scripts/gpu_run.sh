@@ -70,7 +70,9 @@
 #                    tables for MOE_PROFILE [] (e.g. the *-4-layers presets); bench the models with MODELS=
 #   AB_MODELS []  the ab step (not in the default STEPS): `python -m pocketlab.tools.ab` per model with AB_VARIANTS
 #                    (';'-separated, e.g. ";POCKETLAB_PDL=0"), AB_ARGS [] (e.g. --rounds 7), AB_FILE [switches] names
-#                    the tables, AB_CAP_S [240] per model
+#                    the tables, AB_CAP_S [240] per model; AB_TREE [] an archive of an earlier revision's package
+#                    (`git archive REV pocketlab | gzip > .whl/rev.tgz`, carried), unpacked to /tmp/ab-tree first, so
+#                    a variant "tree=/tmp/ab-tree/pocketlab" runs that revision's engine beside this one
 #   REPORT_NOTEBOOKS [01,02,03,04,05,06,07]  the reports step's notebooks, in this order, each a step of its own
 #   TTFT_STRIDES     [512]              checkpoint strides the TTFT table is measured at, comma-separated
 #   PEER_MODES       [eager,static]     HF peers (static = static cache + HF's compiled decode step)
@@ -105,6 +107,7 @@ AB_VARIANTS=${AB_VARIANTS:-}
 AB_ARGS=${AB_ARGS:-}
 AB_FILE=${AB_FILE:-switches}
 AB_CAP_S=${AB_CAP_S:-240}
+AB_TREE=${AB_TREE:-}
 TP_MODELS=${TP_MODELS-qwen3-8b qwen3.5-9b}
 TP2_MODELS=${TP2_MODELS-qwen3.5-27b-shape}
 INVARIANT_TESTS=${INVARIANT_TESTS-tests/test_batch_invariant.py tests/test_invariant_kernels.py tests/test_invariant_attention.py tests/test_linear_decode.py}
@@ -336,6 +339,7 @@ fi
 #         graphs captured again for each) -> reports/gpu/ab-<AB_FILE>-<model>-h200.txt --
 if wants ab; then
   mkdir -p reports/gpu
+  [ -n "$AB_TREE" ] && rm -rf /tmp/ab-tree && mkdir -p /tmp/ab-tree && tar xzf "$AB_TREE" -C /tmp/ab-tree
   for m in $AB_MODELS; do
     step "A/B $m" "$AB_CAP_S" "$reserve" bash -o pipefail -c "TQDM_DISABLE=1 python3 -m pocketlab.tools.ab --model $m \
       --variants '$AB_VARIANTS' $AB_ARGS | tee reports/gpu/ab-$AB_FILE-$m-$GPU.txt"

@@ -6,7 +6,9 @@ import json
 import math
 import os
 import re
+import shutil
 import time
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -353,6 +355,30 @@ def test_ab_holds_each_variant_to_the_baselines_greedy_decode(make_engine, monke
     assert out.loc["POCKETLAB_AB_TEST=1", "first_logits_rel_diff"] == 0.0
     assert out.loc["POCKETLAB_AB_TEST=1", "same_tokens_steps"] == "6/6" == out.loc["(as is)", "same_tokens_steps"]
     assert out.loc["wrong=1", "first_logits_rel_diff"] > 0.1 and out.loc["wrong=1", "same_tokens_steps"] != "6/6"
+
+
+def test_ab_tree_variant_runs_another_copy_of_the_package(tmp_path, capsys):
+    """tree=DIR: that variant's engine comes from the pocketlab copy in DIR, imported beside this one (here a copy
+    whose logits are doubled: the agreement sees exactly that, same tokens, every logit 2x); a directory that holds
+    no package is refused."""
+    from pocketlab.tools import ab
+
+    tree = tmp_path / "rev" / "pocketlab"
+    shutil.copytree(Path(ab.__file__).parents[1], tree, ignore=shutil.ignore_patterns("__pycache__"))
+    model = tree / "models" / "qwen3.py"
+    source = model.read_text()
+    assert "return self._vocab_logits(hidden).float()" in source
+    model.write_text(source.replace("return self._vocab_logits(hidden).float()",
+                                    "return (2 * self._vocab_logits(hidden)).float()"))  # fmt: skip
+    ab.main(["--model", "tiny-qwen3", "--device", "cpu", "--variants", f";tree={tree}", "--rounds", "2", "--steps",
+             "1", "--warm", "0"])  # fmt: skip
+    agreeing = capsys.readouterr().out.split("greedy decode:")[1]
+    row = next(line for line in agreeing.splitlines() if "tree=" in line).split()
+    assert float(row[-2]) == pytest.approx(1.0) and row[-1] == "8/8"  # logits doubled, the same tokens
+    engine = ab.load_tree(tree).QwenEngine
+    assert engine.__module__.startswith("pocketlab_tree_") and engine is not ab.engine_over.__globals__["QwenEngine"]
+    with pytest.raises(ValueError, match="not a copy of the pocketlab package"):
+        ab.load_tree(tmp_path)
 
 
 def test_ab_alternates_variants_and_restores_the_environment(capsys, monkeypatch):

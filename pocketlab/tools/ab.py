@@ -13,17 +13,22 @@ in how many rounds it was the faster), which the drift between rounds does not r
 
 A variant is comma-separated NAME=VALUE pairs: environment variables (set for its rounds, restored after), and
 EngineOptions fields, for which the variant gets an engine of its own over the same weights (built once, before the
-rounds; VALUE read as a Python literal). The first variant is the baseline. After the timings, each variant's greedy
-decode from the same prompts is held against the baseline's (`agreement`): a switch that is fast because it is wrong
-shows there.
+rounds; VALUE read as a Python literal). `tree=DIR` builds that engine from the copy of the pocketlab package in DIR
+(an earlier revision: `git archive REV pocketlab | tar -x -C /tmp/rev`, then tree=/tmp/rev/pocketlab), imported as a
+package of its own: a code change against the code before it, in one process. The first variant is the baseline.
+After the timings, each variant's greedy decode from the same prompts is held against the baseline's (`agreement`):
+a switch that is fast because it is wrong shows there.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
+import importlib.util
 import os
 import re
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,7 +38,6 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 from ..config import EngineOptions
-from ..graphs import StepGraphs
 from .bench import BenchConfig, device_name
 from .bench_engine import build, engine_over
 from .cli import ints, option
@@ -43,19 +47,23 @@ from .timing import Clock
 if TYPE_CHECKING:
     from ..engine import QwenEngine
 
-ENGINE_OPTIONS = {f.name for f in dataclasses.fields(EngineOptions)}
+TREE = "tree"  # a variant's engine from another copy of the package
+ENGINE_OPTIONS = {f.name for f in dataclasses.fields(EngineOptions)} | {TREE}
 CONTEXT = BenchConfig.decode_prompt  # tokens a slot holds before the timed decode steps, as the bench's
 
 
 def parse_variant(text: str) -> tuple[dict[str, str], dict[str, object]]:
     """'A=1,gemv_rows=0' -> ({'A': '1'}, {'gemv_rows': 0}): environment switches, and engine options (the names of
-    EngineOptions fields); '' is the environment and the engine as they are."""
+    EngineOptions fields, and `tree`: a directory, kept as text); '' is the environment and the engine as they are."""
     pairs = [kv.split("=", 1) for kv in text.split(",") if kv.strip()]
     if any(len(kv) != 2 or not kv[0].strip() for kv in pairs):
         raise ValueError(f"a variant is NAME=VALUE pairs separated by commas, got {text!r}")
-    env, options = {}, {}
+    env: dict[str, str] = {}
+    options: dict[str, object] = {}
     for k, v in ((k.strip(), v.strip()) for k, v in pairs):
-        if k in ENGINE_OPTIONS:
+        if k == TREE:
+            options[k] = v
+        elif k in ENGINE_OPTIONS:
             options[k] = option(f"{k}={v}")[1]
         else:
             env[k] = v
@@ -81,8 +89,8 @@ def under(engine: QwenEngine, variant: str) -> Iterator[None]:
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        if engine.graphs is not None:
-            engine.graphs = StepGraphs(engine.model, engine.cache, engine.options)
+        if engine.graphs is not None:  # its own package's class (a tree variant's engine is another copy's)
+            engine.graphs = type(engine.graphs)(engine.model, engine.cache, engine.options)
         yield
     finally:
         for k, v in saved.items():
@@ -130,14 +138,33 @@ def agreement(engines: dict[str, QwenEngine], variants: list[str], batch: int, s
 
 
 def engines_for(cfg: BenchConfig, variants: list[str]) -> dict[str, QwenEngine]:
-    """variant -> its engine: one per distinct set of engine options, all over the weights of one HF build."""
+    """variant -> its engine: one per distinct set of engine options (and package tree), all over the weights of one
+    HF build."""
     hf, base = build(cfg)
     keys = {v: tuple(sorted(parse_variant(v)[1].items())) for v in variants}
     built: dict[tuple[tuple[str, object], ...], QwenEngine] = {(): base}
     for key in keys.values():
         if key not in built:
-            built[key] = engine_over(hf, dataclasses.replace(cfg, engine_options=dict(cfg.engine_options, **dict(key))))
+            options = dict(key)
+            package = load_tree(Path(str(options.pop(TREE)))) if TREE in options else None
+            variant_cfg = dataclasses.replace(cfg, engine_options=dict(cfg.engine_options, **options))
+            built[key] = engine_over(hf, variant_cfg, package)
     return {v: built[key] for v, key in keys.items()}
+
+
+def load_tree(path: Path):
+    """The copy of the pocketlab package in directory `path`, imported under a name of its own (its modules import
+    one another relatively), so its engine runs beside this one in one process."""
+    if not (path / "__init__.py").is_file() or not (path / "engine.py").is_file():
+        raise ValueError(f"tree={path}: not a copy of the pocketlab package (no __init__.py and engine.py there)")
+    name = "pocketlab_tree_" + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:8]
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path / "__init__.py",
+                                                      submodule_search_locations=[str(path)])  # fmt: skip
+        assert spec is not None and spec.loader is not None
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
 
 
 def summary(df: pd.DataFrame, baseline: str) -> pd.DataFrame:

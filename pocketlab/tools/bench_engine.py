@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -10,7 +11,7 @@ import numpy as np
 import torch
 
 from .. import compile_events
-from ..config import DTYPES, EngineOptions, ModelConfig
+from ..config import DTYPES
 from ..engine import QwenEngine
 from ..layers import moe
 from ..requests import BatchedRequest
@@ -29,14 +30,16 @@ def build(cfg: BenchConfig):
     return hf, engine_over(hf, cfg)
 
 
-def engine_over(hf, cfg: BenchConfig) -> QwenEngine:
-    """A pocketlab engine with cfg's options over the tensors of `hf` (build's HF model)."""
-    mcfg = ModelConfig.from_dict(hf.config.to_dict())
+def engine_over(hf, cfg: BenchConfig, package=None) -> QwenEngine:
+    """A pocketlab engine with cfg's options over the tensors of `hf` (build's HF model); `package`: another copy of
+    the pocketlab package whose engine to build instead (tools.ab's tree variants: an earlier revision's)."""
+    pkg = package or importlib.import_module(__package__.split(".")[0])  # this copy's own package
+    mcfg = pkg.ModelConfig.from_dict(hf.config.to_dict())
     weights = dict(hf.state_dict())
     if mcfg.tie_word_embeddings:
         weights.pop("lm_head.weight", None)  # HF's state_dict lists the tied table twice
     extra = dict(cfg.engine_options, **({"prefill_chunk": cfg.prefill_chunk} if cfg.prefill_chunk else {}))
-    opts = EngineOptions(
+    opts = pkg.EngineOptions(
         max_slots=cfg.max_slots,
         max_seq_len=cfg.max_seq_len,
         device=cfg.device,
@@ -44,7 +47,7 @@ def engine_over(hf, cfg: BenchConfig) -> QwenEngine:
         cuda_graphs=cfg.cuda_graphs,
         **extra,
     )
-    return QwenEngine(mcfg, weights, opts)
+    return pkg.QwenEngine(mcfg, weights, opts)
 
 
 def random_tokens(n: int, vocab: int, gen: torch.Generator) -> list[int]:
