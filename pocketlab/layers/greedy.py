@@ -66,12 +66,8 @@ if triton is not None:
             mine = q < blocks
             values = tl.load(best_ptr + b * blocks + q, mask=mine, other=float("-inf"), volatile=True)
             wheres = tl.load(where_ptr + b * blocks + q, mask=mine, other=_NO_INDEX, volatile=True)
-            nan = mine & (values != values)
-            plain = tl.where(mine & (values == values), values, float("-inf"))
-            top = tl.max(plain, axis=0)
-            first_nan = tl.min(tl.where(nan, wheres, _NO_INDEX), axis=0)  # blocks in order: the lowest is the first
-            first_top = tl.min(tl.where(mine & (plain == top), wheres, _NO_INDEX), axis=0)
-            tl.store(token_ptr + b, tl.where(first_nan < _NO_INDEX, first_nan, first_top).to(tl.int64))
+            _, token = _best(values, wheres, mine)  # the blocks' own indices: the lowest of equals is the first
+            tl.store(token_ptr + b, token.to(tl.int64))
             tl.atomic_xchg(arrived_ptr + b, 0)  # ready for the next launch
 
 

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from ..engine import QwenEngine
 
 TREE = "tree"  # a variant's engine from another copy of the package
-ENGINE_OPTIONS = {f.name for f in dataclasses.fields(EngineOptions)} | {TREE}
+ENGINE_OPTIONS = {f.name for f in dataclasses.fields(EngineOptions)}
 CONTEXT = BenchConfig.decode_prompt  # tokens a slot holds before the timed decode steps, as the bench's
 
 
