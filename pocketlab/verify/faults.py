@@ -81,8 +81,9 @@ class Faults:
             for name in ("draft", "observe", "commit"):
                 self._wrap(eng.speculator.drafter, name)
             self._wrap(eng.speculator, "_roll_back")
-        if eng.graphs is not None:
-            self._wrap(eng.graphs, "capture")
+        if eng.graphs is not None:  # a replay is one point: no Python runs inside it
+            for name in ("capture", "replay"):
+                self._wrap(eng.graphs, name)
         self._swap(engine_module, "sample", self._counted(engine_module.sample))
         return self
 
