@@ -136,18 +136,23 @@ def stream(
 
 
 def _deltas(tok, prompt_ids: list[list[int]], steps) -> Iterator[TextDelta]:
+    """The token steps as text; closing this stream closes `steps` at once, which gives back the slots it holds
+    (left to the garbage collector, that waited for whatever still referenced the frame: seen on CUDA)."""
     detok = [Detokenizer(tok) for _ in prompt_ids]
     reused = [0] * len(prompt_ids)
-    for s in steps:
-        d = detok[s.index]
-        reused[s.index] += s.reused_tokens
-        text = d.push(s.tokens)
-        if s.finished is None:
-            yield TextDelta(s.index, text, s.tokens)
-            continue
-        text += d.flush()
-        done = Completion(d.text, d.ids, prompt_ids[s.index], s.finished, reused[s.index])
-        yield TextDelta(s.index, text, s.tokens, True, done)
+    try:
+        for s in steps:
+            d = detok[s.index]
+            reused[s.index] += s.reused_tokens
+            text = d.push(s.tokens)
+            if s.finished is None:
+                yield TextDelta(s.index, text, s.tokens)
+                continue
+            text += d.flush()
+            done = Completion(d.text, d.ids, prompt_ids[s.index], s.finished, reused[s.index])
+            yield TextDelta(s.index, text, s.tokens, True, done)
+    finally:
+        steps.close()
 
 
 def complete(engine: QwenEngine, prompts: list[Prompt], sampling=None, enable_thinking=None, progress=False):

@@ -4,12 +4,14 @@ without ever showing half a character, generation_config.json supplies the defau
 
 import json
 import shutil
+from dataclasses import replace
 
 import pytest
 from conftest import assert_same_state, engine_state
 
 from pocketlab import EngineOptions, QwenEngine, SamplingParams
-from pocketlab.text import Completion, Detokenizer
+from pocketlab.generate import stream_tokens
+from pocketlab.text import Completion, Detokenizer, _deltas
 
 CHAT = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Wie geht's? 你好 🙂"}]
 GREEDY8 = dict(temperature=0.0, max_new_tokens=8)
@@ -63,7 +65,9 @@ def test_stream_deltas_add_up_per_request(eng):
         order.append(d.index)
         if d.done:
             done[d.index] = d.completion
-    assert [done[i] for i in range(4)] == expected
+    # the stream finds the prompts `expected` cached (reused_tokens): the rest of each completion is the same
+    assert [replace(done[i], reused_tokens=0) for i in range(4)] == [replace(c, reused_tokens=0) for c in expected]
+    assert all(done[i].reused_tokens >= c.reused_tokens for i, c in enumerate(expected))
     assert texts == [c.text for c in expected] and tokens == [c.token_ids for c in expected]
     assert order != sorted(order)  # requests advanced together, interleaved
     assert eng.free_slots() == [0, 1]
@@ -144,3 +148,15 @@ def test_hybrid_text_preset_streams(make_engine):
     deltas = list(e.stream([CHAT], e.default_sampling(temperature=0.0, max_new_tokens=4)))
     assert deltas[-1].done and "".join(d.text for d in deltas) == deltas[-1].completion.text
     assert e.tokenizer.decode(deltas[-1].completion.prompt_ids).endswith("<|im_start|>assistant\n<think>\n")
+
+
+def test_closing_a_text_stream_closes_its_token_stream(eng):
+    """At once, not when the garbage collector gets to it: the token stream's close gives back its slots (on CUDA
+    something kept the frame alive, and an abandoned stream held slot 0)."""
+    ids = [eng.tokenizer.encode("abandoned")]
+    steps = stream_tokens(eng, ids, eng.default_sampling(**GREEDY8))  # held here, as that reference was
+    deltas = _deltas(eng.tokenizer, ids, steps)
+    next(deltas)
+    assert eng.free_slots() == [1]
+    deltas.close()
+    assert steps.gi_frame is None and eng.free_slots() == [0, 1]
