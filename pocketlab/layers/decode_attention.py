@@ -159,21 +159,22 @@ if triton is not None:
         splits = tl.num_programs(2)
         d = tl.arange(0, D)
         start = split * SPLIT_LEN
-        if EARLY:  # in flight while the kernel before ends: written two or more launches back (layers.pdl)
-            length, base = _slot_and_length(slot_ptr, len_ptr, b, kvh, stride_cs, stride_ch)
+        # in flight while the kernel before ends, none of it that kernel's output (layers.pdl): the slot, length and
+        # position (written two or more launches back), the token's rows of the rotary tables (constants), and
+        # where EARLY the split's first block of cached K/V
+        length, base = _slot_and_length(slot_ptr, len_ptr, b, kvh, stride_cs, stride_ch)
+        partner = tl.where(d < ROT, (d + ROT // 2) % ROT, d)
+        table_row = tl.load(pos_ptr + b * stride_pb).to(tl.int64) * stride_rb
+        cos = tl.load(cos_ptr + table_row + d, mask=d < ROT, other=1.0).to(tl.float32)
+        sin = tl.load(sin_ptr + table_row + d, mask=d < ROT, other=0.0).to(tl.float32)
+        if EARLY:
             n = start + tl.arange(0, BLOCK_N)
             k_first, v_first = _cached_block(k_ptr, v_ptr, base, n, d, length - 1, stride_ct)
         if PREFETCH:  # the next projection's weight into L2 while the kernel before ends (layers.prefetch)
             prefetch_l2(pf_ptr, pf_bytes, LANES)
         wait_then_release(PDL)
-        if not EARLY:
-            length, base = _slot_and_length(slot_ptr, len_ptr, b, kvh, stride_cs, stride_ch)
         last = length - 1  # the new token: its K/V come from kn/vn, not the cache
         g = tl.arange(0, BLOCK_G)
-        partner = tl.where(d < ROT, (d + ROT // 2) % ROT, d)
-        table_row = tl.load(pos_ptr + b * stride_pb).to(tl.int64) * stride_rb  # the rotary tables' row of this token
-        cos = tl.load(cos_ptr + table_row + d, mask=d < ROT, other=1.0).to(tl.float32)
-        sin = tl.load(sin_ptr + table_row + d, mask=d < ROT, other=0.0).to(tl.float32)
         heads = kvh * G + g
         q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
         q = _norm_rope(
