@@ -2,6 +2,7 @@
 
 Timings are never judged here: only that every figure exists, is finite and positive."""
 
+import inspect
 import json
 import math
 import os
@@ -13,6 +14,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+import transformers
 from conftest import DEVICE
 
 from pocketlab.config import EngineOptions, ModelConfig
@@ -419,3 +421,17 @@ def test_ab_alternates_variants_and_restores_the_environment(capsys, monkeypatch
     assert ab.parse_variant("A=1,gemv_rows=0") == ({"A": "1"}, {"gemv_rows": 0})
     with pytest.raises(ValueError, match="NAME=VALUE"):
         ab.parse_variant("no-equals-sign")
+
+
+def test_hf_serving_peer_is_sized_by_the_trace():
+    """HF's continuous batching gets a paged cache that holds the whole trace and batches of at most its tokens: its
+    defaults size both from 90% of the free memory (75 GB of an H100 for a tiny model, which starved the engine)."""
+    config = getattr(transformers, "ContinuousBatchingConfig", None)
+    if config is None or "max_batch_tokens" not in inspect.signature(config).parameters:
+        pytest.skip("this transformers sizes its continuous batching another way")
+    hf = synthetic.build_hf_model("tiny-qwen3")
+    trace = bench_serving.Trace.random(5, (4, 9), (3, 6), 0, hf.config.vocab_size, seed=1)
+    gc = transformers.GenerationConfig(max_new_tokens=6)
+    sizes = bench_serving._hf_manager_options(hf, gc, trace)["continuous_batching_config"]
+    assert sizes.max_batch_tokens == sum(len(p) + 1 for p in trace.prompts) < 64
+    assert sizes.num_blocks == len(trace.prompts)  # one 256-token page a request
