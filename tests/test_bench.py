@@ -214,7 +214,7 @@ def test_profile_tables_a_decode_step_and_a_prefill(make_engine):
     engine = make_engine("tiny-qwen3")
     cases = ((profile.decode_step(engine, 2), None), (profile.prefill_call(engine, 20), lambda: engine.reset(0)))
     for step, setup in cases:
-        summary, kernels = profile.profile(step, 3, 2, "check", setup)
+        summary, kernels, layer = profile.profile(step, 3, 2, "check", setup)
         assert 0 < summary["wall_us"] <= summary["wall_p90_us"] <= summary["wall_max_us"]
         if setup is not None:
             setup()
@@ -227,6 +227,26 @@ def test_profile_tables_a_decode_step_and_a_prefill(make_engine):
         assert summary["kernels_per_step"] >= 10
         assert (kernels.us_per_step.diff().dropna() <= 0).all()  # costliest first
         assert any(re.search(r"aten::(add)?mm$|gemm", name, re.I) for name in kernels.kernel)
+        if setup is None:  # a decode step: one layer's operators, repeated once a layer
+            assert layer.attrs["repeats"] == engine.cfg.num_hidden_layers and len(layer) >= 5, layer
+            assert (layer.us_min <= layer.us).all() and (layer.us <= layer.us_max).all()
+
+
+def test_a_layer_table_times_each_launch_of_the_repeated_block():
+    """Three GEMVs of one name a layer, each its own row; a head and tail outside; a hybrid period of two layers."""
+    from pocketlab.tools import profile
+
+    layer = [("gemv", 5.0), ("attention", 7.0), ("gemv", 2.0), ("gemv", 9.0)]
+    step = [("embed", 1.0)] + layer * 4 + [("norm", 1.0), ("lm_head", 90.0)]
+    table = profile.layer_table([step, [(n, us + 1) for n, us in step]])
+    assert list(table.kernel) == ["gemv", "attention", "gemv", "gemv"]
+    assert list(table.us) == [5.5, 7.5, 2.5, 9.5] and list(table.us_min) == [5.0, 7.0, 2.0, 9.0]
+    assert table.attrs == {"repeats": 4, "outside": 3}
+    hybrid = ["in_proj", "conv", "state", "out_proj"] * 3 + ["qkv", "attention", "o"]
+    assert profile.repeating_block(["embed"] + hybrid * 2 + ["lm_head"]) == (1, 15, 2)
+    assert profile.repeating_block(["a", "b", "c"]) == (0, 0, 0) and profile.layer_table([]).empty
+    assert profile.layer_table([step, step[:-1] + [("other", 1.0)]]).attrs["repeats"] == 4  # the tail may differ
+    assert profile.layer_table([step, [("embed", 1.0)] + layer[::-1] * 4]).empty  # another block: nothing to pair
 
 
 def test_profile_names_the_device_and_the_hybrid_prompts_backend(monkeypatch, capsys):

@@ -12,7 +12,8 @@ decode rows also time their graph alone (`graph_once_us`, `graph_us`): the step'
 the graph (the host's work, the inputs' and logits' copies, reading the tokens back); `host_*_us` say when, in a step,
 the host loaded the graph's inputs, launched it and had the greedy tokens back (tools.host_time.step_timeline);
 `--ladder` adds `ladder_*_us`: the step built up piece by piece from its graph alone, at fixed keys
-(tools.host_time.step_ladder).
+(tools.host_time.step_ladder). Eager rows also list one layer's kernels in launch order, each timed over every layer
+(`layer_table`), where the kernel-name table adds a layer's GEMVs of one name together.
 """
 
 from __future__ import annotations
@@ -53,6 +54,45 @@ def kernel_table(prof, cuda: bool = True) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["kernel", "count", "us"])
 
 
+def ordered_kernels(prof, cuda: bool = True) -> list[tuple[str, float]]:
+    """(name, own us) of each GPU kernel of one profiled call (on the CPU: each operator), in the order they started."""
+    kind = DeviceType.CUDA if cuda else DeviceType.CPU
+    events = sorted((e for e in prof.events() if e.device_type == kind), key=lambda e: e.time_range.start)
+    return [(e.name[:90], _self_us(e, cuda)) for e in events]
+
+
+def repeating_block(names: list[str]) -> tuple[int, int, int]:
+    """(start, length, repeats) of the block of names repeated back to back over the most names (a decoder layer's
+    kernels, or a hybrid stack's period of layers), the shortest such block; (0, 0, 0) when nothing repeats."""
+    best = (0, 0, 0)
+    for length in range(1, len(names) // 2 + 1):
+        for start in range(len(names) - 2 * length + 1):
+            block, repeats = names[start : start + length], 1
+            while names[start + repeats * length : start + (repeats + 1) * length] == block:
+                repeats += 1
+            if repeats > 1 and repeats * length > best[1] * best[2]:
+                best = (start, length, repeats)
+    return best
+
+
+def layer_table(steps: list[list[tuple[str, float]]]) -> pd.DataFrame:
+    """One layer's kernels in launch order, each with its median time over every repeat of the block in every step
+    (`steps`: ordered_kernels of each): what a kernel-name table sums away, e.g. which of a layer's three GEMVs is
+    slow. Empty unless every step repeats the same block."""
+    start, length, repeats = repeating_block([name for name, _ in steps[0]]) if steps else (0, 0, 0)
+    block = [name for name, _ in steps[0][start : start + length]] if length else []
+    if not block or any([n for n, _ in s[start : start + length]] != block for s in steps):
+        return pd.DataFrame(columns=["kernel", "us", "us_min", "us_max"])
+    times = pd.DataFrame(
+        [(j, us) for s in steps for i in range(repeats) for j, (_, us) in enumerate(s[start + i * length :][:length])],
+        columns=["position", "us"],
+    )
+    table = times.groupby("position")["us"].agg(us="median", us_min="min", us_max="max")
+    table.insert(0, "kernel", block)
+    table.attrs["repeats"], table.attrs["outside"] = repeats, len(steps[0]) - repeats * length
+    return table.reset_index(drop=True)
+
+
 def span_us(prof, cuda: bool = True) -> float:
     """From the first kernel's start to the last one's end (on the CPU: operators) in one profiled call. Below the
     step's wall time by what the GPU waits for the host (inputs, launches, reading the tokens back); kernels that
@@ -63,16 +103,17 @@ def span_us(prof, cuda: bool = True) -> float:
 
 
 def profile(step, steps: int, batch: int, what: str, setup=None, layers: int = 1):
-    """(summary dict, per-kernel DataFrame) of `steps` calls of step() after a warm-up: the median step's wall time
-    (tokens/s from it) with p90 and max, and the kernels of another `steps` calls under the profiler, with the
-    median span from first kernel to last. setup() runs before each call, outside both the wall clock and the
+    """(summary dict, per-kernel DataFrame, layer_table) of `steps` calls of step() after a warm-up: the median step's
+    wall time (tokens/s from it) with p90 and max, and the kernels of another `steps` calls under the profiler, with
+    the median span from first kernel to last. setup() runs before each call, outside both the wall clock and the
     profiler."""
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
 
     def loop(profiled: bool) -> tuple[list[float], list[pd.DataFrame]]:
-        """Seconds per step (the wall clock; profiled: first kernel to last) and, profiled, the kernel tables."""
+        """Seconds per step (the wall clock; profiled: first kernel to last) and, profiled, the kernel tables (and
+        each step's kernels in order, in `ordered`)."""
         seconds, tables = [], []
         for _ in range(steps):
             if setup is not None:
@@ -83,6 +124,7 @@ def profile(step, steps: int, batch: int, what: str, setup=None, layers: int = 1
                     step()
                     sync()
                 tables.append(kernel_table(prof, cuda))
+                ordered.append(ordered_kernels(prof, cuda))
                 seconds.append(span_us(prof, cuda) / 1e6)
             else:
                 t = time.perf_counter()
@@ -91,6 +133,7 @@ def profile(step, steps: int, batch: int, what: str, setup=None, layers: int = 1
                 seconds.append(time.perf_counter() - t)
         return seconds, tables
 
+    ordered: list[list[tuple[str, float]]] = []
     loop(False)  # warm-up: captures graphs, autotunes kernels
     walls = pd.Series(loop(False)[0])
     wall = walls.median()
@@ -113,7 +156,7 @@ def profile(step, steps: int, batch: int, what: str, setup=None, layers: int = 1
         "kernels_per_layer": kernels.per_step.sum() / layers,  # the step's, head and sampling included
         "tokens_per_s": batch / wall,
     }
-    return summary, kernels
+    return summary, kernels, layer_table(ordered)
 
 
 def graph_us(graphs: StepGraphs, replays: int) -> tuple[float, float]:
@@ -185,7 +228,8 @@ def main(argv=None) -> None:
     for what, n, use_graphs in runs:
         if use_graphs is not None:
             engine.graphs = graphs if use_graphs else None
-            summary, kernels = profile(decode_step(engine, n), a.steps, n, what, layers=engine.cfg.num_hidden_layers)
+            step = decode_step(engine, n)
+            summary, kernels, layer = profile(step, a.steps, n, what, layers=engine.cfg.num_hidden_layers)
             if use_graphs and graphs is not None and graphs.last is not None and a.device == "cuda":
                 summary["graph_once_us"], summary["graph_us"] = graph_us(graphs, a.steps)
                 summary["beyond_graph_us"] = summary["wall_us"] - summary["graph_once_us"]
@@ -195,7 +239,7 @@ def main(argv=None) -> None:
                     ladder = step_ladder(engine, prefilled(engine, n), a.steps, torch.cuda.synchronize)
                     summary |= {f"ladder_{k}_us": v for k, v in ladder.items()}
         else:
-            summary, kernels = profile(
+            summary, kernels, layer = profile(
                 prefill_call(engine, n), max(a.steps // 4, 2), n, what, setup=lambda: engine.reset(0)
             )
         summaries.append(summary)
@@ -204,6 +248,10 @@ def main(argv=None) -> None:
             + ", ".join(f"{k}={v:.1f}" for k, v in summary.items() if isinstance(v, float))
         )
         print(kernels.head(a.top).to_string(index=False, float_format=lambda x: f"{x:.2f}"))
+        if not use_graphs and len(layer):  # in a graph each kernel's time includes its wait for the one before
+            print(f"one layer's kernels in launch order, us ({layer.attrs['repeats']} repeats; "
+                  f"{layer.attrs['outside']} kernels outside them):")  # fmt: skip
+            print(layer.head(40).to_string(float_format=lambda x: f"{x:.2f}"))  # a CPU layer's operators: hundreds
     print("\n" + pd.DataFrame(summaries).to_string(index=False, float_format=lambda x: f"{x:.1f}"))
     for n in a.prefill_lens if a.host else ():
         engine.reset(0)
