@@ -174,7 +174,7 @@ step() {
   note "$(printf '%-7s %-44s rc=%-3s %4ss' "$verdict" "$name" "$rc" "$(($(date +%s) - t0))")"
 }
 
-# -- environment: the carried wheels (papermill, nbval, fla, ...) and pocketlab from this checkout --------
+# -- environment: the carried wheels (scripts/gpu_wheels.sh: papermill, nbval, fla, the tokenizer) and pocketlab from this checkout --
 # (under a lock: two lanes, one per GPU, may start together; see the two-GPU line above)
 if ls .whl/*.whl >/dev/null 2>&1; then
   flock /tmp/site.lock sh -c '[ -d /tmp/site/papermill ] ||
