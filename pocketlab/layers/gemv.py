@@ -18,6 +18,7 @@ to ROWS rows gets the same bits in any batch (the default engine takes it for si
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,12 @@ class Launch:
     block_k: int
     num_warps: int
     ahead: int = 1  # weight tiles in flight beyond the one in use (1 or 2), the first `ahead` before the PDL wait
+    flat: bool = False  # one row as [BLOCK_N, BLOCK_K] tiles (`_flat_sums`); rows must be 1
+
+
+def flat_from_env() -> bool:
+    """POCKETLAB_GEMV_FLAT=1: one-row launches take the flat form (`_flat_sums`), to measure it (tools.ab)."""
+    return os.environ.get("POCKETLAB_GEMV_FLAT", "0") == "1"
 
 
 def launch_for(M: int, N: int, K: int, device: torch.device, normed: bool = False) -> Launch:
@@ -56,15 +63,16 @@ def launch_for(M: int, N: int, K: int, device: torch.device, normed: bool = Fals
         raise ValueError(f"gemv: {M} rows; it takes at most {MAX_ROWS}")
     rows = triton.next_power_of_2(M)
     if device.type != "cuda":
-        return Launch(rows, 8, 64, 4)
+        return Launch(rows, 8, 64, 4, flat=rows == 1 and flat_from_env())
     if rows > 1:
         return Launch(rows, 4, min(256, triton.next_power_of_2(K)), 4)
+    flat = flat_from_env()
     if normed and N > 3072:
-        return Launch(1, 8, min(256, triton.next_power_of_2(K)), 4)
+        return Launch(1, 8, min(256, triton.next_power_of_2(K)), 4, flat=flat)
     if N >= 1024 and N * K * 2 <= 8 << 20 and K >= 2048:
-        return Launch(1, 4, 1024, 4, ahead=2)
+        return Launch(1, 4, 1024, 4, ahead=2, flat=flat)
     block_k = min(1024 if N <= 1024 else 512, triton.next_power_of_2(K))
-    return Launch(1, 2 if N <= 3072 and K > 512 else 4, block_k, 4)
+    return Launch(1, 2 if N <= 3072 and K > 512 else 4, block_k, 4, flat=flat)
 
 
 @triton.jit
@@ -109,14 +117,75 @@ def _conv_epilogue(y, n, live_m, taps, cells, window, C, CONV_K: tl.constexpr, T
     return tl.where((n < C)[None, :], (acc / (1.0 + tl.exp(-acc))).to(y.dtype), y)
 
 
+@triton.jit
+def _row_sums(x_rows, g_ptr, w_rows, up_rows, w, up, w1, up1, g, live_m, live_n, K, NORM: tl.constexpr,
+              TWO: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              AHEAD: tl.constexpr):  # fmt: skip
+    """(x . the rows [ROWS, BLOCK_N], x . the up rows, each row's sum of squares [ROWS, 1]) over K from the first
+    tiles w, up (and w1, up1 at AHEAD 2) and the norm weight's first tile g: float32 lanes [ROWS, BLOCK_N,
+    BLOCK_K], summed once. x is normed with g on the way where NORM (module docstring)."""
+    lanes = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    lanes_up = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    squares = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        w_next = _tile(w_rows, k + AHEAD * BLOCK_K, live_n, K)
+        up_next = _tile(up_rows, k + AHEAD * BLOCK_K, live_n, K) if TWO else w_next
+        x = tl.load(x_rows + k[None, :], mask=live_m[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+        if NORM:
+            g_next = tl.load(g_ptr + k + BLOCK_K, mask=k + BLOCK_K < K, other=0.0)
+            squares += x * x
+            x = x * (g.to(tl.float32) + (1.0 if NORM == 2 else 0.0))[None, :]
+            g = g_next
+        lanes += x[:, None, :] * w.to(tl.float32)[None, :, :]
+        if TWO:
+            lanes_up += x[:, None, :] * up.to(tl.float32)[None, :, :]
+        if AHEAD == 2:
+            w, up, w1, up1 = w1, up1, w_next, up_next
+        else:
+            w, up = w_next, up_next
+    return tl.sum(lanes, axis=2), tl.sum(lanes_up, axis=2), tl.sum(squares, axis=1)[:, None]
+
+
+@triton.jit
+def _flat_sums(x_ptr, g_ptr, w_rows, up_rows, w, up, w1, up1, n, live_n, K, NORM: tl.constexpr, TWO: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AHEAD: tl.constexpr):  # fmt: skip
+    """_row_sums for one row in [BLOCK_N, BLOCK_K] lanes: x (and g) loaded as a [BLOCK_N, BLOCK_K] broadcast, in the
+    weight tile's own layout. In _row_sums' 3-d form Triton moves x and each weight tile through shared memory at
+    every step (four barriers a step in the sm_90 code, `gemv_sweep --resources`); here nothing is. Returns [1,
+    BLOCK_N] sums and [1, BLOCK_N] copies of the row's sum of squares. (g is read with x, not a tile ahead.)"""
+    lanes = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    lanes_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    squares = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    every = 0 * n[:, None]  # [BLOCK_N, 1] zeros: loads of x and g broadcast over the weight rows
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        w_next = _tile(w_rows, k + AHEAD * BLOCK_K, live_n, K)
+        up_next = _tile(up_rows, k + AHEAD * BLOCK_K, live_n, K) if TWO else w_next
+        x = tl.load(x_ptr + every + k[None, :], mask=(k < K)[None, :] & live_n[:, None], other=0.0).to(tl.float32)
+        if NORM:
+            g_now = tl.load(g_ptr + every + k[None, :], mask=(k < K)[None, :] & live_n[:, None], other=0.0)
+            squares += x * x
+            x = x * (g_now.to(tl.float32) + (1.0 if NORM == 2 else 0.0))
+        lanes += x * w.to(tl.float32)
+        if TWO:
+            lanes_up += x * up.to(tl.float32)
+        if AHEAD == 2:
+            w, up, w1, up1 = w1, up1, w_next, up_next
+        else:
+            w, up = w_next, up_next
+    return tl.sum(lanes, axis=1)[None, :], tl.sum(lanes_up, axis=1)[None, :], tl.sum(squares, axis=1)[None, :]
+
+
 @triton.jit(do_not_specialize=["rows"])
 def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, g_ptr, slot_ptr, conv_ptr, cw_ptr, eps, rows, N, K, C, stride_xm,
           stride_wn, stride_ym, stride_rm, stride_cs, stride_cc, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
           NORM: tl.constexpr, CONV_K: tl.constexpr, TAPS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_K: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+          BLOCK_K: tl.constexpr, AHEAD: tl.constexpr, FLAT: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """y[m, n] for the ROWS rows and this program's BLOCK_N columns: float32 lanes [ROWS, BLOCK_N, BLOCK_K] along
-    K, summed once. NORM: x is first RMS-normed with weight g (see the module docstring). EPILOGUE 1: y = residual +
-    x @ W^T; 2: W is [gate | up] (2N rows), y = silu(x @ gate^T) * (x @ up^T). CONV_K: then the causal conv of width
+    K, summed once (FLAT, one row: [BLOCK_N, BLOCK_K], `_flat_sums`). NORM: x is first RMS-normed with weight g (see
+    the module docstring). EPILOGUE 1: y = residual + x @ W^T; 2: W is [gate | up] (2N rows), y = silu(x @ gate^T) *
+    (x @ up^T). CONV_K: then the causal conv of width
     CONV_K (TAPS: its power of two) on the first C columns, each row's window in slot slot_ptr[m] (_conv_epilogue).
     Each weight tile is loaded AHEAD steps before its use, the first AHEAD before the PDL wait (weights are never
     written), so the read streams while the previous kernel finishes."""
@@ -139,29 +208,14 @@ def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, g_ptr, slot_ptr, conv_ptr, cw_ptr
     if CONV_K:
         taps, cells, window = _conv_operands(m, n, live_m, slot_ptr, conv_ptr, cw_ptr, C, stride_cs, stride_cc,
                                              CONV_K, TAPS)  # fmt: skip
-    lanes = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    lanes_up = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    squares = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        w_next = _tile(w_rows, k + AHEAD * BLOCK_K, live_n, K)
-        up_next = _tile(up_rows, k + AHEAD * BLOCK_K, live_n, K) if TWO else w_next
-        x = tl.load(x_rows + k[None, :], mask=live_m[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
-        if NORM:
-            g_next = tl.load(g_ptr + k + BLOCK_K, mask=k + BLOCK_K < K, other=0.0)
-            squares += x * x
-            x = x * (g.to(tl.float32) + (1.0 if NORM == 2 else 0.0))[None, :]
-            g = g_next
-        lanes += x[:, None, :] * w.to(tl.float32)[None, :, :]
-        if TWO:
-            lanes_up += x[:, None, :] * up.to(tl.float32)[None, :, :]
-        if AHEAD == 2:
-            w, up, w1, up1 = w1, up1, w_next, up_next
-        else:
-            w, up = w_next, up_next
-    total, total_up = tl.sum(lanes, axis=2), tl.sum(lanes_up, axis=2)
+    if FLAT:
+        total, total_up, squares = _flat_sums(x_ptr, g_ptr, w_rows, up_rows, w, up, w1, up1, n, live_n, K, NORM, TWO,
+                                              BLOCK_N, BLOCK_K, AHEAD)  # fmt: skip
+    else:
+        total, total_up, squares = _row_sums(x_rows, g_ptr, w_rows, up_rows, w, up, w1, up1, g, live_m, live_n, K,
+                                             NORM, TWO, ROWS, BLOCK_N, BLOCK_K, AHEAD)  # fmt: skip
     if NORM:
-        inv_rms = tl.rsqrt(tl.sum(squares, axis=1) / K + eps)[:, None]
+        inv_rms = tl.rsqrt(squares / K + eps)
         total, total_up = total * inv_rms, total_up * inv_rms
     dtype = y_ptr.dtype.element_ty
     y = finish(total, total_up, b_ptr, res_ptr, m, n, live_m, live_n, stride_rm, dtype, HAS_BIAS, EPILOGUE)
@@ -230,7 +284,7 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
         0 if conv is None else conv.channels, x2.stride(0), weight.stride(0), y.stride(0),
         0 if residual is None else residual.stride(0), state.stride(0), state.stride(1), HAS_BIAS=bias is not None,
         EPILOGUE=epilogue, NORM=norm_flavour(norm), CONV_K=conv_k, TAPS=triton.next_power_of_2(max(conv_k, 1)),
-        ROWS=t.rows, BLOCK_N=t.block_n, BLOCK_K=t.block_k, AHEAD=t.ahead, num_warps=t.num_warps,
+        ROWS=t.rows, BLOCK_N=t.block_n, BLOCK_K=t.block_k, AHEAD=t.ahead, FLAT=t.flat, num_warps=t.num_warps,
         **pdl.launch(x2.device),
     )  # fmt: skip
     return y

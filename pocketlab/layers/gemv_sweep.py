@@ -6,8 +6,8 @@ default engine runs there today (the fused matmul where there is an epilogue, el
 Times are medians of CUDA-graph replays cycling over weight copies (invariant.sweep.graph_ms), so every call reads
 its weight from HBM. Prints the best launches of each shape and a summary against `launch_for`'s choice.
 
-`--forms`: each tile with one and with two weight tiles ahead (`Launch.ahead`), at one row count; `--shapes` picks
-shapes by name.
+`--forms`: each tile with one and with two weight tiles ahead (`Launch.ahead`), at one row count, and at one row in
+both forms (`Launch.flat`); `--shapes` picks shapes by name.
 
 `--norm-chain`: where a pre-norm costs least, in a graph of 28 layers of [normed projection -> residual projection]
 at one row (the programmatic dependent launches overlapping as in a decode step): no norm at all, the norm as its
@@ -25,6 +25,7 @@ thread, the shared memory a program and the TMA loads in the machine code (Trito
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import itertools
 import os
@@ -65,8 +66,9 @@ AHEAD = (1, 2)  # --forms: weight tiles in flight
 
 def candidates(M: int, forms: bool = False) -> list[gemv.Launch]:
     rows = sorted({triton.next_power_of_2(M), gemv.MAX_ROWS})
-    if forms:  # one row count, the tiles that ever won, one or two tiles ahead
-        return [gemv.Launch(*v) for v in itertools.product(rows[:1], BLOCK_N[:3], BLOCK_K, WARPS, AHEAD)]
+    if forms:  # one row count, the tiles that ever won, one or two tiles ahead, at one row 3-d and flat
+        flat = (False, True) if rows[0] == 1 else (False,)
+        return [gemv.Launch(*v) for v in itertools.product(rows[:1], BLOCK_N[:3], BLOCK_K, WARPS, AHEAD, flat)]
     return [gemv.Launch(r, n, k, w) for r, n, k, w in itertools.product(rows, BLOCK_N, BLOCK_K, WARPS)]
 
 
@@ -103,7 +105,7 @@ def sweep_rows(name: str, N: int, K: int, epilogue: int, M: int, weights: list[t
         key=lambda p: p[0],
     )
     for ms, t in timed[:top]:
-        launch = str((t.rows, t.block_n, t.block_k, t.num_warps, t.ahead))
+        launch = str((t.rows, t.block_n, t.block_k, t.num_warps, t.ahead)) + (" flat" if t.flat else "")
         print(f"{name:<20}{M:>3}  {launch:<46}{ms:>9.4f}{gb / ms:>7.2f}")
     chosen = gemv.launch_for(M, N, K, x.device)
     chosen_ms = next((ms for ms, t in timed if t == chosen), None)
@@ -197,6 +199,26 @@ def compiled(kernel, signature: dict, constants: dict, num_warps: int, num_stage
     warpgroup MMA instructions, where it has any). Pointers, sizes (N, K, H, I), strides and the integers named in
     `aligned` carry the divisibility by 16 that the JIT finds in them at the Qwen shapes: without it no load is
     vectorised and no loop pipelined (the figures would be another kernel's)."""
+    return machine_code(kernel, signature, constants, num_warps, num_stages, aligned)[0]
+
+
+def loop_ops(sass: str) -> list[dict[str, int]]:
+    """Per loop of the machine code (each backward branch and what it jumps over): its barriers, shared-memory stores
+    and loads, global loads and float32 FMAs, by opcode."""
+    ops = [(int(a, 16), op.split()) for a, op in re.findall(r"/\*([0-9a-f]{4})\*/\s+([^;]*);", sass)]
+    opcodes = [(a, words[1] if words[0].startswith("@") else words[0], words) for a, words in ops if words]
+    loops = []
+    for address, opcode, words in opcodes:
+        target = int(words[-1], 16) if opcode == "BRA" and words[-1].startswith("0x") else address
+        if target < address:
+            body = [op for a, op, _ in opcodes if target <= a <= address]
+            loops.append({k: sum(op.startswith(k) for op in body) for k in ("BAR", "STS", "LDS", "LDG", "FFMA")})
+    return loops
+
+
+def machine_code(kernel, signature: dict, constants: dict, num_warps: int, num_stages: int = 3,
+                 aligned=()) -> tuple[str, str]:  # fmt: skip
+    """(compiled's summary, the SASS) of `kernel` built for sm_90 as `compiled` says."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -217,21 +239,32 @@ def compiled(kernel, signature: dict, constants: dict, num_warps: int, num_stage
         sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
     regs = cast(re.Match[str], re.search(r"REG:(\d+)", usage))[1]  # cuobjdump -res-usage prints REG:
     mma = f", {sass.count('HGMMA')} warpgroup MMAs" if "HGMMA" in sass else ""
-    return f"{regs:>4} registers {built.metadata.shared:>6} B shared {sass.count('UTMALDG'):>2} TMA loads{mma}"
+    return f"{regs:>4} registers {built.metadata.shared:>6} B shared {sass.count('UTMALDG'):>2} TMA loads{mma}", sass
+
+
+GEMV_SIGNATURE = dict.fromkeys(("x_ptr", "w_ptr", "b_ptr", "y_ptr", "res_ptr", "g_ptr", "conv_ptr", "cw_ptr"), "*bf16")
+GEMV_SIGNATURE |= {"slot_ptr": "*i64", "eps": "fp32"} | dict.fromkeys(
+    ("rows", "N", "K", "C", "stride_xm", "stride_wn", "stride_ym", "stride_rm", "stride_cs", "stride_cc"), "i32"
+)
+
+
+def gemv_code(t: gemv.Launch, epilogue: int, norm: int = 0) -> tuple[str, str]:
+    """machine_code of layers.gemv's one-row launch `t` (its flat form where t.flat)."""
+    constants = dict(HAS_BIAS=False, EPILOGUE=epilogue, NORM=norm, CONV_K=0, TAPS=1, ROWS=1, BLOCK_N=t.block_n,
+                     BLOCK_K=t.block_k, AHEAD=t.ahead, FLAT=t.flat)  # fmt: skip
+    return machine_code(gemv._gemv, GEMV_SIGNATURE, constants, t.num_warps)
 
 
 def resources() -> None:
-    pointers = dict.fromkeys(("x_ptr", "w_ptr", "b_ptr", "y_ptr", "res_ptr", "g_ptr", "conv_ptr", "cw_ptr"), "*bf16")
-    ints = ("rows", "N", "K", "C", "stride_xm", "stride_wn", "stride_ym", "stride_rm", "stride_cs", "stride_cc")
-    plain = pointers | {"slot_ptr": "*i64", "eps": "fp32"} | dict.fromkeys(ints, "i32")
     print(f"Triton {triton.__version__}, sm_90")
     t: gemv.Launch | moe_gemv.Launch  # layers.gemv's launches, then moe_gemv's
     for name, (N, K, epilogue) in SHAPES.items():
         t = gemv.launch_for(1, N, K, torch.device("cuda"))
-        constants = dict(HAS_BIAS=False, EPILOGUE=epilogue, NORM=0, CONV_K=0, TAPS=1, ROWS=1,
-                         BLOCK_N=t.block_n, BLOCK_K=t.block_k, AHEAD=t.ahead)  # fmt: skip
-        print(f"{name:<20} layers.gemv {(t.block_n, t.block_k, t.ahead)!s:<16}"
-              f"{compiled(gemv._gemv, plain, constants, t.num_warps)}")  # fmt: skip
+        for form in (t, dataclasses.replace(t, flat=True)):
+            usage, sass = gemv_code(form, epilogue)
+            loop = ", ".join(f"{k} {v}" for k, v in loop_ops(sass)[0].items())
+            print(f"{name:<20} layers.gemv {(t.block_n, t.block_k, t.ahead)!s:<16}{'flat' if form.flat else '3-d':<5}"
+                  f"{usage}; a step: {loop}")  # fmt: skip
     ring_args = dict.fromkeys(("x_ptr", "b_ptr", "y_ptr", "res_ptr", "g_ptr"), "*bf16") | {"eps": "fp32"}
     ring_args |= {"N": "i32", "K": "i32"}
     for r in RINGS:
@@ -370,7 +403,7 @@ def main(argv=None):
     print(f"\n{'shape':<20}{'M':>3}{'chosen':>18}{'ms':>9}{'TB/s':>7}{'best ms':>9}{'today ms':>10}{'cuBLAS ms':>11}"
           f"{'today/chosen':>14}  row 0 alone vs in the batch")  # fmt: skip
     for name, M, gb, t, ms, (best_ms, _), now_ms, cublas_ms, bits in summary:
-        launch = f"{t.rows},{t.block_n},{t.block_k},{t.num_warps},{t.ahead}"
+        launch = f"{t.rows},{t.block_n},{t.block_k},{t.num_warps},{t.ahead}" + (",flat" if t.flat else "")
         print(f"{name:<20}{M:>3}{launch:>18}{ms:>9.4f}{gb / ms:>7.2f}{best_ms:>9.4f}{now_ms:>10.4f}{cublas_ms:>11.4f}"
               f"{now_ms / ms:>14.2f}  {bits}")  # fmt: skip
 
