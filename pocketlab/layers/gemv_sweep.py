@@ -216,6 +216,12 @@ def loop_ops(sass: str) -> list[dict[str, int]]:
     return loops
 
 
+def a_step(sass: str) -> str:
+    """The instruction counts of the machine code's loop that does the FMAs (loop_ops)."""
+    loop = next((ops for ops in loop_ops(sass) if ops["FFMA"]), None)
+    return "a step: " + (", ".join(f"{k} {v}" for k, v in loop.items()) if loop else "no loop")
+
+
 def machine_code(kernel, signature: dict, constants: dict, num_warps: int, num_stages: int = 3,
                  aligned=()) -> tuple[str, str]:  # fmt: skip
     """(compiled's summary, the SASS) of `kernel` built for sm_90 as `compiled` says."""
@@ -262,9 +268,8 @@ def resources() -> None:
         t = gemv.launch_for(1, N, K, torch.device("cuda"))
         for form in (t, dataclasses.replace(t, flat=True)):
             usage, sass = gemv_code(form, epilogue)
-            loop = ", ".join(f"{k} {v}" for k, v in loop_ops(sass)[0].items())
             print(f"{name:<20} layers.gemv {(t.block_n, t.block_k, t.ahead)!s:<16}{'flat' if form.flat else '3-d':<5}"
-                  f"{usage}; a step: {loop}")  # fmt: skip
+                  f"{usage}; {a_step(sass)}")  # fmt: skip
     ring_args = dict.fromkeys(("x_ptr", "b_ptr", "y_ptr", "res_ptr", "g_ptr"), "*bf16") | {"eps": "fp32"}
     ring_args |= {"N": "i32", "K": "i32"}
     for r in RINGS:
@@ -279,9 +284,12 @@ def resources() -> None:
     }
     experts |= dict.fromkeys(("H", "I", "stride_x", "stride_we", "stride_wn", "stride_sn"), "i32")
     t = moe_gemv.tiles(torch.device("cuda")).gate_up
-    constants = dict(TOP_K=8, NORM=2, KP=8, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SHARED=True, IDS_READY=True)
-    print(f"{'experts, top-8':<20} moe_gemv gate_up {(t.block_n, t.block_k)!s:<11}"
-          f"{compiled(moe_gemv._gate_up, experts, constants, t.num_warps)}")  # fmt: skip
+    for flat in (False, True):
+        constants = dict(TOP_K=8, NORM=2, KP=8, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SHARED=True, IDS_READY=True,
+                         FLAT=flat)  # fmt: skip
+        usage, sass = machine_code(moe_gemv._gate_up, experts, constants, t.num_warps)
+        print(f"{'experts, top-8':<20} moe_gemv gate_up {(t.block_n, t.block_k)!s:<11}{'flat' if flat else '3-d':<5}"
+              f"{usage}; {a_step(sass)}")  # fmt: skip
     pairs = {"x_ptr": "*bf16", "g_ptr": "*bf16", "ids_ptr": "*i64", "h_ptr": "*bf16", "eps": "fp32"}
     pairs |= dict.fromkeys(("I", "H", "stride_x", "PAIRS"), "i32")
     for r in RINGS:
@@ -295,9 +303,12 @@ def resources() -> None:
     t = moe_gemv.tiles(torch.device("cuda")).down
     signature = down_args | dict.fromkeys(("w_ptr", "sw_ptr"), "*bf16")
     signature |= dict.fromkeys(("stride_we", "stride_wn", "stride_sn"), "i32")
-    constants = dict(TOP_K=8, KP=8, SHARED=False, SHARED_W=True, RESIDUAL=True, BLOCK_N=t.block_n, BLOCK_K=t.block_k)
-    print(f"{'experts down, top-8':<20} moe_gemv down {(t.block_n, t.block_k)!s:<14}"
-          f"{compiled(moe_gemv._down_sum, signature, constants, t.num_warps)}")  # fmt: skip
+    for flat in (False, True):
+        constants = dict(TOP_K=8, KP=8, SHARED=False, SHARED_W=True, RESIDUAL=True, BLOCK_N=t.block_n,
+                         BLOCK_K=t.block_k, FLAT=flat)  # fmt: skip
+        usage, sass = machine_code(moe_gemv._down_sum, signature, constants, t.num_warps)
+        print(f"{'experts down, top-8':<20} moe_gemv down {(t.block_n, t.block_k)!s:<14}{'flat' if flat else '3-d':<5}"
+              f"{usage}; {a_step(sass)}")  # fmt: skip
     state_step_resources()
     attention_resources()
     few_row_matmul_resources()
