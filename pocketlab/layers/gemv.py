@@ -118,6 +118,15 @@ def _conv_epilogue(y, n, live_m, taps, cells, window, C, CONV_K: tl.constexpr, T
 
 
 @triton.jit
+def spread(ptr, k, zeros, limit):
+    """ptr[k] (0 from `limit` on) as wide as zeros + k: zeros an integer tile of the weight tile's shape with a last
+    axis of 1, so the values load in the weight tile's own layout. A loaded row broadcast instead makes Triton move
+    it, and the weight tile, through shared memory at every step (`_flat_sums`)."""
+    index = zeros + k
+    return tl.load(ptr + index, mask=index < limit, other=0.0)
+
+
+@triton.jit
 def _row_sums(x_rows, g_ptr, w_rows, up_rows, w, up, w1, up1, g, live_m, live_n, K, NORM: tl.constexpr,
               TWO: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               AHEAD: tl.constexpr):  # fmt: skip
@@ -150,23 +159,22 @@ def _row_sums(x_rows, g_ptr, w_rows, up_rows, w, up, w1, up1, g, live_m, live_n,
 @triton.jit
 def _flat_sums(x_ptr, g_ptr, w_rows, up_rows, w, up, w1, up1, n, live_n, K, NORM: tl.constexpr, TWO: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AHEAD: tl.constexpr):  # fmt: skip
-    """_row_sums for one row in [BLOCK_N, BLOCK_K] lanes: x (and g) loaded as a [BLOCK_N, BLOCK_K] broadcast, in the
-    weight tile's own layout. In _row_sums' 3-d form Triton moves x and each weight tile through shared memory at
+    """_row_sums for one row in [BLOCK_N, BLOCK_K] lanes: x (and g) loaded as wide as the weight tile (`spread`), in
+    its layout. In _row_sums' 3-d form Triton moves x and each weight tile through shared memory at
     every step (four barriers a step in the sm_90 code, `gemv_sweep --resources`); here nothing is. Returns [1,
     BLOCK_N] sums and [1, BLOCK_N] copies of the row's sum of squares. (g is read with x, not a tile ahead.)"""
     lanes = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     lanes_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     squares = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    every = 0 * n[:, None]  # [BLOCK_N, 1] zeros: loads of x and g broadcast over the weight rows
+    every = 0 * n[:, None]  # x and g as wide as the weight tile: one copy a weight row
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         w_next = _tile(w_rows, k + AHEAD * BLOCK_K, live_n, K)
         up_next = _tile(up_rows, k + AHEAD * BLOCK_K, live_n, K) if TWO else w_next
-        x = tl.load(x_ptr + every + k[None, :], mask=(k < K)[None, :] & live_n[:, None], other=0.0).to(tl.float32)
+        x = spread(x_ptr, k, every, K).to(tl.float32)
         if NORM:
-            g_now = tl.load(g_ptr + every + k[None, :], mask=(k < K)[None, :] & live_n[:, None], other=0.0)
             squares += x * x
-            x = x * (g_now.to(tl.float32) + (1.0 if NORM == 2 else 0.0))
+            x = x * (spread(g_ptr, k, every, K).to(tl.float32) + (1.0 if NORM == 2 else 0.0))
         lanes += x * w.to(tl.float32)
         if TWO:
             lanes_up += x * up.to(tl.float32)

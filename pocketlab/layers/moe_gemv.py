@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from .gemv import spread
 from .invariant.matmul import finish
 from .invariant.rounding import cast
 from .moe_kernel import finish_token
@@ -32,7 +33,7 @@ from .pdl import wait_then_release
 @dataclass(frozen=True)
 class Launch:
     """One projection's launch: BLOCK_N columns of all k experts per program, BLOCK_K-wide steps along the input;
-    `flat`: the input row loaded as wide as the weight tile, in its layout (`_spread`)."""
+    `flat`: the input row loaded as wide as the weight tile, in its layout (`layers.gemv.spread`)."""
 
     block_n: int
     block_k: int
@@ -56,16 +57,6 @@ def tiles(device: torch.device) -> Tiles:
 
 
 @triton.jit
-def _spread(ptr, k, zeros, limit):
-    """ptr[k] (0 from `limit` on) as wide as zeros + k: zeros an integer tile of the weight tile's shape with a last
-    axis of 1, so the values load in the weight tile's own layout. Broadcasting a loaded row instead makes Triton
-    move it (and the weight tile) through shared memory at every step: barriers in the loop (layers.gemv's flat
-    form says more)."""
-    index = zeros + k
-    return tl.load(ptr + index, mask=index < limit, other=0.0)
-
-
-@triton.jit
 def _gate_up(x_ptr, w_ptr, sw_ptr, g_ptr, ids_ptr, h_ptr, eps, H, I, stride_x, stride_we, stride_wn, stride_sn,
              TOP_K: tl.constexpr, NORM: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
              SHARED: tl.constexpr, IDS_READY: tl.constexpr, FLAT: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
@@ -74,7 +65,8 @@ def _gate_up(x_ptr, w_ptr, sw_ptr, g_ptr, ids_ptr, h_ptr, eps, H, I, stride_x, s
     weight g first. SHARED: the shared expert's [gate | up] (sw, as wide as an expert) too, into h's row N * k +
     token. Weight tiles load a step ahead of their use; the shared expert's first before the PDL wait, the routed
     experts' first after it, as the routing kernel just before writes the expert ids, or before it with IDS_READY
-    (the routing ran two or more launches back). FLAT: x (and g) loaded as wide as the weight tiles (`_spread`)."""
+    (the routing ran two or more launches back). FLAT: x (and g) loaded as wide as the weight tiles
+    (`layers.gemv.spread`)."""
     token = tl.program_id(1).to(tl.int64)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
@@ -143,10 +135,10 @@ def _gate_up(x_ptr, w_ptr, sw_ptr, g_ptr, ids_ptr, h_ptr, eps, H, I, stride_x, s
 @triton.jit
 def _row_as(x_ptr, g_ptr, k, zeros, H, NORM: tl.constexpr):
     """x[k] in float32, times the norm's weight (layers.gemv's flavours) where NORM, as wide as zeros + k
-    (`_spread`)."""
-    x = _spread(x_ptr, k, zeros, H).to(tl.float32)
+    (`layers.gemv.spread`)."""
+    x = spread(x_ptr, k, zeros, H).to(tl.float32)
     if NORM:
-        x = x * (_spread(g_ptr, k, zeros, H).to(tl.float32) + (1.0 if NORM == 2 else 0.0))
+        x = x * (spread(g_ptr, k, zeros, H).to(tl.float32) + (1.0 if NORM == 2 else 0.0))
     return x
 
 
@@ -160,7 +152,7 @@ def _down_sum(h_ptr, w_ptr, sw_ptr, weights_ptr, ids_ptr, out_ptr, shared_ptr, g
     read from `shared` (SHARED), or SHARED_W: its down product (sw, on h's row N * k + token) in this launch,
     rounded once as the plain GEMV rounds it. The expert ids, routing weights and first weight tiles load before
     the PDL wait (the routing ran two or more launches back); h and the rest after. FLAT: h loaded as wide as the
-    weight tiles (`_spread`)."""
+    weight tiles (`layers.gemv.spread`)."""
     token = tl.program_id(1).to(tl.int64)
     j = tl.arange(0, KP)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -183,7 +175,7 @@ def _down_sum(h_ptr, w_ptr, sw_ptr, weights_ptr, ids_ptr, out_ptr, shared_ptr, g
         w_next = tl.load(rows + (k + BLOCK_K)[None, None, :], mask=live & (k + BLOCK_K < I)[None, None, :], other=0.0)
         if FLAT:  # each pair's h row; padding pairs past TOP_K (KP > TOP_K) read nothing, as their weights
             limit = I if KP == TOP_K else tl.where((j < TOP_K)[:, None, None], I, 0)
-            pair_h = _spread(h_ptr + pairs[:, None, None] * I, k, n[None, :, None] * 0, limit)
+            pair_h = spread(h_ptr + pairs[:, None, None] * I, k, n[None, :, None] * 0, limit)
         else:
             h = tl.load(h_ptr + pairs[:, None] * I + k[None, :], mask=(j < TOP_K)[:, None] & (k < I)[None, :],
                         other=0.0)  # fmt: skip
@@ -194,7 +186,7 @@ def _down_sum(h_ptr, w_ptr, sw_ptr, weights_ptr, ids_ptr, out_ptr, shared_ptr, g
             shared_ahead = (n < H)[:, None] & (k + BLOCK_K < I)[None, :]
             shared_next = tl.load(shared_rows + (k + BLOCK_K)[None, :], mask=shared_ahead, other=0.0)
             if FLAT:
-                shared_h = _spread(h_ptr + shared_row * I, k, n[:, None] * 0, I).to(tl.float32)
+                shared_h = spread(h_ptr + shared_row * I, k, n[:, None] * 0, I).to(tl.float32)
             else:
                 shared_h = tl.load(h_ptr + shared_row * I + k, mask=k < I, other=0.0).to(tl.float32)[None, :]
             shared_lanes += shared_h * shared_w.to(tl.float32)
