@@ -62,11 +62,11 @@ def launch_for(M: int, N: int, K: int, device: torch.device, normed: bool = Fals
     if M > MAX_ROWS:
         raise ValueError(f"gemv: {M} rows; it takes at most {MAX_ROWS}")
     rows = triton.next_power_of_2(M)
+    flat = rows == 1 and flat_from_env()
     if device.type != "cuda":
-        return Launch(rows, 8, 64, 4, flat=rows == 1 and flat_from_env())
+        return Launch(rows, 8, 64, 4, flat=flat)
     if rows > 1:
         return Launch(rows, 4, min(256, triton.next_power_of_2(K)), 4)
-    flat = flat_from_env()
     if normed and N > 3072:
         return Launch(1, 8, min(256, triton.next_power_of_2(K)), 4, flat=flat)
     if N >= 1024 and N * K * 2 <= 8 << 20 and K >= 2048:
@@ -211,7 +211,7 @@ def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, g_ptr, slot_ptr, conv_ptr, cw_ptr
     if AHEAD == 2:
         w1 = _tile(w_rows, k + BLOCK_K, live_n, K)
         up1 = _tile(up_rows, k + BLOCK_K, live_n, K) if TWO else w1
-    g = tl.load(g_ptr + k, mask=k < K, other=0.0) if NORM else k  # the norm's weight: ahead like the others
+    g = tl.load(g_ptr + k, mask=k < K, other=0.0) if NORM and not FLAT else k  # the norm's weight, ahead (3-d)
     wait_then_release(PDL)
     if CONV_K:
         taps, cells, window = _conv_operands(m, n, live_m, slot_ptr, conv_ptr, cw_ptr, C, stride_cs, stride_cc,

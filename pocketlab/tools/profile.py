@@ -111,10 +111,10 @@ def profile(step, steps: int, batch: int, what: str, setup=None, layers: int = 1
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
 
-    def loop(profiled: bool) -> tuple[list[float], list[pd.DataFrame]]:
-        """Seconds per step (the wall clock; profiled: first kernel to last) and, profiled, the kernel tables (and
-        each step's kernels in order, in `ordered`)."""
-        seconds, tables = [], []
+    def loop(profiled: bool) -> tuple[list[float], list[pd.DataFrame], list[list[tuple[str, float]]]]:
+        """Seconds per step (the wall clock; profiled: first kernel to last) and, profiled, the kernel tables and each
+        step's kernels in order."""
+        seconds, tables, ordered = [], [], []
         for _ in range(steps):
             if setup is not None:
                 setup()
@@ -131,13 +131,12 @@ def profile(step, steps: int, batch: int, what: str, setup=None, layers: int = 1
                 step()
                 sync()
                 seconds.append(time.perf_counter() - t)
-        return seconds, tables
+        return seconds, tables, ordered
 
-    ordered: list[list[tuple[str, float]]] = []
     loop(False)  # warm-up: captures graphs, autotunes kernels
     walls = pd.Series(loop(False)[0])
     wall = walls.median()
-    spans, tables = loop(True)
+    spans, tables, ordered = loop(True)
     kernels = pd.concat(tables).groupby("kernel", as_index=False)[["count", "us"]].sum()
     kernels["per_step"], kernels["us_per_step"] = kernels["count"] / steps, kernels["us"] / steps
     kernels["us_each"] = kernels["us"] / kernels["count"].clip(lower=1)
