@@ -210,17 +210,11 @@ def test_the_flat_one_row_loop_moves_nothing_through_shared_memory():
     """Compiled for sm_90 on the CPU: a step of the one-row GEMV's 3-d form stores x and the weight tile to shared
     memory and waits at barriers (Triton's layout changes for the broadcast); the flat form's step does neither.
     (A process of its own: the kernels here are the interpreter's.)"""
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton.backends.nvidia.compiler")
-    code = (
+    out = compiled_in_a_process(
         "import dataclasses, json; from pocketlab.layers import gemv, gemv_sweep as s; "
         "t = gemv.Launch(1, 4, 512, 4); "
         "print(json.dumps([s.loop_ops(s.gemv_code(f, 1)[1]) for f in (t, dataclasses.replace(t, flat=True))]))"
     )
-    env = os.environ | {"TRITON_INTERPRET": "0"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     three_d, flat = json.loads(out)
     assert len(three_d) == len(flat) == 1, out
     assert three_d[0]["BAR"] > 0 and three_d[0]["STS"] > 0, out
@@ -427,21 +421,26 @@ def test_a_decode_layer_is_five_launches(make_engine, monkeypatch, preset):
         assert got == list(FIVE_A_LAYER[kind]), kind
 
 
+def compiled_in_a_process(code: str) -> str:
+    """What `code` prints, run by a Python of its own with Triton compiling for the GPU (sm_90 on the CPU through
+    gemv_sweep), not interpreting: this process's kernels are the interpreter's."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    env = os.environ | {"TRITON_INTERPRET": "0"}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+
+
 def test_the_resources_table_compiles_the_kernel_the_jit_builds():
     """gemv_sweep's sm_90 table (compiled on the CPU) marks pointers, sizes and strides divisible by 16 as the JIT
     finds them at the Qwen shapes. Only then does the fused matmul's 32-row SwiGLU tile pipeline its loads: its four
     stages keep three sets of x, gate and up tiles in shared memory, 120 KiB, one program an SM. Unmarked, the
     compile pipelines nothing and the table would describe another kernel. (A process of its own: the kernels here
     are the interpreter's.)"""
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton.backends.nvidia.compiler")
-    code = (
+    usage = compiled_in_a_process(
         "from pocketlab.layers import gemv_sweep; from pocketlab.layers.invariant import matmul; "
         "print(gemv_sweep.fused_matmul_usage(matmul.Tiles(32, 64, 4, 4, matmul.LAST_SUMS), matmul.SWIGLU))"
     )
-    env = os.environ | {"TRITON_INTERPRET": "0"}
-    usage = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     stage = (32 * 128 + 2 * 64 * 128) * 2  # x, gate and up tiles of BLOCK_K 128, bf16
     assert f"{3 * stage} B shared" in usage, usage
