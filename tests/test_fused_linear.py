@@ -3,7 +3,6 @@ in one kernel give what the unfused torch steps give, and each row the same bits
 through Triton's interpreter on the CPU)."""
 
 import dataclasses
-import json
 import os
 
 import pytest
@@ -180,45 +179,6 @@ def test_gemv_norms_its_input_in_the_launch(dtype, epilogue, offset):
             want = torch_linear.composed(lambda a, b, c=None: fp32_matmul(a, b, c).to(dtype), normed, w, bias, **extras)
             got = gemv.gemv(x, w, bias, norm=norm, **extras)
             assert_matches_the_unfused_steps(got, want, dtype, (N, K, M, offset))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("epilogue", EPILOGUES)
-def test_flat_one_row_gemv_matches_the_unfused_torch_steps(dtype, epilogue, monkeypatch):
-    """The one-row launch's flat form (POCKETLAB_GEMV_FLAT: [BLOCK_N, BLOCK_K] lanes, x and the norm's weight loaded
-    in the weight tile's layout) against the unfused torch steps, plain and normed (both flavours, rows of very
-    different scales), one and two tiles ahead, K and N off its tiles; the switch reaches one-row calls only."""
-    monkeypatch.setenv("POCKETLAB_GEMV_FLAT", "1")
-    assert gemv.launch_for(1, 64, 64, torch.device(DEV)).flat and not gemv.launch_for(2, 64, 64, torch.device(DEV)).flat
-    for N, K in SHAPES[dtype]:
-        for scale, offset in ((1.0, None), (0.01, False), (10.0, True)):
-            x, w, bias, extras = inputs(1, N, K, dtype, epilogue, seed=N)
-            x, norm = x * scale, None if offset is None else RMSNorm(randn(K, dtype=dtype, seed=K), 1e-2, offset)
-            normed = x if norm is None else _rms_norm(x.float(), norm.weight.float(), norm.eps, offset)
-            want = torch_linear.composed(lambda a, b, c=None: fp32_matmul(a, b, c).to(dtype), normed, w, bias, **extras)
-            launch = gemv.launch_for(1, N, K, x.device)
-            residual = extras["residual"]
-            epi = matmul.epilogue_of(residual, extras["swiglu"])
-            for ahead in (1, 2):
-                y = torch.empty_like(want)
-                got = gemv.launch(x, w, bias, y, dataclasses.replace(launch, ahead=ahead), epi, residual, norm)
-                assert_matches_the_unfused_steps(got, want, dtype, (N, K, scale, ahead))
-            assert_matches_the_unfused_steps(gemv.gemv(x, w, bias, norm=norm, **extras), want, dtype, (N, K, scale))
-
-
-def test_the_flat_one_row_loop_moves_nothing_through_shared_memory():
-    """Compiled for sm_90 on the CPU: a step of the one-row GEMV's 3-d form stores x and the weight tile to shared
-    memory and waits at barriers (Triton's layout changes for the broadcast); the flat form's step does neither.
-    (A process of its own: the kernels here are the interpreter's.)"""
-    out = compiled_in_a_process(
-        "import dataclasses, json; from pocketlab.layers import gemv, gemv_sweep as s; "
-        "t = gemv.Launch(1, 4, 512, 4); "
-        "print(json.dumps([s.loop_ops(s.gemv_code(f, 1)[1]) for f in (t, dataclasses.replace(t, flat=True))]))"
-    )
-    three_d, flat = json.loads(out)
-    assert len(three_d) == len(flat) == 1, out
-    assert three_d[0]["BAR"] > 0 and three_d[0]["STS"] > 0, out
-    assert flat[0]["BAR"] == flat[0]["STS"] == flat[0]["LDS"] == 0 and flat[0]["FFMA"] == three_d[0]["FFMA"], out
 
 
 @pytest.mark.parametrize("epilogue", EPILOGUES)
@@ -421,26 +381,21 @@ def test_a_decode_layer_is_five_launches(make_engine, monkeypatch, preset):
         assert got == list(FIVE_A_LAYER[kind]), kind
 
 
-def compiled_in_a_process(code: str) -> str:
-    """What `code` prints, run by a Python of its own with Triton compiling for the GPU (sm_90 on the CPU through
-    gemv_sweep), not interpreting: this process's kernels are the interpreter's."""
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton.backends.nvidia.compiler")
-    env = os.environ | {"TRITON_INTERPRET": "0"}
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-
-
 def test_the_resources_table_compiles_the_kernel_the_jit_builds():
     """gemv_sweep's sm_90 table (compiled on the CPU) marks pointers, sizes and strides divisible by 16 as the JIT
     finds them at the Qwen shapes. Only then does the fused matmul's 32-row SwiGLU tile pipeline its loads: its four
     stages keep three sets of x, gate and up tiles in shared memory, 120 KiB, one program an SM. Unmarked, the
     compile pipelines nothing and the table would describe another kernel. (A process of its own: the kernels here
     are the interpreter's.)"""
-    usage = compiled_in_a_process(
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    code = (
         "from pocketlab.layers import gemv_sweep; from pocketlab.layers.invariant import matmul; "
         "print(gemv_sweep.fused_matmul_usage(matmul.Tiles(32, 64, 4, 4, matmul.LAST_SUMS), matmul.SWIGLU))"
     )
+    env = os.environ | {"TRITON_INTERPRET": "0"}
+    usage = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     stage = (32 * 128 + 2 * 64 * 128) * 2  # x, gate and up tiles of BLOCK_K 128, bf16
     assert f"{3 * stage} B shared" in usage, usage

@@ -49,17 +49,13 @@ def test_conv_step_may_write_over_its_input():
     assert torch.equal(x2, want) and torch.equal(state2, state)
 
 
-@pytest.mark.parametrize("flat", ["0", "1"], ids=["3-d", "flat"])
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32])
-def test_gemv_runs_the_decode_conv_in_its_epilogue(state_dtype, flat, monkeypatch):
+def test_gemv_runs_the_decode_conv_in_its_epilogue(state_dtype):
     """The Gated DeltaNet in_proj at decode's rows with the conv in its epilogue (layers.gemv, conv=ConvStep): the
     bits of the projection then conv_step on its first C columns, the other columns untouched, each row's window
-    moved on and no other slot's, at every row count the GEMV takes (C off its column tiles); one row in either
-    form of the launch (POCKETLAB_GEMV_FLAT)."""
+    moved on and no other slot's, at every row count the GEMV takes (C off its column tiles)."""
     from pocketlab.layers import gemv
     from pocketlab.layers.norm import RMSNorm
-
-    monkeypatch.setenv("POCKETLAB_GEMV_FLAT", flat)
 
     gen = torch.Generator().manual_seed(3)
     C, N, K = 45, 61, 4

@@ -18,7 +18,6 @@ to ROWS rows gets the same bits in any batch (the default engine takes it for si
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -41,12 +40,6 @@ class Launch:
     block_k: int
     num_warps: int
     ahead: int = 1  # weight tiles in flight beyond the one in use (1 or 2), the first `ahead` before the PDL wait
-    flat: bool = False  # one row as [BLOCK_N, BLOCK_K] tiles (`_flat_sums`); rows must be 1
-
-
-def flat_from_env() -> bool:
-    """POCKETLAB_GEMV_FLAT=1: one-row launches take the flat form (`_flat_sums`), to measure it (tools.ab)."""
-    return os.environ.get("POCKETLAB_GEMV_FLAT", "0") == "1"
 
 
 def launch_for(M: int, N: int, K: int, device: torch.device, normed: bool = False) -> Launch:
@@ -62,17 +55,16 @@ def launch_for(M: int, N: int, K: int, device: torch.device, normed: bool = Fals
     if M > MAX_ROWS:
         raise ValueError(f"gemv: {M} rows; it takes at most {MAX_ROWS}")
     rows = triton.next_power_of_2(M)
-    flat = rows == 1 and flat_from_env()
     if device.type != "cuda":
-        return Launch(rows, 8, 64, 4, flat=flat)
+        return Launch(rows, 8, 64, 4)
     if rows > 1:
         return Launch(rows, 4, min(256, triton.next_power_of_2(K)), 4)
     if normed and N > 3072:
-        return Launch(1, 8, min(256, triton.next_power_of_2(K)), 4, flat=flat)
+        return Launch(1, 8, min(256, triton.next_power_of_2(K)), 4)
     if N >= 1024 and N * K * 2 <= 8 << 20 and K >= 2048:
-        return Launch(1, 4, 1024, 4, ahead=2, flat=flat)
+        return Launch(1, 4, 1024, 4, ahead=2)
     block_k = min(1024 if N <= 1024 else 512, triton.next_power_of_2(K))
-    return Launch(1, 2 if N <= 3072 and K > 512 else 4, block_k, 4, flat=flat)
+    return Launch(1, 2 if N <= 3072 and K > 512 else 4, block_k, 4)
 
 
 @triton.jit
@@ -117,22 +109,36 @@ def _conv_epilogue(y, n, live_m, taps, cells, window, C, CONV_K: tl.constexpr, T
     return tl.where((n < C)[None, :], (acc / (1.0 + tl.exp(-acc))).to(y.dtype), y)
 
 
-@triton.jit
-def spread(ptr, k, zeros, limit):
-    """ptr[k] (0 from `limit` on) as wide as zeros + k: zeros an integer tile of the weight tile's shape with a last
-    axis of 1, so the values load in the weight tile's own layout. A loaded row broadcast instead makes Triton move
-    it, and the weight tile, through shared memory at every step (`_flat_sums`)."""
-    index = zeros + k
-    return tl.load(ptr + index, mask=index < limit, other=0.0)
-
-
-@triton.jit
-def _row_sums(x_rows, g_ptr, w_rows, up_rows, w, up, w1, up1, g, live_m, live_n, K, NORM: tl.constexpr,
-              TWO: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              AHEAD: tl.constexpr):  # fmt: skip
-    """(x . the rows [ROWS, BLOCK_N], x . the up rows, each row's sum of squares [ROWS, 1]) over K from the first
-    tiles w, up (and w1, up1 at AHEAD 2) and the norm weight's first tile g: float32 lanes [ROWS, BLOCK_N,
-    BLOCK_K], summed once. x is normed with g on the way where NORM (module docstring)."""
+@triton.jit(do_not_specialize=["rows"])
+def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, g_ptr, slot_ptr, conv_ptr, cw_ptr, eps, rows, N, K, C, stride_xm,
+          stride_wn, stride_ym, stride_rm, stride_cs, stride_cc, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
+          NORM: tl.constexpr, CONV_K: tl.constexpr, TAPS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+          BLOCK_K: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """y[m, n] for the ROWS rows and this program's BLOCK_N columns: float32 lanes [ROWS, BLOCK_N, BLOCK_K] along
+    K, summed once. NORM: x is first RMS-normed with weight g (see the module docstring). EPILOGUE 1: y = residual +
+    x @ W^T; 2: W is [gate | up] (2N rows), y = silu(x @ gate^T) * (x @ up^T). CONV_K: then the causal conv of width
+    CONV_K (TAPS: its power of two) on the first C columns, each row's window in slot slot_ptr[m] (_conv_epilogue).
+    Each weight tile is loaded AHEAD steps before its use, the first AHEAD before the PDL wait (weights are never
+    written), so the read streams while the previous kernel finishes."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, ROWS)
+    live_m, live_n = m < rows, n < N
+    x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+    up_rows = w_rows + N * stride_wn
+    TWO: tl.constexpr = EPILOGUE == 2
+    k = tl.arange(0, BLOCK_K)
+    w = _tile(w_rows, k, live_n, K)
+    up = _tile(up_rows, k, live_n, K) if TWO else w
+    w1, up1 = w, up  # the second tile ahead (unused at AHEAD 1)
+    if AHEAD == 2:
+        w1 = _tile(w_rows, k + BLOCK_K, live_n, K)
+        up1 = _tile(up_rows, k + BLOCK_K, live_n, K) if TWO else w1
+    g = tl.load(g_ptr + k, mask=k < K, other=0.0) if NORM else k  # the norm's weight: ahead like the others
+    wait_then_release(PDL)
+    if CONV_K:
+        taps, cells, window = _conv_operands(m, n, live_m, slot_ptr, conv_ptr, cw_ptr, C, stride_cs, stride_cc,
+                                             CONV_K, TAPS)  # fmt: skip
     lanes = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
     lanes_up = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
     squares = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
@@ -153,77 +159,9 @@ def _row_sums(x_rows, g_ptr, w_rows, up_rows, w, up, w1, up1, g, live_m, live_n,
             w, up, w1, up1 = w1, up1, w_next, up_next
         else:
             w, up = w_next, up_next
-    return tl.sum(lanes, axis=2), tl.sum(lanes_up, axis=2), tl.sum(squares, axis=1)[:, None]
-
-
-@triton.jit
-def _flat_sums(x_ptr, g_ptr, w_rows, up_rows, w, up, w1, up1, n, live_n, K, NORM: tl.constexpr, TWO: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AHEAD: tl.constexpr):  # fmt: skip
-    """_row_sums for one row in [BLOCK_N, BLOCK_K] lanes: x (and g) loaded as wide as the weight tile (`spread`), in
-    its layout. In _row_sums' 3-d form Triton moves x and each weight tile through shared memory at
-    every step (four barriers a step in the sm_90 code, `gemv_sweep --resources`); here nothing is. Returns [1,
-    BLOCK_N] sums and [1, BLOCK_N] copies of the row's sum of squares. (g is read with x, not a tile ahead.)"""
-    lanes = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    lanes_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    squares = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    every = 0 * n[:, None]  # x and g as wide as the weight tile: one copy a weight row
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        w_next = _tile(w_rows, k + AHEAD * BLOCK_K, live_n, K)
-        up_next = _tile(up_rows, k + AHEAD * BLOCK_K, live_n, K) if TWO else w_next
-        x = spread(x_ptr, k, every, K).to(tl.float32)
-        if NORM:
-            squares += x * x
-            x = x * (spread(g_ptr, k, every, K).to(tl.float32) + (1.0 if NORM == 2 else 0.0))
-        lanes += x * w.to(tl.float32)
-        if TWO:
-            lanes_up += x * up.to(tl.float32)
-        if AHEAD == 2:
-            w, up, w1, up1 = w1, up1, w_next, up_next
-        else:
-            w, up = w_next, up_next
-    return tl.sum(lanes, axis=1)[None, :], tl.sum(lanes_up, axis=1)[None, :], tl.sum(squares, axis=1)[None, :]
-
-
-@triton.jit(do_not_specialize=["rows"])
-def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, g_ptr, slot_ptr, conv_ptr, cw_ptr, eps, rows, N, K, C, stride_xm,
-          stride_wn, stride_ym, stride_rm, stride_cs, stride_cc, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
-          NORM: tl.constexpr, CONV_K: tl.constexpr, TAPS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_K: tl.constexpr, AHEAD: tl.constexpr, FLAT: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    """y[m, n] for the ROWS rows and this program's BLOCK_N columns: float32 lanes [ROWS, BLOCK_N, BLOCK_K] along
-    K, summed once (FLAT, one row: [BLOCK_N, BLOCK_K], `_flat_sums`). NORM: x is first RMS-normed with weight g (see
-    the module docstring). EPILOGUE 1: y = residual + x @ W^T; 2: W is [gate | up] (2N rows), y = silu(x @ gate^T) *
-    (x @ up^T). CONV_K: then the causal conv of width
-    CONV_K (TAPS: its power of two) on the first C columns, each row's window in slot slot_ptr[m] (_conv_epilogue).
-    Each weight tile is loaded AHEAD steps before its use, the first AHEAD before the PDL wait (weights are never
-    written), so the read streams while the previous kernel finishes."""
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m = tl.arange(0, ROWS)
-    live_m, live_n = m < rows, n < N
-    x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
-    w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
-    up_rows = w_rows + N * stride_wn
-    TWO: tl.constexpr = EPILOGUE == 2
-    k = tl.arange(0, BLOCK_K)
-    w = _tile(w_rows, k, live_n, K)
-    up = _tile(up_rows, k, live_n, K) if TWO else w
-    w1, up1 = w, up  # the second tile ahead (unused at AHEAD 1)
-    if AHEAD == 2:
-        w1 = _tile(w_rows, k + BLOCK_K, live_n, K)
-        up1 = _tile(up_rows, k + BLOCK_K, live_n, K) if TWO else w1
-    g = tl.load(g_ptr + k, mask=k < K, other=0.0) if NORM and not FLAT else k  # the norm's weight, ahead (3-d)
-    wait_then_release(PDL)
-    if CONV_K:
-        taps, cells, window = _conv_operands(m, n, live_m, slot_ptr, conv_ptr, cw_ptr, C, stride_cs, stride_cc,
-                                             CONV_K, TAPS)  # fmt: skip
-    if FLAT:
-        total, total_up, squares = _flat_sums(x_ptr, g_ptr, w_rows, up_rows, w, up, w1, up1, n, live_n, K, NORM, TWO,
-                                              BLOCK_N, BLOCK_K, AHEAD)  # fmt: skip
-    else:
-        total, total_up, squares = _row_sums(x_rows, g_ptr, w_rows, up_rows, w, up, w1, up1, g, live_m, live_n, K,
-                                             NORM, TWO, ROWS, BLOCK_N, BLOCK_K, AHEAD)  # fmt: skip
+    total, total_up = tl.sum(lanes, axis=2), tl.sum(lanes_up, axis=2)
     if NORM:
-        inv_rms = tl.rsqrt(squares / K + eps)
+        inv_rms = tl.rsqrt(tl.sum(squares, axis=1) / K + eps)[:, None]
         total, total_up = total * inv_rms, total_up * inv_rms
     dtype = y_ptr.dtype.element_ty
     y = finish(total, total_up, b_ptr, res_ptr, m, n, live_m, live_n, stride_rm, dtype, HAS_BIAS, EPILOGUE)
@@ -292,7 +230,7 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
         0 if conv is None else conv.channels, x2.stride(0), weight.stride(0), y.stride(0),
         0 if residual is None else residual.stride(0), state.stride(0), state.stride(1), HAS_BIAS=bias is not None,
         EPILOGUE=epilogue, NORM=norm_flavour(norm), CONV_K=conv_k, TAPS=triton.next_power_of_2(max(conv_k, 1)),
-        ROWS=t.rows, BLOCK_N=t.block_n, BLOCK_K=t.block_k, AHEAD=t.ahead, FLAT=t.flat, num_warps=t.num_warps,
+        ROWS=t.rows, BLOCK_N=t.block_n, BLOCK_K=t.block_k, AHEAD=t.ahead, num_warps=t.num_warps,
         **pdl.launch(x2.device),
     )  # fmt: skip
     return y

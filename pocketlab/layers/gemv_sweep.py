@@ -6,8 +6,8 @@ default engine runs there today (the fused matmul where there is an epilogue, el
 Times are medians of CUDA-graph replays cycling over weight copies (invariant.sweep.graph_ms), so every call reads
 its weight from HBM. Prints the best launches of each shape and a summary against `launch_for`'s choice.
 
-`--forms`: each tile with one and with two weight tiles ahead (`Launch.ahead`), at one row count, and at one row in
-both forms (`Launch.flat`); `--shapes` picks shapes by name.
+`--forms`: each tile with one and with two weight tiles ahead (`Launch.ahead`), at one row count; `--shapes` picks
+shapes by name.
 
 `--norm-chain`: where a pre-norm costs least, in a graph of 28 layers of [normed projection -> residual projection]
 at one row (the programmatic dependent launches overlapping as in a decode step): no norm at all, the norm as its
@@ -25,7 +25,6 @@ thread, the shared memory a program and the TMA loads in the machine code (Trito
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import inspect
 import itertools
 import os
@@ -66,9 +65,8 @@ AHEAD = (1, 2)  # --forms: weight tiles in flight
 
 def candidates(M: int, forms: bool = False) -> list[gemv.Launch]:
     rows = sorted({triton.next_power_of_2(M), gemv.MAX_ROWS})
-    if forms:  # one row count, the tiles that ever won, one or two tiles ahead, at one row 3-d and flat
-        flat = (False, True) if rows[0] == 1 else (False,)
-        return [gemv.Launch(*v) for v in itertools.product(rows[:1], BLOCK_N[:3], BLOCK_K, WARPS, AHEAD, flat)]
+    if forms:  # one row count, the tiles that ever won, one or two tiles ahead
+        return [gemv.Launch(*v) for v in itertools.product(rows[:1], BLOCK_N[:3], BLOCK_K, WARPS, AHEAD)]
     return [gemv.Launch(r, n, k, w) for r, n, k, w in itertools.product(rows, BLOCK_N, BLOCK_K, WARPS)]
 
 
@@ -105,7 +103,7 @@ def sweep_rows(name: str, N: int, K: int, epilogue: int, M: int, weights: list[t
         key=lambda p: p[0],
     )
     for ms, t in timed[:top]:
-        launch = str((t.rows, t.block_n, t.block_k, t.num_warps, t.ahead)) + (" flat" if t.flat else "")
+        launch = str((t.rows, t.block_n, t.block_k, t.num_warps, t.ahead))
         print(f"{name:<20}{M:>3}  {launch:<46}{ms:>9.4f}{gb / ms:>7.2f}")
     chosen = gemv.launch_for(M, N, K, x.device)
     chosen_ms = next((ms for ms, t in timed if t == chosen), None)
@@ -255,9 +253,9 @@ GEMV_SIGNATURE |= {"slot_ptr": "*i64", "eps": "fp32"} | dict.fromkeys(
 
 
 def gemv_code(t: gemv.Launch, epilogue: int, norm: int = 0) -> tuple[str, str]:
-    """machine_code of layers.gemv's one-row launch `t` (its flat form where t.flat)."""
+    """machine_code of layers.gemv's one-row launch `t`."""
     constants = dict(HAS_BIAS=False, EPILOGUE=epilogue, NORM=norm, CONV_K=0, TAPS=1, ROWS=1, BLOCK_N=t.block_n,
-                     BLOCK_K=t.block_k, AHEAD=t.ahead, FLAT=t.flat)  # fmt: skip
+                     BLOCK_K=t.block_k, AHEAD=t.ahead)  # fmt: skip
     return machine_code(gemv._gemv, GEMV_SIGNATURE, constants, t.num_warps)
 
 
@@ -266,10 +264,8 @@ def resources() -> None:
     t: gemv.Launch | moe_gemv.Launch  # layers.gemv's launches, then moe_gemv's
     for name, (N, K, epilogue) in SHAPES.items():
         t = gemv.launch_for(1, N, K, torch.device("cuda"))
-        for form in (t, dataclasses.replace(t, flat=True)):
-            usage, sass = gemv_code(form, epilogue)
-            print(f"{name:<20} layers.gemv {(t.block_n, t.block_k, t.ahead)!s:<16}{'flat' if form.flat else '3-d':<5}"
-                  f"{usage}; {a_step(sass)}")  # fmt: skip
+        usage, sass = gemv_code(t, epilogue)
+        print(f"{name:<20} layers.gemv {(t.block_n, t.block_k, t.ahead)!s:<16}{usage}; {a_step(sass)}")
     ring_args = dict.fromkeys(("x_ptr", "b_ptr", "y_ptr", "res_ptr", "g_ptr"), "*bf16") | {"eps": "fp32"}
     ring_args |= {"N": "i32", "K": "i32"}
     for r in RINGS:
@@ -284,12 +280,9 @@ def resources() -> None:
     }
     experts |= dict.fromkeys(("H", "I", "stride_x", "stride_we", "stride_wn", "stride_sn"), "i32")
     t = moe_gemv.tiles(torch.device("cuda")).gate_up
-    for flat in (False, True):
-        constants = dict(TOP_K=8, NORM=2, KP=8, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SHARED=True, IDS_READY=True,
-                         FLAT=flat)  # fmt: skip
-        usage, sass = machine_code(moe_gemv._gate_up, experts, constants, t.num_warps)
-        print(f"{'experts, top-8':<20} moe_gemv gate_up {(t.block_n, t.block_k)!s:<11}{'flat' if flat else '3-d':<5}"
-              f"{usage}; {a_step(sass)}")  # fmt: skip
+    constants = dict(TOP_K=8, NORM=2, KP=8, BLOCK_N=t.block_n, BLOCK_K=t.block_k, SHARED=True, IDS_READY=True)
+    usage, sass = machine_code(moe_gemv._gate_up, experts, constants, t.num_warps)
+    print(f"{'experts, top-8':<20} moe_gemv gate_up {(t.block_n, t.block_k)!s:<11}{usage}; {a_step(sass)}")
     pairs = {"x_ptr": "*bf16", "g_ptr": "*bf16", "ids_ptr": "*i64", "h_ptr": "*bf16", "eps": "fp32"}
     pairs |= dict.fromkeys(("I", "H", "stride_x", "PAIRS"), "i32")
     for r in RINGS:
@@ -303,12 +296,9 @@ def resources() -> None:
     t = moe_gemv.tiles(torch.device("cuda")).down
     signature = down_args | dict.fromkeys(("w_ptr", "sw_ptr"), "*bf16")
     signature |= dict.fromkeys(("stride_we", "stride_wn", "stride_sn"), "i32")
-    for flat in (False, True):
-        constants = dict(TOP_K=8, KP=8, SHARED=False, SHARED_W=True, RESIDUAL=True, BLOCK_N=t.block_n,
-                         BLOCK_K=t.block_k, FLAT=flat)  # fmt: skip
-        usage, sass = machine_code(moe_gemv._down_sum, signature, constants, t.num_warps)
-        print(f"{'experts down, top-8':<20} moe_gemv down {(t.block_n, t.block_k)!s:<14}{'flat' if flat else '3-d':<5}"
-              f"{usage}; {a_step(sass)}")  # fmt: skip
+    constants = dict(TOP_K=8, KP=8, SHARED=False, SHARED_W=True, RESIDUAL=True, BLOCK_N=t.block_n, BLOCK_K=t.block_k)
+    usage, sass = machine_code(moe_gemv._down_sum, signature, constants, t.num_warps)
+    print(f"{'experts down, top-8':<20} moe_gemv down {(t.block_n, t.block_k)!s:<14}{usage}; {a_step(sass)}")
     state_step_resources()
     attention_resources()
     few_row_matmul_resources()
@@ -414,7 +404,7 @@ def main(argv=None):
     print(f"\n{'shape':<20}{'M':>3}{'chosen':>18}{'ms':>9}{'TB/s':>7}{'best ms':>9}{'today ms':>10}{'cuBLAS ms':>11}"
           f"{'today/chosen':>14}  row 0 alone vs in the batch")  # fmt: skip
     for name, M, gb, t, ms, (best_ms, _), now_ms, cublas_ms, bits in summary:
-        launch = f"{t.rows},{t.block_n},{t.block_k},{t.num_warps},{t.ahead}" + (",flat" if t.flat else "")
+        launch = f"{t.rows},{t.block_n},{t.block_k},{t.num_warps},{t.ahead}"
         print(f"{name:<20}{M:>3}{launch:>18}{ms:>9.4f}{gb / ms:>7.2f}{best_ms:>9.4f}{now_ms:>10.4f}{cublas_ms:>11.4f}"
               f"{now_ms / ms:>14.2f}  {bits}")  # fmt: skip
 

@@ -14,7 +14,6 @@ keep the block kernels.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +21,6 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .gemv import spread
 from .invariant.matmul import finish
 from .invariant.rounding import cast
 from .moe_kernel import finish_token
@@ -32,13 +30,11 @@ from .pdl import wait_then_release
 
 @dataclass(frozen=True)
 class Launch:
-    """One projection's launch: BLOCK_N columns of all k experts per program, BLOCK_K-wide steps along the input;
-    `flat`: the input row loaded as wide as the weight tile, in its layout (`layers.gemv.spread`)."""
+    """One projection's launch: BLOCK_N columns of all k experts per program, BLOCK_K-wide steps along the input."""
 
     block_n: int
     block_k: int
     num_warps: int = 4
-    flat: bool = False
 
 
 @dataclass(frozen=True)
@@ -50,23 +46,21 @@ class Tiles:
 def tiles(device: torch.device) -> Tiles:
     """From `python -m pocketlab.tools.moe_bench --sweep` at both MoE shapes (reports/gpu/moe-experts-*); the
     interpreter keeps small tiles (tails in both directions at test shapes)."""
-    flat = os.environ.get("POCKETLAB_MOE_FLAT", "0") == "1"  # to measure the flat form (tools.ab)
     if device.type != "cuda":
-        return Tiles(Launch(2, 32, flat=flat), Launch(2, 16, flat=flat))
-    return Tiles(Launch(2, 256, flat=flat), Launch(2, 128, flat=flat))
+        return Tiles(Launch(2, 32), Launch(2, 16))
+    return Tiles(Launch(2, 256), Launch(2, 128))
 
 
 @triton.jit
 def _gate_up(x_ptr, w_ptr, sw_ptr, g_ptr, ids_ptr, h_ptr, eps, H, I, stride_x, stride_we, stride_wn, stride_sn,
              TOP_K: tl.constexpr, NORM: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             SHARED: tl.constexpr, IDS_READY: tl.constexpr, FLAT: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+             SHARED: tl.constexpr, IDS_READY: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """h[pair j, n] = silu(x . gate[e_j, n]) * (x . up[e_j, n]) for the token's k pairs and this program's columns:
     float32 lanes [KP, BLOCK_N, BLOCK_K] along H, summed once; NORM (layers.gemv's flavours): x is RMS-normed with
     weight g first. SHARED: the shared expert's [gate | up] (sw, as wide as an expert) too, into h's row N * k +
     token. Weight tiles load a step ahead of their use; the shared expert's first before the PDL wait, the routed
     experts' first after it, as the routing kernel just before writes the expert ids, or before it with IDS_READY
-    (the routing ran two or more launches back). FLAT: x (and g) loaded as wide as the weight tiles
-    (`layers.gemv.spread`)."""
+    (the routing ran two or more launches back)."""
     token = tl.program_id(1).to(tl.int64)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
@@ -103,19 +97,13 @@ def _gate_up(x_ptr, w_ptr, sw_ptr, g_ptr, ids_ptr, h_ptr, eps, H, I, stride_x, s
         x = tl.load(x_ptr + token * stride_x + k, mask=k < H, other=0.0).to(tl.float32)
         if NORM:
             squares += x * x
-        if FLAT:
-            routed_x = _row_as(x_ptr + token * stride_x, g_ptr, k, (j[:, None, None] + n[None, :, None]) * 0, H, NORM)
-        else:
-            if NORM:
-                x = x * (tl.load(g_ptr + k, mask=k < H, other=0.0).to(tl.float32) + (1.0 if NORM == 2 else 0.0))
-            routed_x = x[None, None, :]
-        lanes_gate += routed_x * gate_w.to(tl.float32)
-        lanes_up += routed_x * up_w.to(tl.float32)
+            x = x * (tl.load(g_ptr + k, mask=k < H, other=0.0).to(tl.float32) + (1.0 if NORM == 2 else 0.0))
+        lanes_gate += x[None, None, :] * gate_w.to(tl.float32)
+        lanes_up += x[None, None, :] * up_w.to(tl.float32)
         gate_w, up_w = gate_next, up_next
         if SHARED:
-            shared_x = _row_as(x_ptr + token * stride_x, g_ptr, k, n[:, None] * 0, H, NORM) if FLAT else x[None, :]
-            shared_gate += shared_x * shared_gate_w.to(tl.float32)
-            shared_up += shared_x * shared_up_w.to(tl.float32)
+            shared_gate += x[None, :] * shared_gate_w.to(tl.float32)
+            shared_up += x[None, :] * shared_up_w.to(tl.float32)
             shared_gate_w, shared_up_w = shared_gate_next, shared_up_next
     gate, up = tl.sum(lanes_gate, axis=2), tl.sum(lanes_up, axis=2)
     inv_rms = tl.rsqrt(tl.sum(squares, axis=0) / H + eps) if NORM else 1.0
@@ -133,26 +121,15 @@ def _gate_up(x_ptr, w_ptr, sw_ptr, g_ptr, ids_ptr, h_ptr, eps, H, I, stride_x, s
 
 
 @triton.jit
-def _row_as(x_ptr, g_ptr, k, zeros, H, NORM: tl.constexpr):
-    """x[k] in float32, times the norm's weight (layers.gemv's flavours) where NORM, as wide as zeros + k
-    (`layers.gemv.spread`)."""
-    x = spread(x_ptr, k, zeros, H).to(tl.float32)
-    if NORM:
-        x = x * (spread(g_ptr, k, zeros, H).to(tl.float32) + (1.0 if NORM == 2 else 0.0))
-    return x
-
-
-@triton.jit
 def _down_sum(h_ptr, w_ptr, sw_ptr, weights_ptr, ids_ptr, out_ptr, shared_ptr, gate_ptr, residual_ptr, H, I,
               stride_we, stride_wn, stride_sn, stride_s, stride_g, stride_r, TOP_K: tl.constexpr, KP: tl.constexpr,
               SHARED: tl.constexpr, SHARED_W: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, FLAT: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+              BLOCK_K: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """out[token, n] for this program's columns: the k products cast(weight_j * (h[pair j] . down[e_j, n])) (float32
     lanes along I, summed once) added in k order in float32, then finish_token with the shared expert's output:
     read from `shared` (SHARED), or SHARED_W: its down product (sw, on h's row N * k + token) in this launch,
     rounded once as the plain GEMV rounds it. The expert ids, routing weights and first weight tiles load before
-    the PDL wait (the routing ran two or more launches back); h and the rest after. FLAT: h loaded as wide as the
-    weight tiles (`layers.gemv.spread`)."""
+    the PDL wait (the routing ran two or more launches back); h and the rest after."""
     token = tl.program_id(1).to(tl.int64)
     j = tl.arange(0, KP)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -173,23 +150,14 @@ def _down_sum(h_ptr, w_ptr, sw_ptr, weights_ptr, ids_ptr, out_ptr, shared_ptr, g
     for k0 in range(0, I, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         w_next = tl.load(rows + (k + BLOCK_K)[None, None, :], mask=live & (k + BLOCK_K < I)[None, None, :], other=0.0)
-        if FLAT:  # each pair's h row; padding pairs past TOP_K (KP > TOP_K) read nothing, as their weights
-            limit = I if KP == TOP_K else tl.where((j < TOP_K)[:, None, None], I, 0)
-            pair_h = spread(h_ptr + pairs[:, None, None] * I, k, n[None, :, None] * 0, limit)
-        else:
-            h = tl.load(h_ptr + pairs[:, None] * I + k[None, :], mask=(j < TOP_K)[:, None] & (k < I)[None, :],
-                        other=0.0)  # fmt: skip
-            pair_h = h[:, None, :]
-        lanes += pair_h.to(tl.float32) * w.to(tl.float32)
+        h = tl.load(h_ptr + pairs[:, None] * I + k[None, :], mask=(j < TOP_K)[:, None] & (k < I)[None, :], other=0.0)
+        lanes += h.to(tl.float32)[:, None, :] * w.to(tl.float32)
         w = w_next
         if SHARED_W:
             shared_ahead = (n < H)[:, None] & (k + BLOCK_K < I)[None, :]
             shared_next = tl.load(shared_rows + (k + BLOCK_K)[None, :], mask=shared_ahead, other=0.0)
-            if FLAT:
-                shared_h = spread(h_ptr + shared_row * I, k, n[:, None] * 0, I).to(tl.float32)
-            else:
-                shared_h = tl.load(h_ptr + shared_row * I + k, mask=k < I, other=0.0).to(tl.float32)[None, :]
-            shared_lanes += shared_h * shared_w.to(tl.float32)
+            shared_h = tl.load(h_ptr + shared_row * I + k, mask=k < I, other=0.0).to(tl.float32)
+            shared_lanes += shared_h[None, :] * shared_w.to(tl.float32)
             shared_w = shared_next
     products = cast(tl.sum(lanes, axis=2) * routing[:, None], out_ptr.dtype.element_ty).to(tl.float32)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -259,8 +227,7 @@ def gate_up_sums(x, gate_up, ids, norm, launch: Launch, ids_ready: bool = False,
         x, gate_up, shared_gu, x if norm is None else norm.weight, ids, h, 0.0 if norm is None else norm.eps, H,
         two_i // 2, x.stride(0), gate_up.stride(0), gate_up.stride(1), shared_gu.stride(0), TOP_K=top_k,
         NORM=norm_flavour(norm), KP=triton.next_power_of_2(top_k), BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
-        SHARED=shared_weights is not None, IDS_READY=ids_ready, FLAT=launch.flat, num_warps=launch.num_warps,
-        **pdl.launch(x.device),
+        SHARED=shared_weights is not None, IDS_READY=ids_ready, num_warps=launch.num_warps, **pdl.launch(x.device),
     )  # fmt: skip
     return h
 
@@ -279,7 +246,6 @@ def down_sum(h, down, weights, ids, shared, shared_gate, residual, launch: Launc
         h, down, shared_down, weights, ids, total, s, g, r, H, I, down.stride(0), down.stride(1),
         shared_down.stride(0), s.stride(0), g.stride(0), r.stride(0), TOP_K=top_k, KP=triton.next_power_of_2(top_k),
         SHARED=shared is not None, SHARED_W=shared_weights is not None, RESIDUAL=residual is not None,
-        BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, FLAT=launch.flat, num_warps=launch.num_warps,
-        **pdl.launch(h.device),
+        BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, num_warps=launch.num_warps, **pdl.launch(h.device),
     )  # fmt: skip
     return total
