@@ -3,6 +3,7 @@ in one kernel give what the unfused torch steps give, and each row the same bits
 through Triton's interpreter on the CPU)."""
 
 import dataclasses
+import json
 import os
 
 import pytest
@@ -381,21 +382,42 @@ def test_a_decode_layer_is_five_launches(make_engine, monkeypatch, preset):
         assert got == list(FIVE_A_LAYER[kind]), kind
 
 
+def compiled_in_a_process(code: str) -> str:
+    """What `code` prints, run by a Python of its own with Triton compiling for the GPU (sm_90 on the CPU through
+    gemv_sweep), not interpreting: this process's kernels are the interpreter's."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    env = os.environ | {"TRITON_INTERPRET": "0"}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+
+
 def test_the_resources_table_compiles_the_kernel_the_jit_builds():
     """gemv_sweep's sm_90 table (compiled on the CPU) marks pointers, sizes and strides divisible by 16 as the JIT
     finds them at the Qwen shapes. Only then does the fused matmul's 32-row SwiGLU tile pipeline its loads: its four
     stages keep three sets of x, gate and up tiles in shared memory, 120 KiB, one program an SM. Unmarked, the
     compile pipelines nothing and the table would describe another kernel. (A process of its own: the kernels here
     are the interpreter's.)"""
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton.backends.nvidia.compiler")
-    code = (
+    usage = compiled_in_a_process(
         "from pocketlab.layers import gemv_sweep; from pocketlab.layers.invariant import matmul; "
         "print(gemv_sweep.fused_matmul_usage(matmul.Tiles(32, 64, 4, 4, matmul.LAST_SUMS), matmul.SWIGLU))"
     )
-    env = os.environ | {"TRITON_INTERPRET": "0"}
-    usage = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     stage = (32 * 128 + 2 * 64 * 128) * 2  # x, gate and up tiles of BLOCK_K 128, bf16
     assert f"{3 * stage} B shared" in usage, usage
+
+
+def test_the_resources_table_counts_the_loop_of_the_fmas():
+    """gemv_sweep's loop counts (`loop_ops`, machine code compiled on the CPU) find the one-row GEMV's K loop by its
+    backward branch: one loop with FMAs, BLOCK_N x BLOCK_K / 128 threads of them a step (twice with the SwiGLU's up
+    rows), and each thread's share of the weight tiles in 16-byte loads besides one load of x."""
+    launches = [(4, 512, 1), (2, 1024, 1), (2, 512, 2)]  # (BLOCK_N, BLOCK_K, EPILOGUE)
+    out = compiled_in_a_process(
+        "import json; from pocketlab.layers import gemv, gemv_sweep as s; "
+        f"print(json.dumps([s.loop_ops(s.gemv_code(gemv.Launch(1, n, k, 4), e)[1]) for n, k, e in {launches}]))"
+    )
+    for (n, k, epilogue), loops in zip(launches, json.loads(out), strict=True):
+        with_fmas = [loop for loop in loops if loop["FFMA"]]
+        assert len(with_fmas) == 1, (n, k, loops)
+        step = with_fmas[0]
+        assert step["FFMA"] == n * k // 128 * epilogue and step["LDG"] == epilogue * n * k * 2 // 128 // 16 + 1, loops
