@@ -252,9 +252,9 @@ GEMV_SIGNATURE |= {"slot_ptr": "*i64", "eps": "fp32"} | dict.fromkeys(
 )
 
 
-def gemv_code(t: gemv.Launch, epilogue: int, norm: int = 0) -> tuple[str, str]:
-    """machine_code of layers.gemv's one-row launch `t`."""
-    constants = dict(HAS_BIAS=False, EPILOGUE=epilogue, NORM=norm, CONV_K=0, TAPS=1, ROWS=1, BLOCK_N=t.block_n,
+def gemv_code(t: gemv.Launch, epilogue: int) -> tuple[str, str]:
+    """machine_code of layers.gemv's one-row launch `t` (no norm, bias or conv)."""
+    constants = dict(HAS_BIAS=False, EPILOGUE=epilogue, NORM=0, CONV_K=0, TAPS=1, ROWS=1, BLOCK_N=t.block_n,
                      BLOCK_K=t.block_k, AHEAD=t.ahead)  # fmt: skip
     return machine_code(gemv._gemv, GEMV_SIGNATURE, constants, t.num_warps)
 
