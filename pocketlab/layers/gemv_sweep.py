@@ -322,20 +322,23 @@ def state_step_resources() -> None:
 
 
 def attention_resources() -> None:
-    """The decode attention (Qwen3's norms, head_dim 128, bf16 cache, 8 query heads a KV head as at 8B), with and
-    without the L2 prefetch of the o_proj weight it starts with at one row (layers.prefetch)."""
+    """The decode attention (Qwen3's norms, head_dim 128, bf16 cache): 8 query heads a KV head and four key blocks a
+    split (8B at batch 32), with and without the L2 prefetch of the o_proj weight; 2 query heads and one block a
+    split (0.6B at batch 1, prefetching); each with its split's first block read after the PDL wait or before it."""
     kernel = decode_attention._partial_attention
     params = inspect.signature(kernel.fn).parameters
     signature = {n: "i32" for n in params if n.startswith("stride_")} | {"pf_bytes": "i32"}
     signature |= dict.fromkeys(("q_ptr", "kn_ptr", "vn_ptr", "k_ptr", "v_ptr", "out_ptr", "qw_ptr", "kw_ptr",
                                 "cos_ptr", "sin_ptr", "gate_ptr", "pf_ptr"), "*bf16")  # fmt: skip
-    signature |= {"slot_ptr": "*i64", "len_ptr": "*i32", "o_ptr": "*fp32", "lse_ptr": "*fp32", "arrived_ptr": "*i32"}
-    signature |= {"scale": "fp32", "eps": "fp32"}
-    for prefetch, early in ((False, False), (True, False), (False, True)):
-        constants = dict(G=8, BLOCK_G=16, D=128, ROT=128, HAS_NORM=True, OFFSET=False, GATED=False, BLOCK_N=64,
-                         SPLIT_LEN=256, BLOCK_S=4, PRECISION="tf32", PREFETCH=prefetch, EARLY=early)  # fmt: skip
-        form = f"prefetch {prefetch!s:<5} early {early!s:<5}"
-        print(f"{'decode attention':<20} {form:<25}{compiled(kernel, signature, constants, 4, 2)}")
+    signature |= {"slot_ptr": "*i64", "len_ptr": "*i32", "pos_ptr": "*i64", "arrived_ptr": "*i32"}
+    signature |= {"o_ptr": "*fp32", "lse_ptr": "*fp32", "scale": "fp32", "eps": "fp32"}
+    for G, split_len, prefetch, early in ((8, 256, False, False), (8, 256, True, False), (8, 256, False, True),
+                                          (2, 64, True, False), (2, 64, True, True)):  # fmt: skip
+        constants = dict(G=G, BLOCK_G=16, D=128, ROT=128, HAS_NORM=True, OFFSET=False, GATED=False, BLOCK_N=64,
+                         SPLIT_LEN=split_len, BLOCK_S=4, MERGE=4, PRECISION="tf32", PREFETCH=prefetch,
+                         EARLY=early)  # fmt: skip
+        form = f"G {G} keys {split_len:<3} prefetch {prefetch!s:<5} early {early!s:<5}"
+        print(f"{'decode attention':<20} {form:<40}{compiled(kernel, signature, constants, 4, 2)}")
 
 
 def few_row_matmul_resources() -> None:
