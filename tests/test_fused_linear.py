@@ -427,7 +427,7 @@ def test_the_resources_table_counts_the_loop_of_the_fmas():
 
 def test_the_resources_table_compiles_the_decode_attention():
     """gemv_sweep's decode-attention rows compile the kernel with the engine's arguments: a parameter the table's
-    signature lacks fails the compile (the table committed in the forty-first session ended in such a traceback)."""
+    signature lacks fails the compile (a committed table once ended in such a traceback)."""
     out = compiled_in_a_process("from pocketlab.layers import gemv_sweep; gemv_sweep.attention_resources()")
     rows = [line for line in out.splitlines() if line.startswith("decode attention")]
     assert len(rows) == 5 and all(" registers " in row for row in rows), out

@@ -43,7 +43,7 @@ DEFAULT_RING = Ring()
 # GEMV of Qwen3-0.6B and Qwen3.5-0.8B (12-16 MiB weights, K <= 3,584) through it was faster in every paired round of
 # two runs, at 8B (32 MiB and up) slower in every one (reports/gpu/ab-gemv-tma-paired-*); a third run at 0.6B saw no
 # difference (ab-ring-default-*). The MoE shapes' 16 MiB o_proj and out_proj (K 4,096: a ring program walks 16
-# tiles) read faster through layers.gemv (ab-moe-attn-ring-*).
+# tiles) read faster through layers.gemv (timed with the ring off altogether: ab-moe-attn-ring-*).
 ONE_ROW_RING = Ring(8, 256, 6)
 RING_MAX_BYTES = 24 << 20
 RING_MAX_K = 3584
