@@ -7,7 +7,7 @@ Times are medians of CUDA-graph replays cycling over weight copies (invariant.sw
 its weight from HBM. Prints the best launches of each shape and a summary against `launch_for`'s choice.
 
 `--forms`: each tile with one and with two weight tiles ahead (`Launch.ahead`), at one row count; `--shapes` picks
-shapes by name.
+shapes by name (here and in `--norm-chain`).
 
 `--norm-chain`: where a pre-norm costs least, in a graph of 28 layers of [normed projection -> residual projection]
 at one row (the programmatic dependent launches overlapping as in a decode step): no norm at all, the norm as its
@@ -119,7 +119,7 @@ def sweep_rows(name: str, N: int, K: int, epilogue: int, M: int, weights: list[t
 
 NORM_CHAIN = {  # name: (N, K) of the normed projection; the residual projection is its transpose
     "0.6b qkv/o": (4096, 1024), "0.8b gdn in/out": (8224, 1024), "8b qkv/o": (6144, 4096),
-    "9b gdn in/out": (12352, 4096),
+    "9b gdn in/out": (12352, 4096), "35b gdn in/out": (12352, 2048),
 }  # fmt: skip
 
 
@@ -133,7 +133,7 @@ def chain_us(layer, weights: list[tuple], h: torch.Tensor) -> float:
     return graph_ms(step, weights, runs=20) * 1e3
 
 
-def norm_chain(layers: int = 28, top: int = 4) -> None:
+def norm_chain(shapes: list[str], layers: int = 28, top: int = 4) -> None:
     def folded(t):
         def layer(h, a, b, norm):
             y = torch.empty(1, a.shape[0], dtype=h.dtype, device=h.device)
@@ -141,7 +141,7 @@ def norm_chain(layers: int = 28, top: int = 4) -> None:
 
         return layer
 
-    for name, (N, K) in NORM_CHAIN.items():
+    for name, (N, K) in [(s, NORM_CHAIN[s]) for s in shapes]:
         gen = torch.Generator(device="cuda").manual_seed(0)
         weights = [
             (torch.randn(N, K, device="cuda", generator=gen).bfloat16() * K**-0.5,
@@ -167,8 +167,8 @@ def norm_chain(layers: int = 28, top: int = 4) -> None:
 RINGS = [Ring(n, k, s) for n, k, s in itertools.product((4, 8, 16), (64, 128, 256), (2, 3, 4, 6))]  # TMA boxes <= 256
 
 
-def tma_chain(layers: int = 28, top: int = 6) -> None:
-    for name, (N, K) in NORM_CHAIN.items():
+def tma_chain(shapes: list[str], layers: int = 28, top: int = 6) -> None:
+    for name, (N, K) in [(s, NORM_CHAIN[s]) for s in shapes]:
         gen = torch.Generator(device="cuda").manual_seed(0)
         weights = [
             (torch.randn(N, K, device="cuda", generator=gen).bfloat16() * K**-0.5,
@@ -395,14 +395,18 @@ def main(argv=None):
     ap.add_argument("--forms", action="store_true", help="one or two tiles ahead too (one row count)")
     ap.add_argument("--shapes", default="", help="names containing any of these, comma-separated, _ for a space")
     a = ap.parse_args(argv)
+    parts = [part.replace("_", " ") for part in a.shapes.split(",") if part]
+
+    def named(names) -> list[str]:
+        return [s for s in names if not parts or any(part in s for part in parts)]
+
     if a.norm_chain:
-        return norm_chain(top=a.top)
+        return norm_chain(named(NORM_CHAIN), top=a.top)
     if a.tma_chain:
-        return tma_chain(top=a.top)
+        return tma_chain(named(NORM_CHAIN), top=a.top)
     if a.resources:
         return resources()
-    parts = [part.replace("_", " ") for part in a.shapes.split(",") if part]
-    shapes = [s for s in SHAPES if not parts or any(part in s for part in parts)]
+    shapes = named(SHAPES)
     summary = sweep([int(v) for v in a.rows.split(",")], a.top, shapes, a.forms)
     print(f"\n{'shape':<20}{'M':>3}{'chosen':>18}{'ms':>9}{'TB/s':>7}{'best ms':>9}{'today ms':>10}{'cuBLAS ms':>11}"
           f"{'today/chosen':>14}  row 0 alone vs in the batch")  # fmt: skip
