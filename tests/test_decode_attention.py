@@ -130,7 +130,7 @@ def test_other_launches_attend_alike(monkeypatch):
 @pytest.mark.parametrize("max_len", [4000, 64])  # several key splits of two blocks; one split of one
 def test_the_first_block_read_before_the_wait_changes_no_bit(monkeypatch, max_len):
     """Launch.early reads each split's first block of cached K/V before the PDL wait: the same arithmetic on the
-    same keys, so the same output and cache bits as the read after it, always or (the default) where a split holds
+    same keys, so the same output and cache bits as the read after it, always (the default) or where a split holds
     several blocks (here at 4,000 keys, not at 64)."""
     dev = "cuda" if on_gpu else "cpu"
     gen = torch.Generator(device="cpu").manual_seed(7)
@@ -141,7 +141,9 @@ def test_the_first_block_read_before_the_wait_changes_no_bit(monkeypatch, max_le
     norms = (torch.randn(dim, generator=gen).to(dev), torch.randn(dim, generator=gen).to(dev), 1e-6, False)
     slots, lengths = torch.tensor([2, 0, 3], device=dev), torch.tensor([max_len - 5, 1, max_len // 3], device=dev)
     runs = []
-    assert da.reads_early(da.DEFAULT_LAUNCH, da.split_length(3 * kv_heads, max_len, 64), 64) == (max_len == 4000)
+    split_len = da.split_length(3 * kv_heads, max_len, 64)
+    assert da.reads_early(da.DEFAULT_LAUNCH, split_len, 64)
+    assert da.reads_early(da.Launch(early=2), split_len, 64) == (max_len == 4000)
     for launch in ("0:4:2:0", "0:4:2:1", "0:4:2:2"):
         monkeypatch.setenv("POCKETLAB_ATTN_LAUNCH", launch)
         k_cache, v_cache = (c.clone() for c in caches)

@@ -144,19 +144,22 @@ def test_tma_ring_gemv_matches_the_unfused_torch_steps(dtype, epilogue, monkeypa
 
 def test_one_row_gemvs_of_small_weights_take_the_ring_where_tma_is(monkeypatch):
     """Unswitched, a one-row GEMV takes layers.gemv_tma.ONE_ROW_RING where the device has TMA and the weight is at
-    most RING_MAX_BYTES with rows of at most RING_MAX_K; a larger weight, longer rows, several rows, a device
-    without TMA or POCKETLAB_GEMV_TMA=0 keep layers.gemv's own launch, and the switch's own ring wins over the rule."""
+    most RING_MAX_BYTES with rows of at most RING_MAX_K and at least RING_MIN_N of them; a larger weight, longer
+    rows, fewer rows, several input rows, a device without TMA or POCKETLAB_GEMV_TMA=0 keep layers.gemv's own
+    launch, and the switch's own ring wins over the rule."""
     rings = []
     monkeypatch.setattr(gemv_tma, "launch", lambda x, w, b, y, ring, *a: rings.append(ring))
     monkeypatch.delenv("POCKETLAB_GEMV_TMA", raising=False)
     x, w, _, _ = inputs(2, 40, 256, torch.float32, "plain")
     monkeypatch.setattr(gemv_tma, "RING_MAX_BYTES", w.numel() * w.element_size())
     monkeypatch.setattr(gemv_tma, "RING_MAX_K", w.shape[1])
+    monkeypatch.setattr(gemv_tma, "RING_MIN_N", w.shape[0])
     for tma in (True, False):
         monkeypatch.setattr(gemv_tma, "has_tma", lambda device, tma=tma: tma)
         gemv.gemv(x[:1], w)
         gemv.gemv(x[:1], torch.cat([w, w[:1]]))  # one weight row past the limit
         gemv.gemv(torch.cat([x[:1], x[:1, :8]], 1), torch.cat([w[:20], w[:20, :8]], 1))  # half the bytes, longer rows
+        gemv.gemv(x[:1], w[:-1])  # one weight row short of the minimum
         gemv.gemv(x, w)  # two rows
     monkeypatch.setattr(gemv_tma, "has_tma", lambda device: True)
     monkeypatch.setenv("POCKETLAB_GEMV_TMA", "0")

@@ -30,30 +30,30 @@ if triton is not None:
     from .prefetch import arguments as prefetch_arguments
 
     @triton.jit
-    def _norm_rope(
-        ptrs,
-        partner_ptrs,
-        mask,
-        w_ptr,
-        cos,
-        sin,
-        d,
-        partner,
-        eps,
-        D: tl.constexpr,
-        ROT: tl.constexpr,
-        HAS_NORM: tl.constexpr,
-        OFFSET: tl.constexpr,
-    ):
-        """Rows [R, D] of raw q or k -> per-row RMSNorm (w * x, or (1 + w) * x for Qwen3.5), then rotate-half
-        RoPE on the first ROT dims; rounded to the input dtype where layers.norm and layers.rotary round."""
-        dtype = ptrs.dtype.element_ty
-        x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-        xp = tl.load(partner_ptrs, mask=mask, other=0.0).to(tl.float32)  # the rotate-half partner of each dim
+    def _token_rows(rows, partner, mask, d):
+        """Rows [R, D] of the token's raw q or k and, for each dim, its rotate-half partner: one round trip."""
+        return tl.load(rows + d[None, :], mask=mask, other=0.0), tl.load(rows + partner[None, :], mask=mask, other=0.0)
+
+    @triton.jit
+    def _norm_weights(w_ptr, d, partner, HAS_NORM: tl.constexpr):
+        """The per-head norm's weight at each dim and at its rotate-half partner (without a norm: never read)."""
+        if HAS_NORM:
+            w, wp = tl.load(w_ptr + d), tl.load(w_ptr + partner)
+        else:
+            w, wp = d, d
+        return w, wp
+
+    @triton.jit
+    def _norm_rope(x, xp, w, wp, cos, sin, d, eps, D: tl.constexpr, ROT: tl.constexpr, HAS_NORM: tl.constexpr,
+                   OFFSET: tl.constexpr):  # fmt: skip
+        """Rows [R, D] of raw q or k (xp: each dim's rotate-half partner; w, wp: the norm's weight at both) ->
+        per-row RMSNorm (w * x, or (1 + w) * x for Qwen3.5), then rotate-half RoPE on the first ROT dims; rounded
+        to the input dtype where layers.norm and layers.rotary round."""
+        dtype = x.dtype
+        x, xp = x.to(tl.float32), xp.to(tl.float32)
         if HAS_NORM:
             r = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
-            w = tl.load(w_ptr + d).to(tl.float32)[None, :]
-            wp = tl.load(w_ptr + partner).to(tl.float32)[None, :]
+            w, wp = w.to(tl.float32)[None, :], wp.to(tl.float32)[None, :]
             if OFFSET:
                 x = (x * r * (1.0 + w)).to(dtype).to(tl.float32)
                 xp = (xp * r * (1.0 + wp)).to(dtype).to(tl.float32)
@@ -150,6 +150,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         SPLIT_LEN: tl.constexpr,
         BLOCK_S: tl.constexpr,
+        MERGE: tl.constexpr,
         PRECISION: tl.constexpr,
         PREFETCH: tl.constexpr,
         EARLY: tl.constexpr,
@@ -160,55 +161,34 @@ if triton is not None:
         d = tl.arange(0, D)
         start = split * SPLIT_LEN
         # in flight while the kernel before ends, none of it that kernel's output (layers.pdl): the slot, length and
-        # position (written two or more launches back), the token's rows of the rotary tables (constants), and
-        # where EARLY the split's first block of cached K/V
+        # position (written two or more launches back), the token's rows of the rotary tables and the norms' weights
+        # (constants), and where EARLY the split's first block of cached K/V
         length, base = _slot_and_length(slot_ptr, len_ptr, b, kvh, stride_cs, stride_ch)
         partner = tl.where(d < ROT, (d + ROT // 2) % ROT, d)
         table_row = tl.load(pos_ptr + b * stride_pb).to(tl.int64) * stride_rb
         cos = tl.load(cos_ptr + table_row + d, mask=d < ROT, other=1.0).to(tl.float32)
         sin = tl.load(sin_ptr + table_row + d, mask=d < ROT, other=0.0).to(tl.float32)
+        q_w, q_wp = _norm_weights(qw_ptr, d, partner, HAS_NORM)
+        k_w, k_wp = _norm_weights(kw_ptr, d, partner, HAS_NORM)
+        n = start + tl.arange(0, BLOCK_N)  # the split's first block of cached keys
+        last = length - 1  # the new token: its K/V come from kn/vn, not the cache
         if EARLY:
-            n = start + tl.arange(0, BLOCK_N)
-            k_first, v_first = _cached_block(k_ptr, v_ptr, base, n, d, length - 1, stride_ct)
+            k_first, v_first = _cached_block(k_ptr, v_ptr, base, n, d, last, stride_ct)
         if PREFETCH:  # the next projection's weight into L2 while the kernel before ends (layers.prefetch)
             prefetch_l2(pf_ptr, pf_bytes, LANES)
         wait_then_release(PDL)
-        last = length - 1  # the new token: its K/V come from kn/vn, not the cache
+        # every read the arithmetic waits on is issued here at once: where not before the wait, the split's first
+        # block of cached K/V (first: the compiler keeps this order), and the token's rows (the kernel before's output)
+        if not EARLY:
+            k_first, v_first = _cached_block(k_ptr, v_ptr, base, n, d, last, stride_ct)
         g = tl.arange(0, BLOCK_G)
         heads = kvh * G + g
-        q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
-        q = _norm_rope(
-            q_rows + d[None, :],
-            q_rows + partner[None, :],
-            g[:, None] < G,
-            qw_ptr,
-            cos,
-            sin,
-            d,
-            partner,
-            eps,
-            D,
-            ROT,
-            HAS_NORM,
-            OFFSET,
-        )
+        q_raw, q_partner = _token_rows(q_ptr + b * stride_qb + heads[:, None] * stride_qh, partner, g[:, None] < G, d)
         k_row = kn_ptr + b * stride_kb + kvh * stride_kh + tl.zeros([1], tl.int32)[:, None]
-        k_new = _norm_rope(
-            k_row + d[None, :],
-            k_row + partner[None, :],
-            d[None, :] < D,
-            kw_ptr,
-            cos,
-            sin,
-            d,
-            partner,
-            eps,
-            D,
-            ROT,
-            HAS_NORM,
-            OFFSET,
-        )  # [1, D]
+        k_raw, k_partner = _token_rows(k_row, partner, d[None, :] < D, d)  # [1, D]
         v_new = tl.load(vn_ptr + b * stride_vb + kvh * stride_vh + d)[None, :]
+        q = _norm_rope(q_raw, q_partner, q_w, q_wp, cos, sin, d, eps, D, ROT, HAS_NORM, OFFSET)
+        k_new = _norm_rope(k_raw, k_partner, k_w, k_wp, cos, sin, d, eps, D, ROT, HAS_NORM, OFFSET)
         at = last + 0 * d[None, :]  # [1, D] copies of the new token's position: stored by the split holding it
         mine = (at >= start) & (at < start + SPLIT_LEN)
         tl.store(k_ptr + base + last * stride_ct + d[None, :], k_new, mask=mine)
@@ -216,12 +196,11 @@ if triton is not None:
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, D], tl.float32)
-        # a block wholly past `length` leaves m, l and acc exactly as they are: the loop walks the blocks holding
-        # live keys (one block a split: a loop of static length), the first read before the wait where EARLY
-        if EARLY:
-            m, l, acc = _attend(q, k_first, v_first, k_new, v_new, n, last, length, m, l, acc, scale, PRECISION)
+        # a block wholly past `length` leaves m, l and acc exactly as they are: the first block, then the loop over
+        # the split's other blocks holding live keys (none at one block a split: a loop of static length)
+        m, l, acc = _attend(q, k_first, v_first, k_new, v_new, n, last, length, m, l, acc, scale, PRECISION)
         span = BLOCK_N if SPLIT_LEN == BLOCK_N else tl.minimum(SPLIT_LEN, length - start)
-        for n0 in range(BLOCK_N if EARLY else 0, span, BLOCK_N):
+        for n0 in range(BLOCK_N, span, BLOCK_N):
             keys = start + n0 + tl.arange(0, BLOCK_N)
             k, v = _cached_block(k_ptr, v_ptr, base, keys, d, last, stride_ct)
             m, l, acc = _attend(q, k, v, k_new, v_new, keys, last, length, m, l, acc, scale, PRECISION)
@@ -239,27 +218,31 @@ if triton is not None:
             live = (g[:, None] < G) & (s_idx[None, :] < splits)
             lses = tl.load(lse_ptr + b * stride_lb + heads[:, None] * stride_lh + s_idx[None, :], mask=live,
                            other=float("-inf"), volatile=True)  # fmt: skip
+            if GATED:  # Qwen3.5's output gate (the q projection's), read with the rest
+                gate = gate_ptr + b * stride_gb + heads[:, None] * stride_gh + d[None, :]
+                gate = tl.load(gate, mask=g[:, None] < G, other=0.0).to(tl.float32)
             top = tl.max(lses, axis=1)
             top = tl.where(top == float("-inf"), 0.0, top)  # no live key at all: every weight is 0
             weights = tl.exp(lses - top[:, None])
             total = tl.sum(weights, axis=1)
             weights = weights / tl.where(total == 0, 1.0, total)[:, None]
             merged = tl.zeros([BLOCK_G, D], tl.float32)
-            for t in range(0, splits):  # in split order
-                w_t = tl.sum(tl.where(s_idx[None, :] == t, weights, 0.0), axis=1)
-                part = tl.load(o_ptr + b * stride_ob + heads[:, None] * stride_oh + t * stride_os + d[None, :],
-                               mask=g[:, None] < G, other=0.0, volatile=True)  # fmt: skip
-                merged += w_t[:, None] * part
+            for t0 in range(0, splits, MERGE):  # MERGE splits' partials read at once, added in split order
+                for i in tl.static_range(MERGE):  # past `splits`: a weight and a partial of 0, adding +0 exactly
+                    t = t0 + i
+                    w_t = tl.sum(tl.where(s_idx[None, :] == t, weights, 0.0), axis=1)
+                    part = tl.load(o_ptr + b * stride_ob + heads[:, None] * stride_oh + t * stride_os + d[None, :],
+                                   mask=g[:, None] < G * (t < splits), other=0.0, volatile=True)  # fmt: skip
+                    merged += w_t[:, None] * part
             y = out_ptr + b * stride_yb + heads[:, None] * stride_yh + d[None, :]
             merged = merged.to(out_ptr.dtype.element_ty)
-            if GATED:  # Qwen3.5's output gate, as invariant.sigmoid_gate applies it
-                gate = gate_ptr + b * stride_gb + heads[:, None] * stride_gh + d[None, :]
-                gate = tl.load(gate, mask=g[:, None] < G, other=0.0).to(tl.float32)
+            if GATED:  # as invariant.sigmoid_gate applies it
                 merged = gated(merged.to(tl.float32), gate, out_ptr.dtype.element_ty)
             tl.store(y, merged, mask=g[:, None] < G)
             tl.atomic_xchg(arrivals, 0)  # ready for the next launch
 
 
+MERGE_AT_ONCE = 4  # partials the merge reads in one round trip
 PROGRAMS_WANTED = 256  # two waves on an H200's 132 SMs (reports/gpu/decode-attention-splits-h200.txt)
 
 
@@ -273,15 +256,16 @@ class Launch:
     block_n: int = 0
     num_warps: int = 4  # prefetch.LANES: a piece a thread
     num_stages: int = 2
-    early: int = 2
+    early: int = 1
 
 
 DEFAULT_LAUNCH = Launch()
 
 
 def reads_early(launch: Launch, split_len: int, block_n: int) -> bool:
-    """launch.early 0: never, 1: always, 2: where a split holds several key blocks (batch 32's splits, and batch 1's
-    at long prompts: faster there in paired A/Bs; a one-block split gained nothing, reports/performance-history.md)."""
+    """launch.early 0: never, 1: always (with the reads after the wait issued together, one-block splits gain too:
+    reports/gpu/ab-attn-loads-first-*), 2: where a split holds several key blocks (batch 32's splits, and batch 1's
+    at long prompts)."""
     return launch.early == 1 or (launch.early == 2 and split_len > block_n)
 
 
@@ -390,6 +374,7 @@ def decode_attention(
         BLOCK_N=block_n,
         SPLIT_LEN=split_len,
         BLOCK_S=max(triton.next_power_of_2(splits), 2),
+        MERGE=min(max(triton.next_power_of_2(splits), 2), MERGE_AT_ONCE),
         PRECISION=precision(q.dtype, q.device),  # the interpreter's dots in float32: it has no bf16 matmul
         PREFETCH=prefetching,
         EARLY=reads_early(launch, split_len, block_n),

@@ -46,9 +46,10 @@ def launch_for(M: int, N: int, K: int, device: torch.device, normed: bool = Fals
     """The interpreter keeps one small tile (tails in both directions at test shapes). On the GPU, from the H200
     sweep (reports/gpu/gemv-sweep-h200.txt): one row reads fastest in 1,024-wide tiles of 2 weight rows when N is
     small (K long), else 512-wide tiles of 4 (2 while N <= 3,072); several rows (their lanes multiply the registers)
-    in 256-wide tiles of 4. A wide normed projection (`normed`: qkv, the Gated DeltaNet in_proj) takes 256-wide
-    tiles of 8 rows, so each program's loads of the x row and the norm weight serve twice the weight rows
-    (reports/gpu/gemv-norm-chain-h200.txt). A weight of at most 8 MiB, N >= 1,024 and a long K (o_proj, down at
+    in 256-wide tiles of 4. A wide normed projection (`normed`: qkv, the Gated DeltaNet in_proj) takes tiles of 8
+    rows, so each program's loads of the x row and the norm weight serve twice the weight rows: 256 wide, and 512
+    where N passes 8,192 with K of 2,048 and more (the in_proj of 9B and 35B-A3B: 2-6% faster on the H100 and the
+    H200, reports/gpu/gemv-norm-chain-*.txt). A weight of at most 8 MiB, N >= 1,024 and a long K (o_proj, down at
     0.6B) takes 1,024-wide tiles of 4 rows, two tiles ahead: the program's whole read is issued before the PDL
     wait; the fastest there in both sweeps of every tile with one or two ahead (gemv-forms-sweep-h200.txt,
     gemv-persistent-sweep-h200.txt)."""
@@ -60,7 +61,7 @@ def launch_for(M: int, N: int, K: int, device: torch.device, normed: bool = Fals
     if rows > 1:
         return Launch(rows, 4, min(256, triton.next_power_of_2(K)), 4)
     if normed and N > 3072:
-        return Launch(1, 8, min(256, triton.next_power_of_2(K)), 4)
+        return Launch(1, 8, 512 if N > 8192 and K >= 2048 else min(256, triton.next_power_of_2(K)), 4)
     if N >= 1024 and N * K * 2 <= 8 << 20 and K >= 2048:
         return Launch(1, 4, 1024, 4, ahead=2)
     block_k = min(1024 if N <= 1024 else 512, triton.next_power_of_2(K))

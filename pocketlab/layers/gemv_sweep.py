@@ -335,7 +335,7 @@ def attention_resources() -> None:
     for G, split_len, prefetch, early in ((8, 256, False, False), (8, 256, True, False), (8, 256, False, True),
                                           (2, 64, True, False), (2, 64, True, True)):  # fmt: skip
         constants = dict(G=G, BLOCK_G=16, D=128, ROT=128, HAS_NORM=True, OFFSET=False, GATED=False, BLOCK_N=64,
-                         SPLIT_LEN=split_len, BLOCK_S=4, PRECISION="tf32", PREFETCH=prefetch,
+                         SPLIT_LEN=split_len, BLOCK_S=4, MERGE=4, PRECISION="tf32", PREFETCH=prefetch,
                          EARLY=early)  # fmt: skip
         form = f"G {G} keys {split_len:<3} prefetch {prefetch!s:<5} early {early!s:<5}"
         print(f"{'decode attention':<20} {form:<40}{compiled(kernel, signature, constants, 4, 2)}")

@@ -39,14 +39,17 @@ class Ring:
 
 
 DEFAULT_RING = Ring()
-# One-row GEMVs of weights up to RING_MAX_BYTES, rows up to RING_MAX_K long, take this ring on Hopper: every one-row
-# GEMV of Qwen3-0.6B and Qwen3.5-0.8B (12-16 MiB weights, K <= 3,584) through it was faster in every paired round of
-# two runs, at 8B (32 MiB and up) slower in every one (reports/gpu/ab-gemv-tma-paired-*); a third run at 0.6B saw no
-# difference (ab-ring-default-*). The MoE shapes' 16 MiB o_proj and out_proj (K 4,096: a ring program walks 16
-# tiles) read faster through layers.gemv (timed with the ring off altogether: ab-moe-attn-ring-*).
+# One-row GEMVs of weights up to RING_MAX_BYTES, rows up to RING_MAX_K long and at least RING_MIN_N of them take
+# this ring on Hopper: every one-row GEMV of Qwen3-0.6B and Qwen3.5-0.8B (4-16 MiB weights, N >= 1,024, K <= 3,584)
+# through it was faster in every paired round of two runs, at 8B (32 MiB and up) slower in every one
+# (reports/gpu/ab-gemv-tma-paired-*); a third run at 0.6B saw no difference (ab-ring-default-*). The MoE shapes'
+# 16 MiB o_proj and out_proj (K 4,096: a ring program walks 16 tiles) read faster through layers.gemv
+# (ab-moe-attn-ring-*), and so do their routers (N 129 and 257: 17 and 33 programs of 8 rows leave most SMs idle;
+# with the router alone on the ring a step took 5-7% longer, ab-ring-rule-*).
 ONE_ROW_RING = Ring(8, 256, 6)
 RING_MAX_BYTES = 24 << 20
 RING_MAX_K = 3584
+RING_MIN_N = 1024
 
 
 def ring_from_env(name: str = "POCKETLAB_GEMV_TMA", unset=None, kind=Ring):
@@ -65,9 +68,10 @@ def launch_of(text: str, kind):
 
 def one_row_ring(weight: torch.Tensor) -> Ring | None:
     """The ring for a one-row GEMV of `weight`, or None for layers.gemv's own launch: ONE_ROW_RING for weights of
-    at most RING_MAX_BYTES and rows of at most RING_MAX_K on a GPU with TMA (sm_90 and later), unless
-    POCKETLAB_GEMV_TMA says otherwise (the interpreter takes a ring only when it does)."""
-    small = weight.numel() * weight.element_size() <= RING_MAX_BYTES and weight.shape[1] <= RING_MAX_K
+    at most RING_MAX_BYTES, rows of at most RING_MAX_K and at least RING_MIN_N rows on a GPU with TMA (sm_90 and
+    later), unless POCKETLAB_GEMV_TMA says otherwise (the interpreter takes a ring only when it does)."""
+    (N, K), nbytes = weight.shape, weight.numel() * weight.element_size()
+    small = nbytes <= RING_MAX_BYTES and K <= RING_MAX_K and N >= RING_MIN_N
     ring = ring_from_env(unset=ONE_ROW_RING if small and has_tma(weight.device) else None)
     return ring if ring and fits(weight) else None
 

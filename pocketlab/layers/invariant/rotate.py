@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..decode_attention import _norm_rope
+from ..decode_attention import _norm_rope, _norm_weights, _token_rows
 
 
 @triton.jit
@@ -35,14 +35,16 @@ def _norm_rotate_store(q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
 
     h = tl.arange(0, BLOCK_H)[:, None]
     q_rows = q_ptr + b * stride_qb + t * stride_qt + h * stride_qh
-    q = _norm_rope(q_rows + d[None, :], q_rows + partner[None, :], h < H, qw_ptr, cos, sin, d, partner, eps,
-                   D, ROT, HAS_NORM, OFFSET)  # fmt: skip
+    q_w, q_wp = _norm_weights(qw_ptr, d, partner, HAS_NORM)
+    q, q_partner = _token_rows(q_rows, partner, h < H, d)
+    q = _norm_rope(q, q_partner, q_w, q_wp, cos, sin, d, eps, D, ROT, HAS_NORM, OFFSET)
     tl.store(q_out_ptr + tok.to(tl.int64) * H * D + h * D + d[None, :], q, mask=h < H)
 
     g = tl.arange(0, BLOCK_KV)[:, None]
     k_rows = k_ptr + b * stride_kb + t * stride_kt + g * stride_kh
-    k = _norm_rope(k_rows + d[None, :], k_rows + partner[None, :], g < KV_HEADS, kw_ptr, cos, sin, d, partner, eps,
-                   D, ROT, HAS_NORM, OFFSET)  # fmt: skip
+    k_w, k_wp = _norm_weights(kw_ptr, d, partner, HAS_NORM)
+    k, k_partner = _token_rows(k_rows, partner, g < KV_HEADS, d)
+    k = _norm_rope(k, k_partner, k_w, k_wp, cos, sin, d, eps, D, ROT, HAS_NORM, OFFSET)
     tl.store(k_cache_ptr + slot * stride_kcs + g * stride_kch + pos * stride_kcp + d[None, :], k, mask=g < KV_HEADS)
     v = tl.load(v_ptr + b * stride_vb + t * stride_vt + g * stride_vh + d[None, :], mask=g < KV_HEADS, other=0.0)
     tl.store(v_cache_ptr + slot * stride_vcs + g * stride_vch + pos * stride_vcp + d[None, :], v, mask=g < KV_HEADS)
