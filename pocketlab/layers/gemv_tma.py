@@ -45,7 +45,7 @@ DEFAULT_RING = Ring()
 # (reports/gpu/ab-gemv-tma-paired-*); a third run at 0.6B saw no difference (ab-ring-default-*). The MoE shapes'
 # 16 MiB o_proj and out_proj (K 4,096: a ring program walks 16 tiles) read faster through layers.gemv
 # (ab-moe-attn-ring-*), and so do their routers (N 129 and 257: 17 and 33 programs of 8 rows leave most SMs idle;
-# with the router alone on the ring a step took 5-7% longer, ab-ring-rule-*).
+# with them left on the ring a step took 7-9% longer than with the ring off, ab-ring-rule-*).
 ONE_ROW_RING = Ring(8, 256, 6)
 RING_MAX_BYTES = 24 << 20
 RING_MAX_K = 3584
