@@ -312,6 +312,7 @@ def decode_attention(
     block_n = launch.block_n or max(16, min(64, 16384 // (D * k_cache.element_size())))
     split_len = split_length(B * kvh, max_len, block_n)
     splits = triton.cdiv(max_len, split_len)
+    block_s = max(triton.next_power_of_2(splits), 2)  # the merge's lanes, one a split
     o = torch.empty(B, H, splits, D, device=q.device, dtype=torch.float32)
     lse = torch.empty(B, H, splits, device=q.device, dtype=torch.float32)
     out = torch.empty(B, H, D, device=q.device, dtype=q.dtype)
@@ -373,8 +374,8 @@ def decode_attention(
         GATED=gate is not None,
         BLOCK_N=block_n,
         SPLIT_LEN=split_len,
-        BLOCK_S=max(triton.next_power_of_2(splits), 2),
-        MERGE=min(max(triton.next_power_of_2(splits), 2), MERGE_AT_ONCE),
+        BLOCK_S=block_s,
+        MERGE=min(block_s, MERGE_AT_ONCE),
         PRECISION=precision(q.dtype, q.device),  # the interpreter's dots in float32: it has no bf16 matmul
         PREFETCH=prefetching,
         EARLY=reads_early(launch, split_len, block_n),
