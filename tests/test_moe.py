@@ -346,46 +346,6 @@ def test_route_in_one_launch_equals_torch_route(renormalize):
         route_in_one_launch(torch.zeros(2, 8, device=DEVICE), 9, False)
 
 
-@needs_triton
-@pytest.mark.parametrize("offset", [False, True], ids=["w*x", "(1+w)*x"])
-def test_router_folded_into_the_out_projection_routes_as_its_own_launches(offset):
-    """layers.moe_router_fold: residual + x @ W^T with the next block's router (its norm folded) and routing in the
-    same launch, against layers.gemv's projection, the router's own GEMV on the float32 norm and moe.route: the
-    same output, logits within float32's order noise before the one rounding (the shared gate's column too), the
-    same experts and weights. Off-tile H and K (tails of the programs and the K steps) and hidden states of very
-    different scales (a lost inv_rms or part shows); run again, the same bits (the integer sums and the arrival
-    count left zeroed); the hand-off is taken once, for its own output only."""
-    from pocketlab.layers.gemv import gemv
-    from pocketlab.layers.moe_router_fold import RouterFold, project_and_route, project_out_and_route
-    from pocketlab.layers.norm import RMSNorm
-
-    g = torch.Generator().manual_seed(5)
-    for H, K, E, shared, scale in ((70, 136, 8, 1, 1e-2), (64, 72, 16, 0, 30.0)):
-        x, residual = torch.randn(1, K, generator=g), torch.randn(1, H, generator=g) * scale
-        W = torch.randn(H, K, generator=g) * K**-0.5
-        router = torch.randn(E + shared, H, generator=g)
-        norm = RMSNorm(torch.rand(H, generator=g).to(DEVICE) + 0.5, 1e-6, offset)
-        x, residual, W, router = (t.to(DEVICE) for t in (x, residual, W, router))
-        fold = RouterFold(router.t().contiguous(), norm, E, 3, True)
-        y, logits, weights, ids = project_and_route(x, W, residual, fold)
-        want_y = gemv(x, W, residual=residual)
-        want_logits = F.linear(norm(want_y), router)
-        want_weights, want_ids = moe.route(want_logits[:, :E], 3, True)
-        torch.testing.assert_close(y, want_y, atol=1e-6 * scale, rtol=1e-6)
-        torch.testing.assert_close(logits, want_logits, atol=1e-5, rtol=1e-5)
-        assert torch.equal(ids, want_ids)
-        torch.testing.assert_close(weights, want_weights, atol=1e-6, rtol=1e-5)
-        again = project_and_route(x, W, residual, fold)
-        assert all(torch.equal(a, b) for a, b in zip(again, (y, logits, weights, ids), strict=True))
-        assert not fold.sums.any()
-        h = project_out_and_route(x[None], W, residual[None], fold)
-        assert h.shape == (1, 1, H) and fold.take(h[:]) is None and fold.routed is None  # another tensor: refused
-        h = project_out_and_route(x[None], W, residual[None], fold)
-        assert torch.equal(fold.take(h)[2], ids) and fold.take(h) is None  # once
-    with pytest.raises(ValueError, match="one token"):
-        project_and_route(x.expand(2, -1), W, residual.expand(2, -1), fold)
-
-
 def test_padding_rows_do_not_touch_real_tokens():
     """The torch path too: rows of garbage (NaN, huge) beside real tokens leave the real rows' outputs alone."""
     x, gu, d, w, ids = expert_inputs(7, seed=5)
@@ -404,7 +364,6 @@ def test_engine_with_the_triton_experts_matches_the_torch_path(fused_linear, sha
     as a routed one (32) runs inside moe_gemv's launches; another width keeps its own GEMVs, and then the routing
     ran two launches before the experts (ids_ready)."""
     from pocketlab.layers import moe_gemv
-    from pocketlab.layers.moe_router_fold import RouterFold
 
     real, calls = moe_gemv.gemv_experts, []
 
@@ -413,8 +372,6 @@ def test_engine_with_the_triton_experts_matches_the_torch_path(fused_linear, sha
         return real(x, *args, **kwargs)
 
     monkeypatch.setattr(moe_gemv, "gemv_experts", counted)
-    real_take, taken = RouterFold.take, []
-    monkeypatch.setattr(RouterFold, "take", lambda fold, h: taken.append(real_take(fold, h)) or taken[-1])
     path = checkpoint("tiny-qwen3_5_moe", **({"shared_expert_intermediate_size": 48} if shared_width == 48 else {}))
     prompt = random_prompt(20, seed=3)
     want = greedy_run(engine(path, moe_kernel="torch"), prompt, 4)
@@ -424,10 +381,8 @@ def test_engine_with_the_triton_experts_matches_the_torch_path(fused_linear, sha
     if fused_linear == "triton":  # every layer of a decode step (CUDA graph replays run no Python: fewer there)
         inside = shared_width == 32
         assert set(calls) == {(1, inside, not inside)} and len(calls) >= eng.cfg.num_hidden_layers
-        # and each one's router and routing ran in the launch before it (layers.moe_router_fold), prefill's in its own
-        assert sum(t is not None for t in taken) == len(calls)
     else:
-        assert calls == [] and taken == []
+        assert calls == []
 
 
 @needs_triton

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,7 +32,6 @@ class Kernels:
     moe_experts: Callable = moe.grouped_experts  # (x, gate_up, down, weights, ids, residual, shared, shared_gate)
     moe_few_experts: Callable | None = None  # the same and norm=, for up to moe_few_tokens tokens (layers.moe_gemv)
     moe_few_tokens: int = 0
-    moe_route_fold: Callable | None = None  # (x, weight, residual, fold) at one token: layers.moe_router_fold
     # tensor parallelism (pocketlab.parallel): the sum over ranks of row-parallel outputs (None: one device), the
     # vocab-parallel embedding lookup, and the gather of vocab-parallel logits
     all_reduce: Callable | None = None
@@ -41,14 +39,11 @@ class Kernels:
     gather_vocab: Callable = lambda logits: logits  # noqa: E731
     logits_and_argmax: Callable = greedy.torch_logits_and_argmax  # a decode graph's float32 logits and greedy tokens
 
-    def project_out(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, fold=None) -> torch.Tensor:
+    def project_out(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + x @ weight.T, for o_proj, down_proj, out_proj: the residual stream. Split over ranks each
-        holds some input columns: one all-reduce sums the parts, then the residual is added once. `fold` (the next
-        MoE block's layers.moe_router_fold.RouterFold): at one token its router and routing run in this launch."""
+        holds some input columns: one all-reduce sums the parts, then the residual is added once."""
         if self.all_reduce is not None:
             return residual + self.all_reduce(self.linear(x, weight))
-        if fold is not None and self.moe_route_fold is not None and x.numel() == x.shape[-1]:
-            return self.moe_route_fold(x, weight, residual, fold)
         return self.linear(x, weight, residual=residual)
 
 
@@ -83,12 +78,8 @@ def kernels_for(options) -> Kernels:
         return kernels
     from ..parallel import comm
 
-    return dataclasses.replace(  # no router folded: its sums would need the all-reduced residual stream
-        kernels,
-        all_reduce=comm.all_reduce,
-        embedding=comm.vocab_embedding,
-        gather_vocab=comm.gather_last,
-        moe_route_fold=None,
+    return dataclasses.replace(
+        kernels, all_reduce=comm.all_reduce, embedding=comm.vocab_embedding, gather_vocab=comm.gather_last
     )
 
 
@@ -104,11 +95,8 @@ def _moe_kernels(options) -> dict:
     if options.batch_invariant or not fuses_linear(options) or not options.moe_gemv_tokens:
         return kernels
     from . import moe_gemv_tma  # decode's token streams its experts' rows as the linears do (layers.moe_gemv)
-    from .moe_router_fold import project_out_and_route
 
-    few = dict(moe_few_experts=moe_gemv_tma.few_experts, moe_few_tokens=options.moe_gemv_tokens)
-    fold = os.environ.get("POCKETLAB_ROUTE_FOLD", "1") != "0"  # 0: the router and routing in launches of their own
-    return kernels | few | (dict(moe_route_fold=project_out_and_route) if fold else {})
+    return kernels | dict(moe_few_experts=moe_gemv_tma.few_experts, moe_few_tokens=options.moe_gemv_tokens)
 
 
 def _kernels_for(options) -> Kernels:

@@ -13,16 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from .activations import swiglu
 from .fused import compiled_in_graphs
-
-if TYPE_CHECKING:
-    from .moe_router_fold import RouterFold
 
 _recorders: list[list[torch.Tensor]] = []
 
@@ -133,8 +129,6 @@ class SparseMoE:
         self.linear = kernels.linear
         self.route, self.experts = kernels.moe_route, kernels.moe_experts
         self.few_experts, self.few_tokens = kernels.moe_few_experts, kernels.moe_few_tokens
-        self.fold_kernel = kernels.moe_route_fold
-        self.fold: RouterFold | None = None  # router_fold's, once the layer asks for it
         self.all_reduce = kernels.all_reduce  # tensor parallelism: each rank computes its slice of every expert
 
     @property
@@ -143,15 +137,6 @@ class SparseMoE:
         CUDA), which reads the expert ids on the host: no CUDA graph can hold its forwards."""
         probe = self.gate_up.new_empty(0, self.gate_up.shape[2])
         return self.experts is grouped_experts and not grouped_mm_fits(probe, self.gate_up, self.down)
-
-    def router_fold(self, norm):
-        """A layers.moe_router_fold.RouterFold of this block's router, normed by `norm`, for the out projection
-        before it (Kernels.project_out) where the kernels fold it; else None."""
-        if self.fold_kernel is not None and self.few_experts is not None:
-            from .moe_router_fold import RouterFold
-
-            self.fold = RouterFold(self.router.t().contiguous(), norm, self.num_experts, self.top_k, self.renormalize)
-        return self.fold
 
     def __call__(self, h: torch.Tensor, norm) -> torch.Tensor:
         """h + moe(norm(h)): the residual add and the shared expert's gate ride on the routed experts' last launch
@@ -162,12 +147,8 @@ class SparseMoE:
             x, experts = stream, functools.partial(self.few_experts, norm=norm)
         else:  # the norm once, as its own kernel: the router, the shared expert and the experts all read it
             x, norm, experts = norm(stream), None, self.experts
-        routed = self.fold.take(h) if self.fold is not None else None  # routed in the launch that wrote h
-        if routed is not None:
-            logits, weights, ids = routed
-        else:
-            logits = self.linear(x, self.router, norm=norm)
-            weights, ids = self.route(logits[:, : self.num_experts], self.top_k, self.renormalize)
+        logits = self.linear(x, self.router, norm=norm)
+        weights, ids = self.route(logits[:, : self.num_experts], self.top_k, self.renormalize)
         if _recorders:
             _recorders[-1].append(ids)
         shared = gate = None

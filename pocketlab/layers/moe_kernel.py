@@ -306,12 +306,16 @@ def fused_experts(
 
 
 @triton.jit
-def top_experts(x, e, NUM_EXPERTS, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
-                BLOCK_K: tl.constexpr):  # fmt: skip
-    """(weights [BLOCK_K] float32, expert ids [BLOCK_K]) of one token's logits x [BLOCK_E] (float32, lanes e):
-    softmax over the first NUM_EXPERTS in float32, the k largest (equal ones: the lowest expert first), optionally
-    rescaled to sum 1."""
-    x = tl.where(e < NUM_EXPERTS, x, float("-inf"))
+def _route(logits_ptr, stride, weights_ptr, ids_ptr, NUM_EXPERTS, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+           BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """One token's routing: softmax over its experts in float32, the k largest (equal ones: the lowest expert
+    first), optionally rescaled to sum 1, in the logits' dtype. Launched with PDL as the router before it and the
+    experts after it are: without it, it waits for the router's whole end and lets no later kernel start early.
+    One warp: its 2k + 2 reductions stay warp shuffles (2% of a 30B-A3B step, reports/gpu/ab-early-loads-*)."""
+    wait_then_release(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    x = tl.load(logits_ptr + row * stride + e, mask=e < NUM_EXPERTS, other=float("-inf")).to(tl.float32)
     p = tl.exp(x - tl.max(x, 0))
     p = p / tl.sum(p, 0)
     left = tl.where(e < NUM_EXPERTS, p, -1.0)  # probabilities are >= 0: a lane past the experts is never taken
@@ -326,21 +330,6 @@ def top_experts(x, e, NUM_EXPERTS, TOP_K: tl.constexpr, RENORMALIZE: tl.constexp
         left = tl.where(e == pick, -1.0, left)
     if RENORMALIZE:
         top = top / tl.sum(top, 0)
-    return top, which
-
-
-@triton.jit
-def _route(logits_ptr, stride, weights_ptr, ids_ptr, NUM_EXPERTS, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-           BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    """One token's routing (`top_experts`) in the logits' dtype. Launched with PDL as the router before it and the
-    experts after it are: without it, it waits for the router's whole end and lets no later kernel start early.
-    One warp: its 2k + 2 reductions stay warp shuffles (2% of a 30B-A3B step, reports/gpu/ab-early-loads-*)."""
-    wait_then_release(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    e = tl.arange(0, BLOCK_E)
-    x = tl.load(logits_ptr + row * stride + e, mask=e < NUM_EXPERTS, other=float("-inf")).to(tl.float32)
-    top, which = top_experts(x, e, NUM_EXPERTS, TOP_K, RENORMALIZE, BLOCK_E, BLOCK_K)
-    j = tl.arange(0, BLOCK_K)
     tl.store(weights_ptr + row * TOP_K + j, top.to(weights_ptr.dtype.element_ty), mask=j < TOP_K)
     tl.store(ids_ptr + row * TOP_K + j, which, mask=j < TOP_K)
 

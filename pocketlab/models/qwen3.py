@@ -34,8 +34,6 @@ class Attention:
     """Full attention; `gated` is Qwen3.5's variant (q_proj also emits a sigmoid output gate, (1+w) norms).
     kv_key: where this layer's K/V live in the SlotCache (the layer index, or a name such as the MTP head's)."""
 
-    route_fold = None  # the MoE block after it: its router and routing fold into o_proj (DecoderLayer sets it)
-
     def __init__(self, cfg: ModelConfig, w: dict, p: str, kv_key: int | str, kernels: Kernels, gated: bool = False):
         self.cfg, self.kv_key, self.gated, self.kernels = cfg, kv_key, gated, kernels
         self.nq, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -93,7 +91,7 @@ class Attention:
                 out = cached_attention(q, k_cache, v_cache, ctx, self.hd**-0.5)
         if self.gated and not in_one_kernel:
             out = self.kernels.sigmoid_gate(out, gate)
-        return self.kernels.project_out(out.reshape(B, T, self.nq * self.hd), self.o, h, self.route_fold)
+        return self.kernels.project_out(out.reshape(B, T, self.nq * self.hd), self.o, h)
 
 
 def make_mlp(cfg: ModelConfig, w: dict, p: str, kernels: Kernels, moe: bool):
@@ -110,8 +108,6 @@ class DecoderLayer:
         self.mixer = mixer
         self.post_norm = RMSNorm(w.pop(p + "post_attention_layernorm.weight"), eps, offset, kernels)
         self.mlp = mlp
-        if isinstance(mlp, SparseMoE):  # where the kernels fold them, the mixer's out projection routes the token
-            mixer.route_fold = mlp.router_fold(self.post_norm)
 
     def __call__(self, h, ctx: ForwardContext, cache: SlotCache):
         """h -> h + mixer(input_norm(h)) -> h + mlp(post_norm(h)). Each norm is handed to the projection that reads

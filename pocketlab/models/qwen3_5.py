@@ -31,8 +31,6 @@ class GatedDeltaNet:
     launches a layer instead of the chunked rule's dozen. With batch-invariant kernels every token does (see
     `_run_invariant`)."""
 
-    route_fold = None  # the MoE block after it: its router and routing fold into out_proj (DecoderLayer sets it)
-
     def __init__(self, cfg: ModelConfig, w: dict, p: str, layer: int, kernels: Kernels, in_place: bool = False,
                  in_place_tokens: int = 0):  # fmt: skip
         self.cfg, self.layer, self.kernels, self.in_place = cfg, layer, kernels, in_place
@@ -65,7 +63,7 @@ class GatedDeltaNet:
             run = self._run_invariant if token_by_token else self._run_gathered
             o = run(qkv, b, a, conv, rec, ctx)
             o = self.kernels.gated_rms_norm(o, z.reshape(B, T, self.hv, self.dv), self.norm, self.cfg.rms_norm_eps)
-        return self.kernels.project_out(o.reshape(B, T, self.hv * self.dv), self.out, h, self.route_fold)
+        return self.kernels.project_out(o.reshape(B, T, self.hv * self.dv), self.out, h)
 
     def _run_gathered(self, qkv_in, b, a, conv, rec, ctx: ForwardContext) -> torch.Tensor:
         """Any number of tokens: gather the slots' states, run conv and delta rule on the copies, scatter back.
