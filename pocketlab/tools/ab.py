@@ -15,10 +15,11 @@ A variant is comma-separated NAME=VALUE pairs: environment variables (set for it
 switch read as the kernels launch or the graphs are captured takes effect: one read when the engine is built needs
 an EngineOptions field or a tree variant), and EngineOptions fields, for which the variant gets an engine of its own
 over the same weights (built once, before the rounds; VALUE read as a Python literal). `tree=DIR` builds that engine
-from the copy of the pocketlab package in DIR (an earlier revision: `git archive REV pocketlab | tar -x -C
-/tmp/rev`, then tree=/tmp/rev/pocketlab), imported as a package of its own: a code change against the code before
-it, in one process. The first variant is the baseline. After the timings, each variant's greedy decode from the same
-prompts is held against the baseline's (`agreement`): a switch that is fast because it is wrong shows there.
+from the copy of the pocketlab package in DIR (an earlier revision:
+`git archive REV pocketlab | tar -x -C /tmp/rev`, then tree=/tmp/rev/pocketlab), imported as a package of its own: a
+code change against the code before it, in one process. The first variant is the baseline. After the timings, each
+variant's greedy decode from the same prompts is held against the baseline's (`agreement`): a switch that is fast
+because it is wrong shows there.
 """
 
 from __future__ import annotations
