@@ -260,6 +260,10 @@ class EngineOptions:
     linear_in_place_tokens: int = 0  # with linear_decode's in-place kernels: forwards of at most this many tokens too
     fused_linear: str = "auto"  # few-row projections with their residual add / SwiGLU in one Triton kernel
     gemv_rows: int = 1  # fused_linear: projections of at most this many rows stream their weight (layers.gemv); 0: off
+    # fused_linear, not batch_invariant: the dense MLP's pre-norm weight multiplied into gate_up at load, so the fused
+    # matmul norms a row as one scalar, not a launch of its own: "auto" where gate_up's one-row call takes that matmul
+    # (past the GEMV's weight limit: 8B, 9B), "always", "never"
+    fold_norm_weights: str = "auto"
     moe_kernel: str = "auto"  # routed experts: "triton" (layers.moe_kernel), "torch" (grouped_mm), "auto": GPU triton
     moe_gemv_tokens: int = 1  # with both Triton paths: MoE blocks of at most this many tokens take layers.moe_gemv
     graph_batch_sizes: tuple[int, ...] = field(default=(1, 2, 4, 8, 16, 32, 64))
@@ -294,6 +298,8 @@ class EngineOptions:
         for name in ("linear_decode", "fused_linear", "moe_kernel"):
             if getattr(self, name) not in ("auto", "triton", "torch"):
                 raise ValueError(f"{name} {getattr(self, name)!r} is not one of auto, triton, torch")
+        if self.fold_norm_weights not in ("auto", "always", "never"):
+            raise ValueError(f"fold_norm_weights {self.fold_norm_weights!r} is not one of auto, always, never")
         if not 0 <= self.gemv_rows <= GEMV_MAX_ROWS:
             raise ValueError(f"gemv_rows={self.gemv_rows}: need 0 <= rows <= {GEMV_MAX_ROWS} (layers.gemv's launch)")
         for name in ("moe_gemv_tokens", "linear_in_place_tokens", "prefill_graph_tokens"):
@@ -325,6 +331,8 @@ class EngineOptions:
             )
         if self.speculative_rollback != "states":
             raise ValueError("batch_invariant=True rolls speculative drafts back by kept states: use rollback 'states'")
+        if self.fold_norm_weights == "always":
+            raise ValueError("batch_invariant=True norms rows in kernels of their own: no fold_norm_weights 'always'")
 
     @property
     def torch_dtype(self) -> torch.dtype:

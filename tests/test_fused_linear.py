@@ -187,6 +187,41 @@ def test_gemv_norms_its_input_in_the_launch(dtype, epilogue, offset):
             assert_matches_the_unfused_steps(got, want, dtype, (N, K, M, offset))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("epilogue", EPILOGUES)
+@pytest.mark.parametrize("offset", [False, True], ids=["w*x", "(1+w)*x"])
+def test_fused_matmul_norms_rows_by_a_unit_norm(dtype, epilogue, offset):
+    """A norm whose weight went into the projection (RMSNorm.fold_into) runs inside the matmul's launch where one
+    program covers all of K (one slice, or many rows): each row's fp32 sums scaled by rsqrt(mean(x^2) + eps), then
+    the one rounding and the epilogue. Against that arithmetic in torch over the folded weight (every rounding in
+    the same place), and in float32 against the norm with its weight before the original one. Rows of rms 0.01-10;
+    where K is split over programs the norm runs as its own kernel, once."""
+    for N, K in SHAPES[dtype]:  # (40, 300 or 1030): two slices, (100, 70): one
+        for M in (1, 5, matmul.MANY_ROWS + 3):
+            x, w, bias, extras = inputs(M, N, K, dtype, epilogue, seed=M)
+            x = x * torch.logspace(-2, 1, M, device=DEV, dtype=dtype)[:, None]
+            norm = RMSNorm(randn(K, dtype=dtype, seed=M + 7), 1e-2, offset)
+            exact = _rms_norm(x.float(), norm.weight.float(), norm.eps, offset)
+            folded = norm.fold_into(w.clone())
+            calls: list[int] = []
+            norm.norm = lambda *a, run=norm.norm, calls=calls: calls.append(1) or run(*a)
+            got = inv.linear(x, folded, bias, norm=norm, **extras)
+            assert norm.unit and len(calls) == (matmul.order(N, K, dtype).split_k > 1 and M < matmul.MANY_ROWS)
+            rsqrt = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + norm.eps)
+
+            def scaled(a, b, c=None, rsqrt=rsqrt):
+                y = F.linear(a.float(), b.float()) * rsqrt
+                return (y if c is None else y + c.float()).to(dtype)
+
+            want = torch_linear.composed(scaled, x, folded, bias, **extras) if not calls else None
+            if calls:  # the norm kernel's rounded row, then the plain launch
+                want = torch_linear.composed(lambda a, b, c=None: fp32_matmul(a, b, c), norm(x), folded, bias, **extras)
+            assert_matches_the_unfused_steps(got, want, dtype, (N, K, M, offset))
+            if dtype == torch.float32:  # the norm's weight moved into the projection changes no result
+                unfolded = torch_linear.composed(lambda a, b, c=None: fp32_matmul(a, b, c), exact, w, bias, **extras)
+                assert_matches_the_unfused_steps(got, unfolded, dtype, (N, K, M, offset, "unfolded"))
+
+
 @pytest.mark.parametrize("epilogue", EPILOGUES)
 def test_gemv_two_tiles_ahead_sum_as_one(epilogue):
     """Two weight tiles in flight (ahead=2) sum as one does: the same bits, normed or not, at one and several rows."""

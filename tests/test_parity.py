@@ -10,7 +10,7 @@ import torch
 import transformers
 from conftest import DEVICE, DTYPE, LOGIT_TOL, greedy_run, random_prompt
 
-from pocketlab import SamplingParams
+from pocketlab import EngineOptions, QwenEngine, SamplingParams
 from pocketlab.layers.gated_delta import backend_name
 
 
@@ -99,6 +99,38 @@ def test_parity_through_the_fused_linears(preset, make_engine, checkpoint):
     assert engine.model.kernels.linear.__name__ == "run"  # layers.linear.fused_at_few_rows
     diff = check_parity(engine, checkpoint(preset), 17, steps=6)
     print(f"{preset} fused linears: max |diff| = {diff:.2e}")
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen3_5"])
+def test_parity_with_the_mlp_norm_weight_in_gate_up(preset, checkpoint):
+    """The MLP's pre-norm weight multiplied into gate_up at load (`fold_norm_weights`, "auto" where no GEMV takes
+    the one-row call, as at 8B and 9B; here gemv_rows=0), the norm then a scalar a row inside the fused matmul's
+    launch: HF's logits at every step, Qwen3's `w * x` and Qwen3.5's `(1 + w) * x` folded alike."""
+    if preset == "tiny-qwen3_5" and DTYPE == "float32" and backend_name(DEVICE) == "fla":
+        pytest.skip("HF's float32 Qwen3.5 runs fla's TF32 chunk kernels on CUDA; the 1e-4 check runs on the CPU")
+    pytest.importorskip("triton")
+    path = checkpoint(preset, norm_noise=0.2)  # HF's own norms start as the identity: a weight lost would not show
+    opts = dict(max_slots=4, max_seq_len=256, prefill_chunk=16, device=DEVICE, dtype=DTYPE, fused_linear="triton")
+    engine = QwenEngine.from_pretrained(path, EngineOptions(**opts, gemv_rows=0, linear_decode="triton"))
+    assert all(layer.post_norm.unit for layer in engine.model.layers)
+    diff = check_parity(engine, path, 17, steps=6)
+    print(f"{preset} MLP norm weight in gate_up: max |diff| = {diff:.2e}")
+
+
+def test_the_mlp_norm_weight_moves_only_where_its_norm_would_launch_alone(make_engine):
+    """`fold_norm_weights`: "auto" leaves the norm where the GEMV folds it anyway (small gate_up at one row) and
+    everywhere the fused matmul is off; "always" and "never" say so; the batch-invariant mode refuses "always"."""
+
+    def folded(**options) -> bool:
+        return make_engine("tiny-qwen3", **options).model.layers[0].post_norm.unit
+
+    assert not folded() and not folded(fused_linear="triton", gemv_rows=1)
+    assert folded(fused_linear="triton", fold_norm_weights="always")
+    assert not folded(fused_linear="triton", gemv_rows=0, fold_norm_weights="never")
+    with pytest.raises(ValueError, match="fold_norm_weights"):
+        EngineOptions(batch_invariant=True, fold_norm_weights="always")
+    with pytest.raises(ValueError, match="fold_norm_weights"):
+        EngineOptions(fold_norm_weights="yes")
 
 
 @pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen3_5"])

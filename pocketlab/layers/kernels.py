@@ -6,6 +6,7 @@ rows), so a request's logits do not depend on what else the batch holds."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from . import activations, greedy, moe, norm
-from .linear import fused_at_few_rows
+from .linear import fused_at_few_rows, streams_as_gemv
 from .linear import linear as composed_linear
 
 
@@ -38,6 +39,7 @@ class Kernels:
     embedding: Callable = F.embedding
     gather_vocab: Callable = lambda logits: logits  # noqa: E731
     logits_and_argmax: Callable = greedy.torch_logits_and_argmax  # a decode graph's float32 logits and greedy tokens
+    folds_norm: Callable = lambda gate_up: False  # noqa: E731  # whether the MLP's pre-norm weight goes into gate_up
 
     def project_out(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + x @ weight.T, for o_proj, down_proj, out_proj: the residual stream. Split over ranks each
@@ -83,6 +85,14 @@ def kernels_for(options) -> Kernels:
     )
 
 
+def folds_norm(options, gate_up: torch.Tensor) -> bool:
+    """options.fold_norm_weights for this gate_up: "auto" where its one-row call would otherwise run the norm as a
+    launch of its own before the fused matmul (no GEMV takes it: past its weight limit, or gemv_rows 0)."""
+    if options.fold_norm_weights == "auto":
+        return not (options.gemv_rows and streams_as_gemv(gate_up))
+    return options.fold_norm_weights == "always"
+
+
 def _moe_kernels(options) -> dict:
     """The routing kernel runs on CUDA only. It takes the lowest of equal experts first, as torch.topk does on CUDA
     where a whole row ties (a zero router); torch.topk on the CPU, HF's float32 reference, orders ties its own way."""
@@ -111,7 +121,11 @@ def _kernels_for(options) -> Kernels:
 
         linear = fused_at_few_rows(invariant.linear, gemv, options.gemv_rows)  # stays cuBLAS beyond decode's rows
         return Kernels(  # norm_rotate_store: a prompt's q/k norms, RoPE and K/V write
-            linear, *rows, norm_rotate_store=norm_rotate_store, logits_and_argmax=greedy.logits_and_argmax
+            linear,
+            *rows,
+            norm_rotate_store=norm_rotate_store,
+            logits_and_argmax=greedy.logits_and_argmax,
+            folds_norm=functools.partial(folds_norm, options),
         )
     from .invariant.attention import attention
 

@@ -54,8 +54,7 @@ def fused_at_few_rows(fused, gemv=None, gemv_rows: int = 0):
 
     def run(x, weight, bias=None, *, residual=None, swiglu=False, norm=None, conv=None):
         rows = x.numel() // x.shape[-1]
-        small = weight.numel() * weight.element_size() <= GEMV_MAX_BYTES
-        if rows <= gemv_rows and small and weight.stride(-1) == 1:
+        if rows <= gemv_rows and streams_as_gemv(weight) and weight.stride(-1) == 1:
             kernel = gemv
         elif (
             x.element_size() == 2  # TMA's 16-bit dots
@@ -70,3 +69,8 @@ def fused_at_few_rows(fused, gemv=None, gemv_rows: int = 0):
         return kernel(x, weight, bias, residual=residual, swiglu=swiglu, norm=norm, conv=conv)
 
     return run
+
+
+def streams_as_gemv(weight: torch.Tensor) -> bool:
+    """Whether `fused_at_few_rows` sends this weight's calls of up to gemv_rows rows to the GEMV (by its size)."""
+    return weight.numel() * weight.element_size() <= GEMV_MAX_BYTES

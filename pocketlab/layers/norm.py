@@ -39,7 +39,18 @@ class RMSNorm:
 
     def __init__(self, weight: torch.Tensor, eps: float, offset: bool = False, kernels=None):
         self.weight, self.eps, self.offset = weight, eps, offset
+        self.unit = False  # True once fold_into moved the weight into the projection: the norm is x * rsqrt alone
         self.norm = kernels.rms_norm if kernels is not None else rms_norm
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         return self.norm(h, self.weight, self.eps, self.offset)
+
+    def fold_into(self, weight: torch.Tensor) -> torch.Tensor:
+        """Multiply this norm's per-column scale into `weight` [N, K] (in place, float32, rounded once) and leave the
+        norm a unit one: x @ (W g)^T = (g * x) @ W^T, so the projection may apply the norm as one scalar per row
+        (layers.invariant.matmul), with no norm launch of its own."""
+        scale = self.weight.float() + 1.0 if self.offset else self.weight.float()
+        for rows in weight.split(4096):  # a float32 copy of a slice at a time, not of the whole weight
+            rows.copy_(rows.float() * scale)
+        self.weight, self.offset, self.unit = torch.ones_like(self.weight), False, True
+        return weight

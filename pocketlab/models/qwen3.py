@@ -108,6 +108,8 @@ class DecoderLayer:
         self.mixer = mixer
         self.post_norm = RMSNorm(w.pop(p + "post_attention_layernorm.weight"), eps, offset, kernels)
         self.mlp = mlp
+        if isinstance(mlp, MLP) and kernels.folds_norm(mlp.gate_up):  # the fused matmul then norms in its launch
+            self.post_norm.fold_into(mlp.gate_up)
 
     def __call__(self, h, ctx: ForwardContext, cache: SlotCache):
         """h -> h + mixer(input_norm(h)) -> h + mlp(post_norm(h)). Each norm is handed to the projection that reads

@@ -241,12 +241,25 @@ def hf_config(preset: str, **overrides) -> transformers.PretrainedConfig:
     return getattr(transformers, _CONFIGS[model_type])(**(kwargs | overrides))
 
 
-def build_hf_model(preset: str, seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32, **overrides):
-    """The HF model with random weights from `seed`, built directly on `device` (real shapes fit on a GPU)."""
+def build_hf_model(
+    preset: str,
+    seed: int = 0,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    norm_noise: float = 0.0,
+    **overrides,
+):
+    """The HF model with random weights from `seed`, built directly on `device` (real shapes fit on a GPU). HF starts
+    every RMSNorm as the identity (w = 1, or 0 in (1 + w)); `norm_noise` adds N(0, norm_noise) to each norm weight,
+    so a norm weight dropped or misplaced changes the logits."""
     config = hf_config(preset, **overrides)
     torch.manual_seed(seed)
     with torch.device(device):
         model = getattr(transformers, _MODELS[PRESETS[preset][0]])._from_config(config, dtype=dtype)
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if norm_noise and name.endswith("norm.weight"):
+                weight += norm_noise * torch.randn(weight.shape, device=weight.device, dtype=weight.dtype)
     return model.eval()
 
 
@@ -256,12 +269,14 @@ def write_checkpoint(
     seed: int = 0,
     max_shard_size: str | None = None,
     tokenizer: bool = True,
+    norm_noise: float = 0.0,
     **overrides,
 ) -> Path:
     """Write config.json + safetensors (sharded with an index when `max_shard_size` is given), and for presets
-    with a real vocabulary (unless tokenizer=False) the tokenizer files and generation_config.json of their family."""
+    with a real vocabulary (unless tokenizer=False) the tokenizer files and generation_config.json of their family.
+    `norm_noise`: build_hf_model's."""
     path = Path(path)
-    model = build_hf_model(preset, seed, **overrides)
+    model = build_hf_model(preset, seed, norm_noise=norm_noise, **overrides)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
     if getattr(model.config, "mtp_num_hidden_layers", 0):
