@@ -322,6 +322,8 @@ class EngineOptions:
         return self.max_slots
 
     def _check_batch_invariant(self) -> None:
+        if self.fold_norm_weights == "always":
+            raise ValueError("batch_invariant=True norms rows in kernels of their own: no fold_norm_weights 'always'")
         if importlib.util.find_spec("triton") is None:
             raise ValueError("batch_invariant=True runs Triton kernels: install triton")
         if torch.device(self.device).type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -331,8 +333,6 @@ class EngineOptions:
             )
         if self.speculative_rollback != "states":
             raise ValueError("batch_invariant=True rolls speculative drafts back by kept states: use rollback 'states'")
-        if self.fold_norm_weights == "always":
-            raise ValueError("batch_invariant=True norms rows in kernels of their own: no fold_norm_weights 'always'")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -367,7 +367,7 @@ def fused_matmul_usage(t, epilogue: int) -> str:
     signature = dict.fromkeys(names, "*bf16") | {"part_ptr": "*fp32", "arrived_ptr": "*i32"}
     signature |= dict.fromkeys(("rows", "N", "K", "k_per_split", "split_k", "stride_xm", "stride_wn", "stride_ym",
                                 "stride_ps", "stride_pm", "stride_rm"), "i32") | {"eps": "fp32"}  # fmt: skip
-    constants = dict(MODE=t.mode, HAS_BIAS=False, EPILOGUE=epilogue, ROW_NORM=False, PRECISION="tf32",
+    constants = dict(MODE=t.mode, HAS_BIAS=False, EPILOGUE=epilogue, ROW_NORM=False, K_ROW=1, PRECISION="tf32",
                      BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=128,
                      stride_wk=1)  # fmt: skip  # the JIT makes a 1 a constant
     return compiled(matmul._matmul, signature, constants, t.num_warps, t.num_stages, ("k_per_split",))

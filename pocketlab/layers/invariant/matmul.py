@@ -93,37 +93,34 @@ def tiles(M: int, N: int, dtype: torch.dtype, device: torch.device, two_weights:
 
 @triton.jit
 def _slice_sum(x_rows, w_cols, up_cols, live_m, live_n, k_start, k_end, K, stride_wk, TWO: tl.constexpr,
-               SQUARES: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr):  # fmt: skip
     """sum over k in [k_start, k_end) of x[m, k] w[n, k] (and, TWO: of x[m, k] up[n, k]): one chain of BLOCK_K-wide
-    dots from zero each, in fp32; and, SQUARES, each row's sum of x[m, k]^2 over the slice (else zeros)."""
+    dots from zero each, in fp32."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    squares = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         live_k = k < K
         a = tl.load(x_rows + k[None, :], mask=live_m[:, None] & live_k[None, :], other=0.0)
-        if SQUARES:  # read from the tile the dot takes: x itself goes to the MMA untouched
-            squares += a.to(tl.float32) * a.to(tl.float32)
         b = tl.load(w_cols + k[:, None] * stride_wk, mask=live_k[:, None] & live_n[None, :], other=0.0)
         acc = dot(a, b, acc, PRECISION)
         if TWO:
             b_up = tl.load(up_cols + k[:, None] * stride_wk, mask=live_k[:, None] & live_n[None, :], other=0.0)
             acc_up = dot(a, b_up, acc_up, PRECISION)
-    return acc, acc_up, tl.sum(squares, axis=1)
+    return acc, acc_up
 
 
 @triton.jit(do_not_specialize=["rows"])
 def _matmul(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, arrived_ptr, res_ptr, rows, N, K, k_per_split, split_k,
             stride_xm, stride_wn, stride_wk, stride_ym, stride_ps, stride_pm, stride_rm, eps,
             MODE: tl.constexpr, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, ROW_NORM: tl.constexpr,
-            PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-            PDL: tl.constexpr):  # fmt: skip
+            K_ROW: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_K: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """One [BLOCK_M, BLOCK_N] tile of y: all K slices (IN_PROGRAM) or slice program_id(2) (LAST_SUMS).
     EPILOGUE 1: y = residual + x @ W^T; EPILOGUE 2: W is [gate | up] (2N rows) and y = silu(x @ gate^T) * (x @ up^T).
-    ROW_NORM (IN_PROGRAM only): x is normed by a unit RMSNorm, its weight folded into W: the sums are scaled by
-    rsqrt(mean(x^2) + eps) of each row before the epilogue."""
+    ROW_NORM (one row, IN_PROGRAM): x is normed by a unit RMSNorm, its weight folded into W: the sums are scaled by
+    rsqrt(mean(x^2) + eps) before the epilogue, x's whole row (K_ROW >= K lanes) read once beside the K loop."""
     wait_then_release(PDL)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -138,25 +135,27 @@ def _matmul(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, arrived_ptr, res_ptr, rows, N,
     total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     total_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if MODE == 0:  # IN_PROGRAM: ((slice 0 + slice 1) + slice 2) + ..., as LAST_SUMS adds the partials
-        squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        if ROW_NORM:  # in flight through the loop, not in its steps: work there slows the stream (sixteenth session)
+            k_row = tl.arange(0, K_ROW)
+            x_row = tl.load(x_ptr + k_row, mask=k_row < K, other=0.0)
         for s in range(0, split_k):
             k_start = s * k_per_split
-            acc, acc_up, slice_squares = _slice_sum(x_rows, w_cols, up_cols, live_m, live_n, k_start,
-                                                    tl.minimum(k_start + k_per_split, K), K, stride_wk, TWO,
-                                                    ROW_NORM, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+            acc, acc_up = _slice_sum(x_rows, w_cols, up_cols, live_m, live_n, k_start,
+                                     tl.minimum(k_start + k_per_split, K), K, stride_wk, TWO, PRECISION,
+                                     BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
             total += acc
             total_up += acc_up
-            squares += slice_squares
         if ROW_NORM:
-            inv_rms = tl.math.rsqrt(squares / K + eps)[:, None]
+            x_row = x_row.to(tl.float32)
+            inv_rms = tl.math.rsqrt(tl.sum(x_row * x_row, axis=0) / K + eps)
             total *= inv_rms
             total_up *= inv_rms
     else:  # LAST_SUMS
         s = tl.program_id(2)
         k_start = s * k_per_split
-        acc, acc_up, _ = _slice_sum(x_rows, w_cols, up_cols, live_m, live_n, k_start,
-                                    tl.minimum(k_start + k_per_split, K), K, stride_wk, TWO, False, PRECISION,
-                                    BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+        acc, acc_up = _slice_sum(x_rows, w_cols, up_cols, live_m, live_n, k_start,
+                                 tl.minimum(k_start + k_per_split, K), K, stride_wk, TWO, PRECISION,
+                                 BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
         arrivals = arrived_ptr + pid_m * tl.num_programs(1) + pid_n  # this tile's count
         total, total_up, done = last_sums(acc, acc_up, part_ptr + m[:, None] * stride_pm + n[None, :], arrivals, s,
                                           split_k, live, stride_ps, N, TWO)  # fmt: skip
@@ -215,14 +214,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     fp32 accumulation, the bias added in fp32 before the one rounding to x's dtype. Fused into the same kernel:
     `residual` [..., N] added after (residual + y); `swiglu`: weight is [gate | up] ([2N, K]) and
     y = silu(x @ gate^T) * (x @ up^T) [..., N]. `norm` (a layers.norm.RMSNorm) runs first, as its own kernel, save
-    a unit one (its weight folded into `weight`) where one program runs all of K: there the launch scales each row's
-    sums by the norm's rsqrt (its squares summed in the tile's order, so only engines that are not batch invariant
-    fold a norm). `conv` (a linear_decode.ConvStep) runs after, as its own."""
+    a unit one (its weight folded into `weight`) at one row where one program runs all of K: there the launch scales
+    the row's sums by the norm's rsqrt (the squares summed in the launch's own order, so only engines that are not
+    batch invariant fold a norm). `conv` (a linear_decode.ConvStep) runs after, as its own."""
     N = checked_width("linear", x, weight, bias, residual, swiglu)
     K = weight.shape[1]
     M = x.numel() // K
     o, t = order(N, K, x.dtype), tiles(M, N, x.dtype, x.device, swiglu)
-    in_launch = norm is not None and norm.unit and not (t.mode == LAST_SUMS and o.split_k > 1)
+    in_launch = norm is not None and norm.unit and M == 1 and not (t.mode == LAST_SUMS and o.split_k > 1)
     if norm is not None and not in_launch:
         x = norm(x)
     x2 = as_rows(x, K)
@@ -288,8 +287,8 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
     N = y.shape[1]
     grid_m, grid_n = triton.cdiv(M, t.block_m), triton.cdiv(N, t.block_n)
     split = t.mode == LAST_SUMS and o.split_k > 1
-    if split and fused.norm_eps is not None:
-        raise ValueError("a unit norm in the matmul's launch needs one program over all of K (IN_PROGRAM, or split 1)")
+    if fused.norm_eps is not None and (split or M != 1):
+        raise ValueError("a unit norm in the matmul's launch needs one row and one program over all of K")
     if split:
         width = 2 * N if fused.epilogue == SWIGLU else N
         part = torch.empty(o.split_k, M, width, dtype=torch.float32, device=x2.device)
@@ -302,7 +301,7 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
         o.split_k, x2.stride(0), weight.stride(0), weight.stride(1), y.stride(0), part.stride(0) if split else 0,
         part.stride(1) if split else 0, 0 if res is None else res.stride(0), fused.norm_eps or 0.0,
         MODE=LAST_SUMS if split else IN_PROGRAM, HAS_BIAS=bias is not None, EPILOGUE=fused.epilogue,
-        ROW_NORM=fused.norm_eps is not None,
+        ROW_NORM=fused.norm_eps is not None, K_ROW=triton.next_power_of_2(K) if fused.norm_eps is not None else 1,
         PRECISION=precision(x2.dtype, x2.device), BLOCK_M=t.block_m, BLOCK_N=t.block_n,
         BLOCK_K=o.block_k, num_warps=t.num_warps, num_stages=t.num_stages, **pdl.launch(x2.device),
     )  # fmt: skip
