@@ -49,9 +49,11 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def make_engine(checkpoint):
-    def make(preset: str = "tiny-qwen3", **options) -> QwenEngine:
+    def make(preset: str = "tiny-qwen3", norm_noise: float = 0.0, **options) -> QwenEngine:
+        """An engine over the preset's checkpoint (its norm weights moved off the identity by `norm_noise`)."""
         opts = dict(max_slots=4, max_seq_len=256, prefill_chunk=16, device=DEVICE, dtype=DTYPE) | KERNELS | options
-        return QwenEngine.from_pretrained(checkpoint(preset), EngineOptions(**opts))
+        path = checkpoint(preset, norm_noise=norm_noise) if norm_noise else checkpoint(preset)
+        return QwenEngine.from_pretrained(path, EngineOptions(**opts))
 
     return make
 

@@ -10,8 +10,10 @@ import torch
 import transformers
 from conftest import DEVICE, DTYPE, LOGIT_TOL, greedy_run, random_prompt
 
-from pocketlab import EngineOptions, QwenEngine, SamplingParams
+from pocketlab import EngineOptions, SamplingParams
 from pocketlab.layers.gated_delta import backend_name
+
+NORM_NOISE = 0.2  # HF starts every RMSNorm as the identity: checkpoints whose norm weights are not, so a lost one shows
 
 
 def hf_reference(path):
@@ -95,25 +97,23 @@ def test_parity_through_the_fused_linears(preset, make_engine, checkpoint):
     if preset == "tiny-qwen3_5" and DTYPE == "float32" and backend_name(DEVICE) == "fla":
         pytest.skip("HF's float32 Qwen3.5 runs fla's TF32 chunk kernels on CUDA; the 1e-4 check runs on the CPU")
     pytest.importorskip("triton")
-    engine = make_engine(preset, fused_linear="triton", gemv_rows=1, linear_decode="triton")
+    engine = make_engine(preset, NORM_NOISE, fused_linear="triton", gemv_rows=1, linear_decode="triton")
     assert engine.model.kernels.linear.__name__ == "run"  # layers.linear.fused_at_few_rows
-    diff = check_parity(engine, checkpoint(preset), 17, steps=6)
+    diff = check_parity(engine, checkpoint(preset, norm_noise=NORM_NOISE), 17, steps=6)
     print(f"{preset} fused linears: max |diff| = {diff:.2e}")
 
 
 @pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen3_5"])
-def test_parity_with_the_mlp_norm_weight_in_gate_up(preset, checkpoint):
+def test_parity_with_the_mlp_norm_weight_in_gate_up(preset, make_engine, checkpoint):
     """The MLP's pre-norm weight multiplied into gate_up at load (`fold_norm_weights`, "auto" where no GEMV takes
     the one-row call, as at 8B and 9B; here gemv_rows=0), the norm then a scalar a row inside the fused matmul's
     launch: HF's logits at every step, Qwen3's `w * x` and Qwen3.5's `(1 + w) * x` folded alike."""
     if preset == "tiny-qwen3_5" and DTYPE == "float32" and backend_name(DEVICE) == "fla":
         pytest.skip("HF's float32 Qwen3.5 runs fla's TF32 chunk kernels on CUDA; the 1e-4 check runs on the CPU")
     pytest.importorskip("triton")
-    path = checkpoint(preset, norm_noise=0.2)  # HF's own norms start as the identity: a weight lost would not show
-    opts = dict(max_slots=4, max_seq_len=256, prefill_chunk=16, device=DEVICE, dtype=DTYPE, fused_linear="triton")
-    engine = QwenEngine.from_pretrained(path, EngineOptions(**opts, gemv_rows=0, linear_decode="triton"))
+    engine = make_engine(preset, NORM_NOISE, fused_linear="triton", gemv_rows=0, linear_decode="triton")
     assert all(layer.post_norm.unit for layer in engine.model.layers)
-    diff = check_parity(engine, path, 17, steps=6)
+    diff = check_parity(engine, checkpoint(preset, norm_noise=NORM_NOISE), 17, steps=6)
     print(f"{preset} MLP norm weight in gate_up: max |diff| = {diff:.2e}")
 
 
