@@ -262,8 +262,8 @@ class EngineOptions:
     gemv_rows: int = 1  # fused_linear: projections of at most this many rows stream their weight (layers.gemv); 0: off
     # fused_linear, not batch_invariant: the dense MLP's pre-norm weight multiplied into gate_up at load, so the fused
     # matmul norms a row as one scalar, not a launch of its own: "auto" where gate_up's one-row call takes that matmul
-    # (past the GEMV's weight limit: 8B, 9B), "always", "never" (the default until "auto" is timed faster on a GPU)
-    fold_norm_weights: str = "never"
+    # (past the GEMV's weight limit: 8B, 9B), "always", "never"
+    fold_norm_weights: str = "auto"
     moe_kernel: str = "auto"  # routed experts: "triton" (layers.moe_kernel), "torch" (grouped_mm), "auto": GPU triton
     moe_gemv_tokens: int = 1  # with both Triton paths: MoE blocks of at most this many tokens take layers.moe_gemv
     graph_batch_sizes: tuple[int, ...] = field(default=(1, 2, 4, 8, 16, 32, 64))

@@ -111,8 +111,7 @@ def test_parity_with_the_mlp_norm_weight_in_gate_up(preset, make_engine, checkpo
     if preset == "tiny-qwen3_5" and DTYPE == "float32" and backend_name(DEVICE) == "fla":
         pytest.skip("HF's float32 Qwen3.5 runs fla's TF32 chunk kernels on CUDA; the 1e-4 check runs on the CPU")
     pytest.importorskip("triton")
-    options = dict(fused_linear="triton", gemv_rows=0, linear_decode="triton", fold_norm_weights="auto")
-    engine = make_engine(preset, NORM_NOISE, **options)
+    engine = make_engine(preset, NORM_NOISE, fused_linear="triton", gemv_rows=0, linear_decode="triton")
     assert all(layer.post_norm.unit for layer in engine.model.layers)
     diff = check_parity(engine, checkpoint(preset, norm_noise=NORM_NOISE), 17, steps=6)
     print(f"{preset} MLP norm weight in gate_up: max |diff| = {diff:.2e}")
@@ -120,16 +119,15 @@ def test_parity_with_the_mlp_norm_weight_in_gate_up(preset, make_engine, checkpo
 
 def test_the_mlp_norm_weight_moves_only_where_its_norm_would_launch_alone(make_engine):
     """`fold_norm_weights`: "auto" leaves the norm where the GEMV folds it anyway (small gate_up at one row) and
-    everywhere the fused matmul is off; "always" and "never" (the default) say so; the batch-invariant mode refuses
-    "always"."""
+    everywhere the fused matmul is off; "always" and "never" say so; the batch-invariant mode refuses "always"."""
 
     def folded(**options) -> bool:
         return make_engine("tiny-qwen3", **options).model.layers[0].post_norm.unit
 
-    assert not folded(fold_norm_weights="auto") and not folded(fused_linear="triton", fold_norm_weights="auto")
-    assert folded(fused_linear="triton", gemv_rows=0, fold_norm_weights="auto")
+    assert not folded() and not folded(fused_linear="triton", gemv_rows=1)
+    assert folded(fused_linear="triton", gemv_rows=0)  # "auto", the default
     assert folded(fused_linear="triton", fold_norm_weights="always")
-    assert not folded(fused_linear="triton", gemv_rows=0)  # the default: "never"
+    assert not folded(fused_linear="triton", gemv_rows=0, fold_norm_weights="never")
     with pytest.raises(ValueError, match="fold_norm_weights"):
         EngineOptions(batch_invariant=True, fold_norm_weights="always")
     with pytest.raises(ValueError, match="fold_norm_weights"):
