@@ -213,9 +213,10 @@ def test_fused_matmul_norms_rows_by_a_unit_norm(dtype, epilogue, offset):
                 y = F.linear(a.float(), b.float()) * rsqrt
                 return (y if c is None else y + c.float()).to(dtype)
 
-            want = torch_linear.composed(scaled, x, folded, bias, **extras) if not calls else None
             if calls:  # the norm kernel's rounded row, then the plain launch
                 want = torch_linear.composed(lambda a, b, c=None: fp32_matmul(a, b, c), norm(x), folded, bias, **extras)
+            else:
+                want = torch_linear.composed(scaled, x, folded, bias, **extras)
             assert_matches_the_unfused_steps(got, want, dtype, (N, K, M, offset))
             if dtype == torch.float32:  # the norm's weight moved into the projection changes no result
                 unfolded = torch_linear.composed(lambda a, b, c=None: fp32_matmul(a, b, c), exact, w, bias, **extras)

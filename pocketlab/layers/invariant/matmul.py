@@ -135,7 +135,7 @@ def _matmul(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, arrived_ptr, res_ptr, rows, N,
     total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     total_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if MODE == 0:  # IN_PROGRAM: ((slice 0 + slice 1) + slice 2) + ..., as LAST_SUMS adds the partials
-        if ROW_NORM:  # in flight through the loop, not in its steps: work there slows the stream (sixteenth session)
+        if ROW_NORM:  # in flight through the loop, not in its steps: work there slows the weight's stream
             k_row = tl.arange(0, K_ROW)
             x_row = tl.load(x_ptr + k_row, mask=k_row < K, other=0.0)
         for s in range(0, split_k):
