@@ -396,12 +396,33 @@ def test_a_decode_layer_is_five_launches(make_engine, monkeypatch, preset):
     """Issue 14's kernels a layer, pinned: one decode step with the fused kernels runs five Triton launches in every
     layer, Qwen3's or Qwen3.5's, Gated DeltaNet or attention (a fold undone brings back its launch: the gated norm
     after the state step, the output gate after the attention)."""
+    engine = make_engine(preset, fused_linear="triton", linear_decode="triton", decode_attention="triton")
+    layers = decode_launches_by_layer(engine, monkeypatch)
+    kinds = engine.cfg.layer_types or ["full_attention"] * engine.cfg.num_hidden_layers
+    assert len(layers) == len(kinds) and (preset == "tiny-qwen3" or {*kinds} == {*FIVE_A_LAYER})
+    for kind, got in zip(kinds, layers, strict=True):
+        assert got == list(FIVE_A_LAYER[kind]), kind
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="counts the interpreter's launches")
+@pytest.mark.parametrize("fold", ["auto", "never"])
+def test_a_gate_up_past_the_gemv_limit_keeps_five_launches_with_its_norm_folded(make_engine, monkeypatch, fold):
+    """As at 8B and 9B, whose 201 MB gate_up is past the GEMV's limit and takes the fused matmul: with the norm's
+    weight in gate_up (`fold_norm_weights`, "auto") the layer stays at five launches; without, the norm is a sixth."""
+    monkeypatch.setattr(torch_linear, "GEMV_MAX_BYTES", 48 << 10)  # tiny-qwen3: gate_up 64 KiB, the others 32 or less
+    options = dict(fused_linear="triton", linear_decode="triton", decode_attention="triton", fold_norm_weights=fold)
+    norm = [] if fold == "auto" else ["_rms_norm_rows"]
+    want = ["_gemv", "_partial_attention", "_gemv", *norm, "_matmul", "_gemv"]
+    assert decode_launches_by_layer(make_engine("tiny-qwen3", **options), monkeypatch) == [want, want]
+
+
+def decode_launches_by_layer(engine, monkeypatch) -> list[list[str]]:
+    """The Triton launches (kernel names, in order) of each decoder layer in one decode step after a 9-token prompt."""
     from conftest import random_prompt
     from triton.runtime.interpreter import InterpretedFunction
 
     from pocketlab.models.qwen3 import DecoderLayer
 
-    engine = make_engine(preset, fused_linear="triton", linear_decode="triton", decode_attention="triton")
     first = engine.prefill(random_prompt(9, seed=2), slot_id=0)
     launches, layers = [], []
     run, call = InterpretedFunction.run, DecoderLayer.__call__
@@ -417,10 +438,7 @@ def test_a_decode_layer_is_five_launches(make_engine, monkeypatch, preset):
     )
     monkeypatch.setattr(DecoderLayer, "__call__", counted_call)
     engine.decode_step(first.next_token, slot_id=0)
-    kinds = engine.cfg.layer_types or ["full_attention"] * engine.cfg.num_hidden_layers
-    assert len(layers) == len(kinds) and (preset == "tiny-qwen3" or {*kinds} == {*FIVE_A_LAYER})
-    for kind, got in zip(kinds, layers, strict=True):
-        assert got == list(FIVE_A_LAYER[kind]), kind
+    return layers
 
 
 def compiled_in_a_process(code: str) -> str:
