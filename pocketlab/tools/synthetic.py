@@ -256,10 +256,11 @@ def build_hf_model(
     torch.manual_seed(seed)
     with torch.device(device):
         model = getattr(transformers, _MODELS[PRESETS[preset][0]])._from_config(config, dtype=dtype)
-    with torch.no_grad():
-        for name, weight in model.named_parameters():
-            if norm_noise and name.endswith("norm.weight"):
-                weight += norm_noise * torch.randn(weight.shape, device=weight.device, dtype=weight.dtype)
+    if norm_noise:
+        with torch.no_grad():
+            for name, weight in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    weight += norm_noise * torch.randn(weight.shape, device=weight.device, dtype=weight.dtype)
     return model.eval()
 
 

@@ -221,7 +221,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     K = weight.shape[1]
     M = x.numel() // K
     o, t = order(N, K, x.dtype), tiles(M, N, x.dtype, x.device, swiglu)
-    in_launch = norm is not None and norm.unit and M == 1 and not (t.mode == LAST_SUMS and o.split_k > 1)
+    in_launch = norm is not None and norm.unit and M == 1 and not splits_k(o, t)
     if norm is not None and not in_launch:
         x = norm(x)
     x2 = as_rows(x, K)
@@ -280,13 +280,18 @@ class Fused:
     norm_eps: float | None = None
 
 
+def splits_k(o: Order, t: Tiles) -> bool:
+    """Whether the launch runs a program per K slice (the last of a tile's programs adding their partials)."""
+    return t.mode == LAST_SUMS and o.split_k > 1
+
+
 def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, o: Order,
            t: Tiles, fused: Fused = Fused()) -> torch.Tensor:  # fmt: skip
     """y[M, N] = x2 @ weight^T (+ bias) in order `o` with the launch `t` (the sweep tries others)."""
     M, K = x2.shape
     N = y.shape[1]
     grid_m, grid_n = triton.cdiv(M, t.block_m), triton.cdiv(N, t.block_n)
-    split = t.mode == LAST_SUMS and o.split_k > 1
+    split = splits_k(o, t)
     if fused.norm_eps is not None and (split or M != 1):
         raise ValueError("a unit norm in the matmul's launch needs one row and one program over all of K")
     if split:
