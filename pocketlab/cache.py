@@ -79,6 +79,7 @@ class SlotState:
         self._tokens: list[int] = []
         self._view = TokensView(self._tokens)
         self._listener: HistoryListener | None = None
+        self.changes = 0  # history changes so far: a decode step launched ahead holds while this moves by its one
 
     def listen(self, listener: HistoryListener | None) -> None:
         """Register the one listener told of every change (None: nobody); SlotCache.listen does it per slot."""
@@ -114,6 +115,7 @@ class SlotState:
         self._changed(first)
 
     def _changed(self, first: int) -> None:
+        self.changes += 1
         if self._listener is not None:
             self._listener.history_changed(self.index, first)
 

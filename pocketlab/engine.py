@@ -93,6 +93,10 @@ class QwenEngine:
             use_graphs = False
         self.graphs = StepGraphs(self.model, self.cache, self.options) if use_graphs else None
         self.speculator = Speculator(self) if self.options.speculative_tokens else None  # drafts + one verify forward
+        # a decode step may launch the next (decodes_ahead) where it changes no state that the next call could not
+        # overwrite: K/V only (no Gated DeltaNet state, no drafts), on one device
+        self.ahead_allowed = self.options.decode_ahead and not cfg.linear_layers and self.speculator is None
+        self.ahead_allowed &= self.shard.world == 1
         if device == "cuda":  # the interpreter compiles nothing: on the CPU there is nothing to count
             compile_events.track_triton()
         self.warmup_report: WarmupReport | None = self.warmup() if self.options.warmup else None
@@ -105,6 +109,12 @@ class QwenEngine:
         device = "cpu" if options.tensor_parallel > 1 else options.device  # each rank moves only its shard
         weights = load_weights(path, cfg, device, options.torch_dtype, options.speculative_tokens)
         return cls(cfg, weights, options, text.load_tokenizer(path), generation)
+
+    @property
+    def decodes_ahead(self) -> bool:
+        """Whether a greedy decode step launches the next step of its slots before it returns
+        (StepGraphs.launch_ahead): options.decode_ahead, with graphs, where ahead_allowed."""
+        return self.ahead_allowed and self.graphs is not None
 
     def warmup(self, progress: bool = True) -> WarmupReport:
         """Capture every graph and compile every kernel variant the options allow, on an idle engine, so that no
@@ -368,9 +378,10 @@ class QwenEngine:
                 self.forward_count += 1
                 return out
             runs = [Run(s, self.cache.slots[s].position, [tok]) for s, tok, _ in items]
-            logits, greedy = self._decode_logits(runs)
-            positions = [run.start + 1 for run in runs]
             params = [sp for _, _, sp in items]
+            ahead = self.decodes_ahead and all(p.greedy and p.repetition_penalty == 1.0 for p in params)
+            logits, greedy = self._decode_logits(runs, ahead)
+            positions = [run.start + 1 for run in runs]
             seen = penalize(logits, params, lambda b: [*self.cache.slots[items[b][0]].tokens, items[b][1]])
             plain = seen is logits and all(p.greedy for p in params)  # no penalty, no draw: the argmax as it is
             tokens = greedy if plain and greedy is not None else sample(seen, params, positions).tolist()
@@ -379,14 +390,14 @@ class QwenEngine:
         return [[t] for t in tokens], logits, positions
 
     @torch.inference_mode()
-    def _decode_logits(self, runs: list[Run]) -> tuple[torch.Tensor, list[int] | None]:
+    def _decode_logits(self, runs: list[Run], ahead: bool = False) -> tuple[torch.Tensor, list[int] | None]:
         """One decode step's [B, vocab] float32 logits, and their argmax per row (the greedy tokens) where a graph
-        computed it (None: `sample` takes it)."""
+        computed it (None: `sample` takes it); `ahead`: the graph launches the next step too (StepGraphs.logits)."""
         if self.graphs is None:
             hidden, _ = self._forward(runs)
             return self.model.logits(hidden[:, 0]), None
         self.forward_count += 1
-        return self.graphs.logits(runs)
+        return self.graphs.logits(runs, ahead)
 
     @torch.inference_mode()
     def _prompt_forward(self, runs: list[Run], checkpoints: Sequence[tuple[int, int]]):

@@ -13,7 +13,7 @@ import bisect
 import contextlib
 import warnings
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -116,6 +116,26 @@ class StaticInputs:
         )
 
 
+@dataclass
+class Ahead:
+    """A decode step launched before its call (StepGraphs.launch_ahead): it serves a call that runs the same slots
+    in the same order from the same positions, fed the tokens it was fed, where no slot's history changed since
+    but for the one extend of the step that launched it."""
+
+    runs: list[tuple[int, int]]  # (slot, start) per row
+    changes: list[int]  # each slot's SlotState.changes at the launch
+    outputs: Any  # its graph's static outputs
+    back: int  # the pinned buffer its greedy tokens come back in
+    tokens: list[int] | None = None  # what it was fed: the tokens the launching step returned
+
+    def serves(self, runs: list[Run], cache) -> bool:
+        return (
+            [(r.slot, r.start) for r in runs] == self.runs
+            and [r.tokens[0] for r in runs] == self.tokens
+            and [cache.slots[r.slot].changes for r in runs] == [c + 1 for c in self.changes]
+        )
+
+
 class Captured(NamedTuple):
     """One captured step: the graph, the inputs it reads and the outputs it writes."""
 
@@ -140,26 +160,66 @@ class StepGraphs:
         self.pool = None  # one memory pool for all of this engine's graphs, made at the first capture
         self.captures = 0  # capture attempts (replays' and rollbacks'): after warm-up this stays put
         self.last: Captured | None = None  # the graph replayed last (tools.profile times it alone)
-        # a decode step's greedy tokens reach the host through this pinned buffer, ahead of its logits' copy
+        # a decode step's greedy tokens reach the host through a pinned buffer, ahead of its logits' copy: two, so a
+        # step launched ahead reads back into one while the host waits on the other
         on_gpu = torch.device(options.device).type == "cuda"
-        self.greedy_host = torch.zeros(self.batch_sizes[-1], dtype=torch.long, pin_memory=on_gpu)
-        self.greedy_copied = torch.cuda.Event() if on_gpu else None
+        self.greedy_host = [torch.zeros(self.batch_sizes[-1], dtype=torch.long, pin_memory=on_gpu) for _ in "ab"]
+        self.greedy_copied = [torch.cuda.Event() if on_gpu else None for _ in "ab"]
+        self.ahead: Ahead | None = None  # the decode step launched before its call, if any
 
-    def logits(self, runs: list[Run]) -> tuple[torch.Tensor, list[int] | None]:
+    def logits(self, runs: list[Run], ahead: bool = False) -> tuple[torch.Tensor, list[int] | None]:
         """One decode step (runs of one token each): its [B, vocab] float32 logits and their argmax per row, the
         greedy tokens (None where the step ran eagerly). Replayed, the graph computes the argmax too, and the host
-        waits for those B tokens alone, not for the logits' copy out of the graph's buffer queued after them."""
-        out = self.replay("decode", self._decode, runs)
-        if out is None:
-            return self._decode(ForwardContext.build(runs, self.cache.scratch, self.device))[0], None
+        waits for those B tokens alone, not for the logits' copy out of the graph's buffer queued after them.
+        `ahead`: before that wait, launch the next step of these slots, fed these tokens on the device
+        (`launch_ahead`); a step launched so by the call before serves this one if it ran exactly these runs."""
+        launched, self.ahead = self.ahead, None  # any other decode replay would overwrite its outputs: used or gone
         n = len(runs)
-        greedy = self.greedy_host[:n].copy_(out[1][:n], non_blocking=True)
-        if self.greedy_copied is not None:
-            self.greedy_copied.record()
+        if launched is not None and launched.serves(runs, self.cache):
+            out, back = launched.outputs, launched.back
+        else:
+            out, back = self.replay("decode", self._decode, runs), 0
+            if out is None:
+                return self._decode(ForwardContext.build(runs, self.cache.scratch, self.device))[0], None
+            self._read_back(out, n, back)
         logits = out[0][:n].clone()  # the next replay overwrites the graph's; queued behind the tokens' copy
-        if self.greedy_copied is not None:
-            self.greedy_copied.synchronize()
-        return logits, greedy.tolist()
+        if ahead:
+            self.ahead = self.launch_ahead(runs, out, 1 - back)
+        tokens = self._tokens(n, back)
+        if self.ahead is not None:
+            self.ahead.tokens = tokens
+        return logits, tokens
+
+    def launch_ahead(self, runs: list[Run], out, back: int) -> Ahead | None:
+        """Launch the decode step after `runs` on the same slots, each row's token the argmax of `out` (a step's
+        outputs) copied on the device, so the GPU goes on while the host returns this step's tokens and the next
+        call comes. Its tokens come back through pinned buffer `back`. Nothing visible changes: it writes each
+        slot's K/V one position past its history, where no key is read until a step writes it again, and the
+        graph's outputs, which the next decode replay overwrites. None where that step's graph is not captured
+        yet or would pass max_seq_len."""
+        nxt = [Run(r.slot, r.start + 1, [0]) for r in runs]
+        b, kv = bucket(self.batch_sizes, len(runs)), bucket(self.key_sizes, max(r.start for r in nxt) + 1)
+        captured = self.graphs.get(("decode", b, 1, kv))
+        if captured is None:
+            return None
+        captured.inputs.load(nxt, self.cache.scratch, False)
+        captured.inputs.tokens[: len(runs), 0].copy_(out[1][: len(runs)])
+        captured.graph.replay()
+        self.last = captured
+        self._read_back(captured.outputs, len(runs), back)
+        changes = [self.cache.slots[r.slot].changes for r in runs]
+        return Ahead([(r.slot, r.start) for r in nxt], changes, captured.outputs, back)
+
+    def _read_back(self, out, n: int, back: int) -> None:
+        """Queue the copy of a step's n greedy tokens into pinned buffer `back`."""
+        self.greedy_host[back][:n].copy_(out[1][:n], non_blocking=True)
+        if (event := self.greedy_copied[back]) is not None:
+            event.record()
+
+    def _tokens(self, n: int, back: int) -> list[int]:
+        if (event := self.greedy_copied[back]) is not None:
+            event.synchronize()
+        return self.greedy_host[back][:n].tolist()
 
     def _decode(self, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         return self.model.logits_and_argmax(self.model.forward(ctx, self.cache)[:, 0])

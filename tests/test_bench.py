@@ -286,7 +286,7 @@ def test_a_decode_steps_timeline_stamps_its_phases_in_order(make_engine):
     from pocketlab.tools.host_time import step_timeline
 
     load = StaticInputs.load
-    engine = rerun_graphs(make_engine("tiny-qwen3", cuda_graphs=False))
+    engine = rerun_graphs(make_engine("tiny-qwen3", cuda_graphs=False, decode_ahead=False))  # as tools.profile
     timeline = step_timeline(profile.decode_step(engine, 2), 3)
     assert list(timeline) == ["load", "loaded", "launched", "read", "done"]
     assert 0 < timeline["load"] < timeline["loaded"] < timeline["launched"] < timeline["read"] < timeline["done"]
@@ -299,7 +299,7 @@ def test_a_decode_steps_ladder_times_every_rung_at_the_same_keys(make_engine):
     from pocketlab.tools import profile
     from pocketlab.tools.host_time import step_ladder
 
-    engine = rerun_graphs(make_engine("tiny-qwen3", cuda_graphs=False))
+    engine = rerun_graphs(make_engine("tiny-qwen3", cuda_graphs=False, decode_ahead=False))  # as tools.profile
     reqs = profile.prefilled(engine, 2, prompt=20)
     ladder = step_ladder(engine, reqs, 3)
     assert list(ladder) == ["graph", "load", "logits", "engine", "step"] and all(t > 0 for t in ladder.values())

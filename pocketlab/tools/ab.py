@@ -73,14 +73,17 @@ def parse_variant(text: str) -> tuple[dict[str, str], dict[str, object]]:
 
 
 def median_call(engine, batch: int, steps: int, warm: int, prefill: int = 0, context: int = CONTEXT) -> float:
-    """Seconds of the median of `steps` decode steps (graphed on CUDA, tools.timing's Clock) after `warm` untimed
-    ones (graphs captured among those), from a fresh prefill of `context` tokens a slot, so every variant decodes
-    the same positions; or with `prefill`, of that many tokens prefilled into slot 0 from empty (its default
-    checkpoints taken)."""
+    """Seconds of the median of `steps` decode steps (graphed on CUDA; each from one call's return to the next's,
+    Clock.calls) after `warm` untimed ones (graphs captured among those), from a fresh prefill of `context` tokens a
+    slot, so every variant decodes the same positions; or with `prefill`, of that many tokens prefilled into slot 0
+    from empty (its default checkpoints taken)."""
     clock = Clock(str(engine.options.device))
     if prefill:
         return clock.measure(prefill_call(engine, prefill), steps, warm, setup=lambda: engine.reset(0))
-    return clock.measure(decode_step(engine, batch, context), steps, warm)
+    step = decode_step(engine, batch, context)
+    for _ in range(warm):
+        step()
+    return clock.pick(clock.calls(step, steps))
 
 
 @contextmanager

@@ -112,7 +112,8 @@ def bench_decode(
 
     Every repeat starts from a fresh prefill so all repeats decode over the same positions; warm-up steps
     (which may capture CUDA graphs) run before the clock starts. The step time is the chosen quantile of
-    all repeats x new_tokens step samples (each step is synchronised: the engine returns host tokens).
+    all repeats x new_tokens step samples, each the host time from one call's return to the next's (the engine
+    returns host tokens; a step it launched ahead runs on between calls), as HF's steps are timed.
     """
     reqs = [
         BatchedRequest(i, random_tokens(cfg.decode_prompt, engine.cfg.vocab_size, gen), slot_id=i) for i in range(batch)
@@ -124,7 +125,7 @@ def bench_decode(
         engine.batch_prefill(reqs)
         for _ in range(cfg.warmup):
             step_fn()
-        samples += [clock.time(step_fn) for _ in range(cfg.new_tokens)]
+        samples += clock.calls(step_fn, cfg.new_tokens)
     step = clock.pick(samples)
     # The step appending token i (0-based, after warm-up) attends over prompt + warmup + i + 1 positions.
     mean_kv = cfg.decode_prompt + cfg.warmup + 1 + (cfg.new_tokens - 1) / 2

@@ -13,7 +13,9 @@ the graph (the host's work, the inputs' and logits' copies, reading the tokens b
 the host loaded the graph's inputs, launched it and had the greedy tokens back (tools.host_time.step_timeline);
 `--ladder` adds `ladder_*_us`: the step built up piece by piece from its graph alone, at fixed keys
 (tools.host_time.step_ladder). Eager rows also list one layer's kernels in launch order, each timed over every layer
-(`layer_table`), where the kernel-name table adds a layer's GEMVs of one name together.
+(`layer_table`), where the kernel-name table adds a layer's GEMVs of one name together. Every step is profiled from
+an idle device, so none is launched ahead (`decode_ahead` off unless an --engine-option asks for it): the loop of calls
+that overlaps them is timed by tools.bench and tools.ab.
 """
 
 from __future__ import annotations
@@ -214,7 +216,7 @@ def main(argv=None) -> None:
     p.add_argument("--ladder", action="store_true", help="graphed decode rows: ladder_*_us (tools.host_time)")
     a = p.parse_args(argv)
     cfg = BenchConfig(model=a.model, device=a.device, batch_sizes=a.batch_sizes, prompt_lens=a.prefill_lens, peer=False,
-                      engine_options=dict(a.engine_option))  # fmt: skip
+                      engine_options=dict(decode_ahead=False) | dict(a.engine_option))  # fmt: skip
     hf, engine = build(cfg)
     del hf
     prompts = f"; Gated DeltaNet prompts through {backend_name(a.device)}" if engine.cfg.is_hybrid else ""

@@ -37,6 +37,19 @@ class Clock:
         end.synchronize()
         return start.elapsed_time(end) / 1e3
 
+    def calls(self, fn, n: int) -> list[float]:
+        """Seconds of each of n calls of fn run back to back, on the host clock from one return to the next, from an
+        idle device: a loop of calls as a caller runs it, where a call may leave work on the device that the next
+        call's time then holds (a decode step launched ahead: StepGraphs.launch_ahead)."""
+        self.sync()
+        seconds = []
+        for _ in range(n):
+            t = time.perf_counter()
+            fn()
+            seconds.append(time.perf_counter() - t)
+        self.sync()
+        return seconds
+
     def pick(self, samples: list[float]) -> float:
         return float(np.quantile(samples, self.quantile))
 

@@ -1,0 +1,100 @@
+"""A greedy decode step launches the next step of its slots before it returns (StepGraphs.launch_ahead), fed its
+argmax on the device. Checked on the CPU through RerunGraphs (and with real captures on CUDA): the launched step
+serves the next call only where that call feeds those slots the tokens it was fed from an unchanged history, gives
+the bits a fresh replay gives, and shows nowhere."""
+
+import pytest
+import torch
+from conftest import DEVICE, random_prompt
+
+from pocketlab import BatchedRequest
+from pocketlab.verify.graph_doubles import rerun_graphs
+
+SHAPE = dict(max_slots=4, max_seq_len=160, prefill_graph_tokens=0)  # decode graphs only; keys cross 128 -> 160
+
+
+def engine(make_engine, ahead: bool, cuda: bool = False, preset: str = "tiny-qwen3", **options):
+    """An engine with decode graphs: real ones (cuda) or RerunGraphs, counting its decode graphs' replay() calls
+    (launches ahead are not among them)."""
+    eng = make_engine(preset, decode_ahead=ahead, **SHAPE | options, **({} if cuda else dict(cuda_graphs=False)))
+    if not cuda:
+        rerun_graphs(eng)
+    replay, eng.replays = eng.graphs.replay, 0
+
+    def counted(name, *args, **kwargs):
+        eng.replays += name == "decode"
+        return replay(name, *args, **kwargs)
+
+    eng.graphs.replay = counted
+    return eng
+
+
+@pytest.mark.parametrize("cuda", [False, True], ids=["rerun", "cuda"])
+def test_greedy_steps_are_served_by_the_step_launched_ahead_bit_for_bit(make_engine, cuda):
+    """Three greedy slots decode 20 steps: each step after the first in a key bucket is the one the step before
+    launched (two replays in all: the first step, and the first past 128 keys, whose graph nothing had captured),
+    and tokens and logits are those of the same graphs replayed step by step."""
+    if cuda and DEVICE != "cuda":
+        pytest.skip("real CUDA graphs: POCKETLAB_DEVICE=cuda")
+    prompts = [random_prompt(n, seed=80 + n) for n in (3, 9, 115)]
+    results = []
+    for ahead in (False, True):
+        eng = engine(make_engine, ahead, cuda)
+        reqs = [BatchedRequest(i, p) for i, p in enumerate(prompts)]
+        eng.batch_prefill(reqs)
+        logits = torch.stack([eng.batch_decode_step(reqs).logits for _ in range(20)])
+        results.append(([r.generated_tokens for r in reqs], logits, eng.replays, eng.forward_count))
+    (want, want_logits, replays, forwards), (got, got_logits, replays_ahead, forwards_ahead) = results
+    assert eng.decodes_ahead and eng.graphs.ahead is not None
+    assert (replays, replays_ahead) == (20, 2) and forwards_ahead == forwards
+    assert got == want and torch.equal(got_logits, want_logits)
+
+
+def schedule(eng) -> list:
+    """Calls a launched step must not serve, between greedy steps it may: another batch, a token other than the
+    argmax, another slot's prompt, and a slot restored to another history at the same position whose next token is
+    the one the launched step was fed. The logits of every call."""
+    a, b, c = (random_prompt(n, seed=90 + n) for n in (12, 12, 7))
+    out = [eng.prefill(a, slot_id=0).logits, eng.prefill(b, slot_id=1).logits]
+    reqs = [BatchedRequest(0, a, slot_id=0), BatchedRequest(1, b, slot_id=1)]
+    reqs[0].generated_tokens, reqs[1].generated_tokens = [out[0].argmax().item()], [out[1].argmax().item()]
+    out += list(eng.batch_decode_step(reqs).logits)  # launches [0, 1]
+    out += list(eng.batch_decode_step(reqs).logits)  # served
+    out.append(eng.prefill(c, slot_id=2).logits)  # another slot: [0, 1]'s launched step still holds
+    out += list(eng.batch_decode_step(reqs).logits)  # served
+    reqs[1].generated_tokens[-1] = (reqs[1].last_token + 1) % eng.cfg.vocab_size  # not the argmax fed ahead
+    out += list(eng.batch_decode_step(reqs).logits)
+    for _ in range(2):  # one slot of the two: another batch, then slot 1's steps served one by one
+        out.append(eng.decode_step(reqs[1].last_token, slot_id=1).logits)
+        reqs[1].generated_tokens.append(out[-1].argmax().item())
+    step = eng.decode_step(reqs[0].last_token, slot_id=0)  # another slot
+    fed = eng.decode_step(step.next_token, slot_id=0)  # served; launches slot 0's next step, fed fed.next_token
+    out += [step.logits, fed.logits]
+    assert eng.position(1) == eng.position(0)
+    eng.restore(eng.snapshot(1), slot_id=0)  # slot 0: the same position, slot 1's history
+    out.append(eng.decode_step(fed.next_token, slot_id=0).logits)  # the token slot 0's launched step was fed
+    return out
+
+
+def test_a_step_launched_ahead_serves_no_other_call(make_engine):
+    """Every call of `schedule` gives the bits of an engine that launches nothing ahead."""
+    plain, eng = engine(make_engine, False), engine(make_engine, True)
+    want, got = schedule(plain), schedule(eng)
+    assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert eng.replays == plain.replays - 4  # the four steps served
+
+
+@pytest.mark.parametrize(
+    ("preset", "options"),
+    [("tiny-qwen3_5", {}), ("tiny-qwen3_5-mtp", dict(speculative_tokens=2)), ("tiny-qwen3", dict(decode_ahead=False))],
+    ids=["hybrid", "drafts", "off"],
+)
+def test_no_step_is_launched_ahead_where_a_step_changes_state_in_place(make_engine, preset, options):
+    """A Gated DeltaNet step updates its slots' states in place and drafts move the MTP queue: a step launched
+    ahead could not be left unseen, so none is. Nor with decode_ahead off."""
+    eng = engine(make_engine, options.pop("decode_ahead", True), preset=preset, **options)
+    reqs = [BatchedRequest(0, random_prompt(9, seed=3))]
+    eng.batch_prefill(reqs)
+    for _ in range(3):
+        eng.batch_decode_step(reqs)
+    assert not eng.decodes_ahead and eng.graphs.ahead is None
