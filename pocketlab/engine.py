@@ -162,14 +162,14 @@ class QwenEngine:
             r.generated_tokens = [res.next_token]
         return BatchPrefillResult(results)
 
-    def batch_decode_step(self, requests: list[BatchedRequest]) -> BatchDecodeResult:
-        """Feed each request's last token to its slot, all slots in ONE forward."""
+    def batch_decode_step(self, requests: list[BatchedRequest], go_on: bool = True) -> BatchDecodeResult:
+        """Feed each request's last token to its slot, all slots in ONE forward. go_on=False: the caller will not
+        feed these same requests their tokens next, so no step is launched ahead for them (decodes_ahead)."""
         for r in requests:
             if r.last_token is None:
                 raise ValueError(f"request {r.request_id} has no token to decode; run batch_prefill first")
-        tokens, logits, positions = self._decode(
-            cast(list[tuple[int, int, SamplingParams]], [(r.slot_id, r.last_token, r.sampling) for r in requests])
-        )
+        items = [(r.slot_id, r.last_token, r.sampling) for r in requests]
+        tokens, logits, positions = self._decode(cast(list[tuple[int, int, SamplingParams]], items), go_on)
         for r, t in zip(requests, tokens, strict=True):
             r.generated_tokens.extend(t)
         return BatchDecodeResult([t[-1] for t in tokens], logits, positions, tokens)
@@ -366,7 +366,9 @@ class QwenEngine:
             return 0
         return self.prefix.prepare(slot, tokens)
 
-    def _decode(self, items: list[tuple[int, int, SamplingParams]]):
+    def _decode(self, items: list[tuple[int, int, SamplingParams]], go_on: bool = True):
+        """One decode step of (slot, token, sampling) items; with `go_on`, a greedy step launches the next ahead
+        where the engine does that (decodes_ahead)."""
         vocab = self.cfg.vocab_size
         for s, tok, _ in items:
             if not (isinstance(tok, int) and 0 <= tok < vocab):  # check_tokens inline: this runs every step
@@ -379,7 +381,7 @@ class QwenEngine:
                 return out
             runs = [Run(s, self.cache.slots[s].position, [tok]) for s, tok, _ in items]
             params = [sp for _, _, sp in items]
-            ahead = self.decodes_ahead and all(p.greedy and p.repetition_penalty == 1.0 for p in params)
+            ahead = go_on and self.decodes_ahead and all(p.greedy and p.repetition_penalty == 1.0 for p in params)
             logits, greedy = self._decode_logits(runs, ahead)
             positions = [run.start + 1 for run in runs]
             seen = penalize(logits, params, lambda b: [*self.cache.slots[items[b][0]].tokens, items[b][1]])

@@ -124,7 +124,9 @@ def _run(engine: QwenEngine, prompts, params, progress, arrivals: list[float]) -
                 yield from advance(admit, [res.reused_tokens for res in results])
             if running:
                 batch = list(running)
-                engine.batch_decode_step(batch)
+                # a step after which a request ends by length changes the batch: none is launched ahead of it
+                ends = any(len(r.generated_tokens) + 1 >= r.sampling.max_new_tokens for r in batch)
+                engine.batch_decode_step(batch, go_on=not ends)
                 yield from advance(batch, [0] * len(batch))
     finally:  # normal end: nothing left; a stream abandoned midway frees what it holds
         for r in running:

@@ -8,6 +8,7 @@ import torch
 from conftest import DEVICE, random_prompt
 
 from pocketlab import BatchedRequest
+from pocketlab.sampling import SamplingParams
 from pocketlab.verify.graph_doubles import rerun_graphs
 
 SHAPE = dict(max_slots=4, max_seq_len=160, prefill_graph_tokens=0)  # decode graphs only; keys cross 128 -> 160
@@ -98,3 +99,20 @@ def test_no_step_is_launched_ahead_where_a_step_changes_state_in_place(make_engi
     for _ in range(3):
         eng.batch_decode_step(reqs)
     assert not eng.decodes_ahead and eng.graphs.ahead is None
+
+
+def test_a_step_that_ends_a_request_launches_nothing_ahead(make_engine):
+    """batch_decode_step(go_on=False) launches nothing; generate() says so at each step after which a request ends by
+    length (its batch changes next), so its last step leaves nothing running, and it generates what an engine that
+    launches nothing ahead generates."""
+    prompts = [random_prompt(n, seed=60 + n) for n in (5, 17, 30)]
+    sampling = [SamplingParams(max_new_tokens=n) for n in (4, 9, 6)]
+    want = engine(make_engine, False).generate(prompts, sampling)
+    eng = engine(make_engine, True)
+    assert eng.generate(prompts, sampling) == want and eng.graphs.ahead is None
+    reqs = [BatchedRequest(0, prompts[0])]
+    eng.batch_prefill(reqs)
+    eng.batch_decode_step(reqs)
+    assert eng.graphs.ahead is not None
+    eng.batch_decode_step(reqs, go_on=False)
+    assert eng.graphs.ahead is None
