@@ -228,7 +228,8 @@ def meta(cfg: BenchConfig, engine: QwenEngine, hf) -> dict:
     notes = [
         "copy bytes_per_s counts read + write; the decode roofline divides bytes moved by it",
         "prefill flops count causal attention pairs and last-token logits only (useful work)",
-        "decode step times are a quantile of per-step samples (pocketlab: timed steps; HF: streamer stamps)",
+        "decode step times are a quantile of per-step samples, each the host time from one step's tokens to the next's "
+        "(pocketlab: batch_decode_step called in a loop; HF: streamer stamps in generate's loop)",
         "HF tokens_per_s_subtract = batch * (N - 1) / (t(generate N new) - t(generate 1 new)), a cross-check",
     ]
     if cfg.peer_eager_new_tokens != cfg.new_tokens:
