@@ -58,7 +58,7 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "hybrid + MTP drafts, no prefix cache": ("tiny-qwen3_5-mtp", dict(speculative_tokens=2, prefix_cache=False)),
     "MoE": ("tiny-qwen3_moe", {}),
     "hybrid MoE + MTP drafts": ("tiny-qwen3_5_moe-mtp", dict(speculative_tokens=2)),
-    "dense, graphed prompts and decode": ("tiny-qwen3", dict(prefill_graph_tokens=48)),
+    "dense, graphed prompts and decode": ("tiny-qwen3", dict(prefill_graph_tokens=48, decode_ahead=True)),
     "hybrid, graphed prompts and decode": ("tiny-qwen3_5", dict(prefill_graph_tokens=48)),
     "hybrid + MTP drafts, graphed": ("tiny-qwen3_5-mtp", dict(speculative_tokens=2, prefill_graph_tokens=48)),
 }
