@@ -255,8 +255,8 @@ class EngineOptions:
     cuda_graphs: bool = True  # replay batch decode from captured graphs on CUDA
     # cuda_graphs, attention-only models: a greedy decode step launches the next step of its slots, fed its argmax
     # on the device, before it returns; the next call takes it where it feeds those tokens to those slots (any
-    # other call leaves it: one step of GPU work lost). Off until a GPU run has checked and timed it
-    decode_ahead: bool = False
+    # other call leaves it: one step of GPU work lost)
+    decode_ahead: bool = True
     compile: bool = True  # fuse elementwise chains with torch.compile in captured decode graphs
     prefill_graph_tokens: int = 512  # cuda_graphs: prompt forwards of at most this many padded tokens replay graphs
     decode_attention: str = "auto"  # "triton" (live keys read in place), "sdpa", or "auto": triton on CUDA
