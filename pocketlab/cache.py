@@ -79,7 +79,7 @@ class SlotState:
         self._tokens: list[int] = []
         self._view = TokensView(self._tokens)
         self._listener: HistoryListener | None = None
-        self.changes = 0  # history changes so far: a decode step launched ahead holds while this moves by its one
+        self.changes = 0  # history changes so far (graphs.Ahead serves a call only if one, its own extend, came since)
 
     def listen(self, listener: HistoryListener | None) -> None:
         """Register the one listener told of every change (None: nobody); SlotCache.listen does it per slot."""
