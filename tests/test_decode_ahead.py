@@ -55,7 +55,7 @@ def schedule(eng) -> list:
     """Calls a launched step must not serve, between greedy steps it may: another batch, a token other than the
     argmax, another slot's prompt, and a slot restored to another history at the same position whose next token is
     the one the launched step was fed. The logits of every call."""
-    a, b, c = (random_prompt(n, seed=90 + n) for n in (12, 12, 7))
+    a, b, c = (random_prompt(n, seed=90 + i) for i, n in enumerate((12, 12, 7)))
     out = [eng.prefill(a, slot_id=0).logits, eng.prefill(b, slot_id=1).logits]
     reqs = [BatchedRequest(0, a, slot_id=0), BatchedRequest(1, b, slot_id=1)]
     reqs[0].generated_tokens, reqs[1].generated_tokens = [out[0].argmax().item()], [out[1].argmax().item()]
