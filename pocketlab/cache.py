@@ -2,7 +2,8 @@
 
 Device side, one row per slot (plus a scratch row that absorbs padding writes): attention K/V
 [slots+1, kv_heads, max_seq, head_dim] per full-attention layer; for Gated DeltaNet layers the conv
-window [slots+1, conv_dim, K-1] and the fp32 recurrent state [slots+1, Hv, dk, dv].
+window [slots+1, conv_dim, K-1] and the fp32 recurrent state [slots+1, Hv, dk, dv] (every layer's in one bank, beside
+a few rows aside where a decode step launched ahead stores its states: `aside`).
 Host side, per slot (`SlotState`): token history (whose K/V is cached; its length is the position), owner
 request. The history is read-only outside its methods, which report every change to the registered listener.
 """
@@ -23,7 +24,17 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from .config import EngineOptions, ModelConfig
+from .layers.linear_decode import Into
 from .prefix_cache import common_len
+
+
+def linear_state_bytes(cfg: ModelConfig, elem: int) -> int:
+    """One slot's Gated DeltaNet states: every layer's conv window (elem bytes a value) and fp32 recurrent state."""
+    conv_dim = (
+        2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    )
+    rec = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    return len(cfg.linear_layers) * (conv_dim * (cfg.linear_conv_kernel_dim - 1) * elem + rec)
 
 
 class HistoryListener(Protocol):
@@ -225,16 +236,15 @@ class SlotCache:
             2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
             + cfg.linear_num_value_heads * cfg.linear_value_head_dim
         )
-        for i in cfg.linear_layers:
-            self.conv[i] = torch.zeros(rows, conv_dim, cfg.linear_conv_kernel_dim - 1, device=dev, dtype=dt)
-            self.rec[i] = torch.zeros(
-                rows,
-                cfg.linear_num_value_heads,
-                cfg.linear_key_head_dim,
-                cfg.linear_value_head_dim,
-                device=dev,
-                dtype=torch.float32,
-            )
+        conv_row = (conv_dim, cfg.linear_conv_kernel_dim - 1)
+        rec_row = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+        # every layer's rows in one bank, so a served step launched ahead moves its states in one copy a bank
+        self.conv_bank = torch.zeros(len(cfg.linear_layers), rows, *conv_row, device=dev, dtype=dt)
+        self.rec_bank = torch.zeros(len(cfg.linear_layers), rows, *rec_row, device=dev, dtype=torch.float32)
+        self.allocate_aside(0)
+        self.bank_row = {i: j for j, i in enumerate(cfg.linear_layers)}
+        for i, j in self.bank_row.items():
+            self.conv[i], self.rec[i] = self.conv_bank[j], self.rec_bank[j]
         self.extra: dict[str, torch.Tensor] = {}  # [rows, ...] per-slot state other parts register (MTP queue)
         self.slots = [SlotState(s) for s in range(self.num_slots)]
         self._listener: HistoryListener | None = None
@@ -255,6 +265,30 @@ class SlotCache:
         """A per-slot tensor [slots+1, *shape], zeroed by clear() and carried whole by snapshots."""
         self.extra[name] = torch.zeros(self.num_slots + 1, *shape, dtype=dtype, device=device)
         return self.extra[name]
+
+    def allocate_aside(self, rows: int) -> None:
+        """Rows aside for every Gated DeltaNet layer's states (graphs.StepGraphs allocates them: `aside_rows`)."""
+        self.conv_aside = self.conv_bank.new_zeros(self.conv_bank.shape[0], rows, *self.conv_bank.shape[2:])
+        self.rec_aside = self.rec_bank.new_zeros(self.rec_bank.shape[0], rows, *self.rec_bank.shape[2:])
+        self.aside_index = torch.arange(rows, device=self.conv_bank.device)
+
+    @property
+    def aside_rows(self) -> int:
+        """Batch rows a decode step launched ahead can store its Gated DeltaNet states aside for (`aside`)."""
+        return len(self.aside_index)
+
+    def aside(self, layer: int, rows: int) -> tuple[Into, Into]:
+        """Where Gated DeltaNet layer `layer` stores the conv windows and recurrent states of a forward's `rows` rows
+        instead of in their slots: rows 0..rows-1 aside (ForwardContext.states_aside)."""
+        j, index = self.bank_row[layer], self.aside_index[:rows]
+        return Into(self.conv_aside[j], index), Into(self.rec_aside[j], index)
+
+    def take_aside(self, slot_ids: torch.Tensor) -> None:
+        """Copy the states stored aside for batch rows 0..n-1 into slots slot_ids [n] (device): the step launched
+        ahead that stored them is being served."""
+        n = len(slot_ids)
+        self.conv_bank.index_copy_(1, slot_ids, self.conv_aside[:, :n])
+        self.rec_bank.index_copy_(1, slot_ids, self.rec_aside[:, :n])
 
     # -- per-slot state ------------------------------------------------------------------------
     def clear(self, slot: int) -> None:

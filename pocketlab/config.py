@@ -253,9 +253,9 @@ class EngineOptions:
     device: str = "cpu"
     dtype: str = "float32"
     cuda_graphs: bool = True  # replay batch decode from captured graphs on CUDA
-    # cuda_graphs, attention-only models: a greedy decode step launches the next step of its slots, fed its argmax
-    # on the device, before it returns; the next call takes it where it feeds those tokens to those slots (any
-    # other call leaves it: one step of GPU work lost)
+    # cuda_graphs: a greedy decode step launches the next step of its slots, fed its argmax on the device, before it
+    # returns; the next call takes it where it feeds those tokens to those slots (any other call leaves it: one step
+    # of GPU work lost). Hybrids store that step's Gated DeltaNet states aside (cache.aside_rows: small batches)
     decode_ahead: bool = True
     compile: bool = True  # fuse elementwise chains with torch.compile in captured decode graphs
     prefill_graph_tokens: int = 512  # cuda_graphs: prompt forwards of at most this many padded tokens replay graphs
@@ -317,6 +317,13 @@ class EngineOptions:
             raise ValueError(f"memory_fraction={self.memory_fraction}: need 0 < fraction <= 1")
         if self.prefix_cache_bytes < 0 or self.prefix_block < 1 or self.checkpoint_stride < 0:
             raise ValueError("prefix_cache_bytes >= 0, prefix_block >= 1 and checkpoint_stride >= 0 are required")
+
+    def launches_ahead(self, cfg: ModelConfig) -> bool:
+        """decode_ahead where a step launched ahead and left unserved changes nothing a later call sees: on one
+        device, without speculative drafts, and outside batch-invariant mode for Gated DeltaNet layers (whose
+        token-by-token kernels there store in place; their decode step stores aside)."""
+        single = self.tensor_parallel == 1 and not self.speculative_tokens  # one device, one token a step
+        return self.decode_ahead and single and not (cfg.linear_layers and self.batch_invariant)
 
     @property
     def slot_count(self) -> int:

@@ -93,11 +93,8 @@ class QwenEngine:
             use_graphs = False
         self.graphs = StepGraphs(self.model, self.cache, self.options) if use_graphs else None
         self.speculator = Speculator(self) if self.options.speculative_tokens else None  # drafts + one verify forward
-        # a decode step may launch the next (decodes_ahead) where it changes no state that the next call could not
-        # overwrite: K/V only (no Gated DeltaNet state, no drafts), on one device
-        self.ahead_allowed = (
-            self.options.decode_ahead and not cfg.linear_layers and self.speculator is None and self.shard.world == 1
-        )
+        # a decode step may launch the next (decodes_ahead) where, left unserved, it changes nothing a call sees
+        self.ahead_allowed = self.options.launches_ahead(cfg)
         if device == "cuda":  # the interpreter compiles nothing: on the CPU there is nothing to count
             compile_events.track_triton()
         self.warmup_report: WarmupReport | None = self.warmup() if self.options.warmup else None

@@ -54,6 +54,7 @@ class ForwardContext:
     gdn_log: dict[int, tuple] | None = None  # {} to collect, per Gated DeltaNet layer, what a rollback needs
     delta_rule: Callable | None = None  # runs instead of gated_delta_rule where Gated DeltaNet gathers states
     state_history: list[torch.Tensor] | None = None  # [] to collect per GDN layer the state after every token
+    states_aside: bool = False  # GDN layers store the states they advance aside, not in the slots (cache.aside)
 
     # outputs, written by the layers
     checkpoint_states: dict[tuple[int, int], dict] = field(init=False)  # per request: {(kind, layer): state}

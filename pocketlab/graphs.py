@@ -18,10 +18,15 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from .cache import linear_state_bytes
+from .config import DTYPES
 from .forward import ForwardContext, Run
 from .layers import fused
 
 SMALLEST_PROMPT_BUCKET = 16  # a graphed prompt forward runs 16, 32, 64, ... tokens per row
+# A hybrid's decode step launched ahead stores its Gated DeltaNet states in rows aside, copied into the slots when
+# the next call takes it: at most this many bytes a step, so the copy stays well under the host time it hides.
+ASIDE_BYTES = 64 << 20
 
 
 def token_buckets(max_tokens: int) -> list[int]:
@@ -36,6 +41,15 @@ def token_buckets(max_tokens: int) -> list[int]:
 def batch_buckets(options) -> list[int]:
     """Rows of the graphs: graph_batch_sizes below max_slots, and max_slots."""
     return sorted({b for b in options.graph_batch_sizes if b < options.max_slots} | {options.max_slots})
+
+
+def aside_rows(cfg, options) -> int:
+    """Batch rows whose Gated DeltaNet states a decode step launched ahead can store aside: the largest batch bucket
+    within ASIDE_BYTES where the engine launches steps ahead (0: none, or no Gated DeltaNet layers)."""
+    if not (cfg.linear_layers and options.launches_ahead(cfg)):
+        return 0
+    per_row = linear_state_bytes(cfg, DTYPES[options.dtype].itemsize)
+    return max((b for b in batch_buckets(options) if b * per_row <= ASIDE_BYTES), default=0)
 
 
 def prompt_shapes(batch_sizes: list[int], max_tokens: int) -> list[tuple[int, int]]:
@@ -126,6 +140,7 @@ class Ahead:
     changes: list[int]  # each slot's SlotState.changes at the launch
     outputs: Any  # its graph's static outputs
     back: int  # the pinned buffer its greedy tokens come back in
+    aside: torch.Tensor | None  # the slots [n] (device) whose Gated DeltaNet states it stored aside, if any
     tokens: list[int] | None = None  # what it was fed: the tokens the launching step returned
 
     def serves(self, runs: list[Run], cache) -> bool:
@@ -166,6 +181,7 @@ class StepGraphs:
         self.greedy_host = [torch.zeros(self.batch_sizes[-1], dtype=torch.long, pin_memory=on_gpu) for _ in "ab"]
         self.greedy_copied = [torch.cuda.Event() if on_gpu else None for _ in "ab"]
         self.ahead: Ahead | None = None  # the decode step launched before its call, if any
+        cache.allocate_aside(aside_rows(model.cfg, options))  # where a hybrid's launched step stores its states
 
     def logits(self, runs: list[Run], ahead: bool = False) -> tuple[torch.Tensor, list[int] | None]:
         """One decode step (runs of one token each): its [B, vocab] float32 logits and their argmax per row, the
@@ -177,6 +193,8 @@ class StepGraphs:
         n = len(runs)
         if launched is not None and launched.serves(runs, self.cache):
             out, back = launched.outputs, launched.back
+            if launched.aside is not None:  # its states join its slots', before anything reads them
+                self.cache.take_aside(launched.aside)
         else:
             out, back = self.replay("decode", self._decode, runs), 0
             if out is None:
@@ -194,21 +212,30 @@ class StepGraphs:
         """Launch the decode step after `runs` on the same slots, each row's token the argmax of `out` (a step's
         outputs) copied on the device, so the GPU goes on while the host returns this step's tokens and the next
         call comes. Its tokens come back through pinned buffer `back`. Nothing visible changes: it writes each
-        slot's K/V one position past its history, where no key is read until a step writes it again, and the
-        graph's outputs, which the next decode replay overwrites. None where that step's graph is not captured
-        yet or would pass max_seq_len."""
-        nxt = [Run(r.slot, r.start + 1, [0]) for r in runs]
-        b, kv = bucket(self.batch_sizes, len(runs)), bucket(self.key_sizes, max(r.start for r in nxt) + 1)
-        captured = self.graphs.get(("decode", b, 1, kv))
+        slot's K/V one position past its history, where no key is read until a step writes it again, the graph's
+        outputs, which the next decode replay overwrites, and a hybrid's Gated DeltaNet states aside (the cache's
+        `aside`), which join the slots' only if the step is served. None past max_seq_len, past the rows aside, or
+        where the capture fails."""
+        n, nxt = len(runs), [Run(r.slot, r.start + 1, [0]) for r in runs]
+        b, kv = bucket(self.batch_sizes, n), bucket(self.key_sizes, max(r.start for r in nxt) + 1)
+        aside = bool(self.model.cfg.linear_layers)
+        if kv is None or b is None or (aside and b > self.cache.aside_rows):
+            return None
+        captured = (
+            self.ensure(("decode_aside", b, 1, kv), self._decode_aside)
+            if aside
+            else self.graphs.get(("decode", b, 1, kv))
+        )
         if captured is None:
             return None
         captured.inputs.load(nxt, self.cache.scratch, False)
-        captured.inputs.tokens[: len(runs), 0].copy_(out[1][: len(runs)])
+        captured.inputs.tokens[:n, 0].copy_(out[1][:n])
         captured.graph.replay()
         self.last = captured
-        self._read_back(captured.outputs, len(runs), back)
+        self._read_back(captured.outputs, n, back)
         changes = [self.cache.slots[r.slot].changes for r in runs]
-        return Ahead([(r.slot, r.start) for r in nxt], changes, captured.outputs, back)
+        slots = captured.inputs.slot_ids[:n] if aside else None  # read by take_aside before any later load
+        return Ahead([(r.slot, r.start) for r in nxt], changes, captured.outputs, back, slots)
 
     def _read_back(self, out, n: int, back: int) -> None:
         """Queue the copy of a step's n greedy tokens into pinned buffer `back`."""
@@ -223,6 +250,17 @@ class StepGraphs:
 
     def _decode(self, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         return self.model.logits_and_argmax(self.model.forward(ctx, self.cache)[:, 0])
+
+    def _decode_aside(self, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step whose Gated DeltaNet layers store their states aside (a step launched ahead at a hybrid)."""
+        ctx.states_aside = True
+        return self._decode(ctx)
+
+    def ahead_keys(self) -> list[tuple]:
+        """Every key a hybrid's step launched ahead can replay (its batch within the rows aside): warm-up captures
+        them."""
+        keys = self.keys("decode_aside", 1) if self.model.cfg.linear_layers else []
+        return [key for key in keys if key[1] <= self.cache.aside_rows]
 
     def prefill(self, runs: list[Run]) -> torch.Tensor | None:
         """[B, T, hidden] final-normed hidden states of the runs' tokens from a graph whose rows run T, the token

@@ -1,15 +1,15 @@
 """Memory plan: the bytes an engine will hold, computed from the config and options before anything is allocated, so a
-configuration that cannot fit is refused up front, with the numbers and the largest max_slots / max_seq_len that do
-fit, and `max_slots="auto"` takes as many slots as `memory_fraction` of the free device memory holds.
+configuration that cannot fit is refused up front, with the numbers and the largest max_slots / max_seq_len that do fit,
+and `max_slots="auto"` takes as many slots as `memory_fraction` of the free device memory holds.
 
 What is counted: weights (every tensor the loader keeps, in the engine's dtype), the slot caches (max_slots + 1 rows:
-the scratch row; K/V per attention layer, conv window and fp32 recurrent state per Gated DeltaNet layer, the MTP
-head's K/V and hidden queue with speculative decoding), the prefix-cache budget (a cap: counted whole), CUDA graph
-pools (each captured step keeps its logits, prompt graphs one buffer of hidden states; plus the workspace of the
-largest graphed forward), and the workspace of the largest single forward (one prompt's prefill chunk, or a decode
-step of every slot). batch_prefill of many long prompts at once needs more workspace than that: the estimate is for
-the engine's own steps, not for every call a user may make. With tensor_parallel > 1 every figure is one rank's (its
-shard of the weights and caches), against its device.
+the scratch row; K/V per attention layer, conv window and fp32 recurrent state per Gated DeltaNet layer, the MTP head's
+K/V and hidden queue with speculative decoding), the prefix-cache budget (a cap: counted whole), CUDA graph pools (each
+captured step keeps its logits, prompt graphs one buffer of hidden states; plus the workspace of the largest graphed
+forward and a hybrid's rows aside for steps launched ahead), and the workspace of the largest single forward (one
+prompt's prefill chunk, or a decode step of every slot). batch_prefill of many long prompts at once needs more workspace
+than that: the estimate is for the engine's own steps, not for every call a user may make. With tensor_parallel > 1
+every figure is one rank's (its shard of the weights and caches), against its device.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .cache import linear_state_bytes
 from .config import DTYPES, MAX_SPECULATIVE_TOKENS, EngineOptions, ModelConfig
-from .graphs import batch_buckets, key_buckets, prompt_shapes
+from .graphs import aside_rows, batch_buckets, key_buckets, prompt_shapes
 from .loader import expected_shapes
 from .parallel.shard import Shard
 
@@ -92,11 +93,7 @@ def plan(cfg: ModelConfig, options: EngineOptions, free: int, weights_resident: 
     weights = 0 if weights_resident else _weight_bytes(cfg, elem)
     kv_layers = len(cfg.attention_layers) + (1 if o.speculative_tokens else 0)  # the MTP head's own K/V region
     per_slot = kv_layers * 2 * cfg.num_key_value_heads * o.max_seq_len * cfg.head_dim * elem
-    conv_dim = (
-        2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
-    )
-    rec = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
-    per_slot += len(cfg.linear_layers) * (conv_dim * (cfg.linear_conv_kernel_dim - 1) * elem + rec)
+    per_slot += linear_state_bytes(cfg, elem)
     if o.speculative_tokens:  # the MTP hidden-state queue and its (count, end)
         per_slot += (MAX_SPECULATIVE_TOKENS + 1) * cfg.hidden_size * elem + 16
     rows = o.slot_count * (1 + o.speculative_tokens)  # a decode step of every slot (with its drafts)
@@ -110,6 +107,7 @@ def plan(cfg: ModelConfig, options: EngineOptions, free: int, weights_resident: 
         outputs += (o.prefill_graph_tokens * cfg.hidden_size * elem) if prompts else 0  # their one output buffer
         tokens = max([rows] + [b * T for b, T in prompts])  # the largest graphed forward
         graphs = outputs + _forward_bytes(cfg, tokens, o.max_seq_len, elem)
+        graphs += aside_rows(cfg, o) * linear_state_bytes(cfg, elem)  # a hybrid's steps launched ahead store there
     prefix = o.prefix_cache_bytes if o.prefix_cache else 0
     return MemoryPlan(o, weights, per_slot, prefix, graphs, workspace, free)
 

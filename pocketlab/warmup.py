@@ -44,6 +44,8 @@ def graph_steps(engine: QwenEngine) -> list[tuple]:
     if engine.speculator is not None:
         steps += engine.speculator.graph_steps()
     keys = [(key, step, after) for name, T, beyond, step, after in steps for key in engine.graphs.keys(name, T, beyond)]
+    if engine.decodes_ahead:  # a hybrid's steps launched ahead replay graphs of their own
+        keys += [(key, engine.graphs._decode_aside, None) for key in engine.graphs.ahead_keys()]
     return keys + [(key, engine.graphs._prefill, None) for key in engine.graphs.prefill_keys()]
 
 

@@ -1,13 +1,15 @@
 """A greedy decode step launches the next step of its slots before it returns (StepGraphs.launch_ahead), fed its
-argmax on the device. Checked on the CPU through RerunGraphs (and with real captures on CUDA): the launched step
-serves the next call only where that call feeds those slots the tokens it was fed from an unchanged history, gives
-the bits a fresh replay gives, and shows nowhere."""
+argmax on the device. Checked on the CPU through RerunGraphs (and with real captures on CUDA), for attention-only
+models and hybrids (whose launched step stores its Gated DeltaNet states aside): the launched step serves the next
+call only where that call feeds those slots the tokens it was fed from an unchanged history, gives the bits a fresh
+replay gives, and shows nowhere."""
 
 import pytest
 import torch
 from conftest import DEVICE, random_prompt
 
-from pocketlab import BatchedRequest
+from pocketlab import BatchedRequest, graphs
+from pocketlab.cache import linear_state_bytes
 from pocketlab.sampling import SamplingParams
 from pocketlab.verify.graph_doubles import rerun_graphs
 
@@ -30,24 +32,29 @@ def engine(make_engine, ahead: bool, cuda: bool = False, preset: str = "tiny-qwe
     return eng
 
 
+PRESETS = pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen3_5"], ids=["dense", "hybrid"])
+
+
+@PRESETS
 @pytest.mark.parametrize("cuda", [False, True], ids=["rerun", "cuda"])
-def test_greedy_steps_are_served_by_the_step_launched_ahead_bit_for_bit(make_engine, cuda):
+def test_greedy_steps_are_served_by_the_step_launched_ahead_bit_for_bit(make_engine, cuda, preset):
     """Three greedy slots decode 20 steps: each step after the first in a key bucket is the one the step before
-    launched (two replays in all: the first step, and the first past 128 keys, whose graph nothing had captured),
-    and tokens and logits are those of the same graphs replayed step by step."""
+    launched (two replays in all: the first step, and the first past 128 keys, whose graph nothing had captured;
+    one at the hybrid, whose launched steps replay graphs of their own, captured as they are first launched), and
+    tokens and logits are those of the same graphs replayed step by step."""
     if cuda and DEVICE != "cuda":
         pytest.skip("real CUDA graphs: POCKETLAB_DEVICE=cuda")
     prompts = [random_prompt(n, seed=80 + n) for n in (3, 9, 115)]
     results = []
     for ahead in (False, True):
-        eng = engine(make_engine, ahead, cuda)
+        eng = engine(make_engine, ahead, cuda, preset)
         reqs = [BatchedRequest(i, p) for i, p in enumerate(prompts)]
         eng.batch_prefill(reqs)
         logits = torch.stack([eng.batch_decode_step(reqs).logits for _ in range(20)])
         results.append(([r.generated_tokens for r in reqs], logits, eng.replays, eng.forward_count))
     (want, want_logits, replays, forwards), (got, got_logits, replays_ahead, forwards_ahead) = results
     assert eng.decodes_ahead and eng.graphs.ahead is not None
-    assert (replays, replays_ahead) == (20, 2) and forwards_ahead == forwards
+    assert (replays, replays_ahead) == (20, 1 if eng.cfg.linear_layers else 2) and forwards_ahead == forwards
     assert got == want and torch.equal(got_logits, want_logits)
 
 
@@ -77,28 +84,55 @@ def schedule(eng) -> list:
     return out
 
 
-def test_a_step_launched_ahead_serves_no_other_call(make_engine):
-    """Every call of `schedule` gives the bits of an engine that launches nothing ahead."""
-    plain, eng = engine(make_engine, False), engine(make_engine, True)
+@PRESETS
+def test_a_step_launched_ahead_serves_no_other_call(make_engine, preset):
+    """Every call of `schedule` gives the bits of an engine that launches nothing ahead, and the slots' Gated
+    DeltaNet states end as its do (the last call's launched step, never served, stored its states aside)."""
+    plain, eng = engine(make_engine, False, preset=preset), engine(make_engine, True, preset=preset)
     want, got = schedule(plain), schedule(eng)
     assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
     assert eng.replays == plain.replays - 4  # the four steps served
+    assert eng.graphs.ahead is not None
+    assert torch.equal(eng.cache.rec_bank, plain.cache.rec_bank) and torch.equal(
+        eng.cache.conv_bank, plain.cache.conv_bank
+    )
 
 
 @pytest.mark.parametrize(
     ("preset", "options"),
-    [("tiny-qwen3_5", {}), ("tiny-qwen3_5-mtp", dict(speculative_tokens=2)), ("tiny-qwen3", dict(decode_ahead=False))],
-    ids=["hybrid", "drafts", "off"],
+    [
+        ("tiny-qwen3_5", dict(batch_invariant=True)),
+        ("tiny-qwen3_5-mtp", dict(speculative_tokens=2)),
+        ("tiny-qwen3", dict(decode_ahead=False)),
+    ],
+    ids=["hybrid-invariant", "drafts", "off"],
 )
 def test_no_step_is_launched_ahead_where_a_step_changes_state_in_place(make_engine, preset, options):
-    """A Gated DeltaNet step updates its slots' states in place and drafts move the MTP queue: a step launched
-    ahead could not be left unseen, so none is. Nor with decode_ahead off."""
+    """The batch-invariant mode's Gated DeltaNet kernels update their slots' states in place and drafts move the MTP
+    queue: a step launched ahead could not be left unseen, so none is. Nor with decode_ahead off."""
     eng = engine(make_engine, options.pop("decode_ahead", True), preset=preset, **options)
     reqs = [BatchedRequest(0, random_prompt(9, seed=3))]
     eng.batch_prefill(reqs)
     for _ in range(3):
         eng.batch_decode_step(reqs)
     assert not eng.decodes_ahead and eng.graphs.ahead is None
+
+
+def test_a_hybrid_launches_ahead_only_batches_its_rows_aside_hold(make_engine, monkeypatch):
+    """The rows aside hold graphs.ASIDE_BYTES of Gated DeltaNet states, a batch bucket's worth: here one slot's, so
+    one slot's steps launch ahead and two slots' do not, and both decode as an engine that launches nothing."""
+    one_row = linear_state_bytes(engine(make_engine, False, preset="tiny-qwen3_5").cfg, 4)
+    monkeypatch.setattr(graphs, "ASIDE_BYTES", one_row)
+    eng, plain = (engine(make_engine, ahead, preset="tiny-qwen3_5") for ahead in (True, False))
+    assert eng.cache.aside_rows == 1 and eng.cache.rec_aside.shape[1] == 1
+    for e in (eng, plain):
+        e.reqs = [BatchedRequest(i, random_prompt(6 + i, seed=30 + i)) for i in range(2)]
+        e.batch_prefill(e.reqs)
+        for n in (2, 2, 1, 1, 1):
+            e.batch_decode_step(e.reqs[:n])
+            assert (e.graphs.ahead is not None) == (e is eng and n == 1)
+    assert [r.generated_tokens for r in eng.reqs] == [r.generated_tokens for r in plain.reqs]
+    assert eng.replays == plain.replays - 2  # the last two steps of one slot served
 
 
 def test_a_step_that_ends_a_request_launches_nothing_ahead(make_engine):

@@ -74,6 +74,44 @@ def test_gemv_runs_the_decode_conv_in_its_epilogue(state_dtype):
         assert torch.equal(state, want_state), M
 
 
+@pytest.mark.parametrize("kernel", ["conv_step", "gemv_conv", "recurrent_step"])
+def test_a_step_stores_its_states_aside_where_asked(kernel):
+    """into=Into(bank, rows) (a decode step launched ahead): the states the in-place step would leave in its slots,
+    bit for bit, at the given rows of the bank, the same outputs, and every slot's own state as it was."""
+    from pocketlab.layers import gemv
+
+    gen = torch.Generator().manual_seed(11)
+    slots, rows = torch.tensor([3, 0], device=DEV), torch.tensor([1, 0], device=DEV)
+    if kernel == "recurrent_step":
+        hk, hv, dk, dv = 2, 4, 16, 32
+        q, k, v = randn(2, hk, dk, gen=gen), randn(2, hk, dk, gen=gen), randn(2, hv, dv, gen=gen)
+        a, b, z = randn(2, hv, gen=gen), randn(2, hv, gen=gen), randn(2, hv * dv, gen=gen)
+        gates, norm = (-randn(hv, gen=gen).exp(), randn(hv, gen=gen)), (z, randn(dv, gen=gen), 1e-6)
+        state = randn(5, hv, dk, dv, gen=gen)
+
+        def step(state, into=None):
+            return ld.recurrent_step(q, k, v, a, b, state, slots, gd.L2_EPS, gates, norm, into=into)
+
+    else:
+        C, K, H = 45, 4, gemv.CONV_MIN_K + 96 if on_gpu else 96
+        x, w = randn(2, H, gen=gen).to(torch.bfloat16), (randn(61, H, gen=gen) * H**-0.5).to(torch.bfloat16)
+        taps, state = randn(C, K, gen=gen).to(torch.bfloat16), randn(5, C, K - 1, gen=gen).to(torch.bfloat16)
+
+        def step(state, into=None):
+            if kernel == "gemv_conv":
+                return gemv.gemv(x, w, conv=ld.ConvStep(state, taps, slots, into))
+            return ld.conv_step(x[:, :C].contiguous(), state, taps, slots, into=into)
+
+    in_place, before = state.clone(), state.clone()
+    want = step(in_place)
+    bank = torch.full((2, *state.shape[1:]), float("nan"), device=DEV, dtype=state.dtype)
+    got = step(state, ld.Into(bank, rows))
+    assert torch.equal(got, want) and torch.equal(state, before)
+    assert torch.equal(bank[rows], in_place[slots])
+    with pytest.raises(ValueError, match="laid out as the states"):
+        step(state, ld.Into(bank[:, :1], rows))
+
+
 @pytest.mark.parametrize("hk,hv,dk,dv", [(2, 4, 16, 16), (2, 2, 32, 64)])
 def test_recurrent_step_matches_the_reference_rule(hk, hv, dk, dv):
     gen = torch.Generator().manual_seed(hv + dv)

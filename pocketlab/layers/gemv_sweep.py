@@ -247,7 +247,7 @@ def machine_code(kernel, signature: dict, constants: dict, num_warps: int, num_s
 
 
 GEMV_SIGNATURE = dict.fromkeys(("x_ptr", "w_ptr", "b_ptr", "y_ptr", "res_ptr", "g_ptr", "conv_ptr", "cw_ptr"), "*bf16")
-GEMV_SIGNATURE |= {"slot_ptr": "*i64", "eps": "fp32"} | dict.fromkeys(
+GEMV_SIGNATURE |= {"slot_ptr": "*i64", "into_ptr": "*bf16", "into_row_ptr": "*i64", "eps": "fp32"} | dict.fromkeys(
     ("rows", "N", "K", "C", "stride_xm", "stride_wn", "stride_ym", "stride_rm", "stride_cs", "stride_cc"), "i32"
 )
 
@@ -307,8 +307,8 @@ def resources() -> None:
 def state_step_resources() -> None:
     """The Gated DeltaNet decode step (dk = dv = 128, as Qwen3.5's) as it runs alone and with the gated norm."""
     names = ("q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr", "o_ptr", "z_ptr", "norm_w_ptr", "pf_ptr")
-    signature = dict.fromkeys(names, "*bf16") | dict.fromkeys(("state_ptr", "neg_a_ptr", "dt_ptr"), "*fp32")
-    signature |= {"slot_ptr": "*i64", "arrived_ptr": "*i32", "pf_bytes": "i32"}
+    signature = dict.fromkeys(names, "*bf16") | dict.fromkeys(("state_ptr", "into_ptr", "neg_a_ptr", "dt_ptr"), "*fp32")
+    signature |= {"slot_ptr": "*i64", "into_row_ptr": "*i64", "arrived_ptr": "*i32", "pf_bytes": "i32"}
     signature |= dict.fromkeys(("scale", "eps", "norm_eps"), "fp32")
     signature |= {name: "i32" for name in inspect.signature(linear_decode._recurrent_step.fn).parameters
                   if name.startswith("stride_")}  # fmt: skip

@@ -12,6 +12,7 @@ give bitwise the states and outputs of T one-token steps, which batch-invariant 
 """
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -23,6 +24,30 @@ CONV_BLOCK_T = 16  # tokens per conv tile in conv_steps (tokens are independent 
 STATE_BLOCK_V = 32  # value columns of the [dk, dv] state per recurrent program (capped at dv)
 # one- and multi-token recurrent programs alike: the same layout, so the same reduction order; prefetch.LANES threads
 STATE_WARPS = 4
+
+
+class Into(NamedTuple):
+    """Where a one-token step stores the states it advances, instead of in place: row rows[b] of `bank` (a bank
+    laid out as the slots' own), for batch row b. A decode step launched ahead writes aside so (cache.SlotCache)."""
+
+    bank: torch.Tensor
+    rows: torch.Tensor
+
+
+def checked_into(into: Into | None, state: torch.Tensor, slot_ids: torch.Tensor) -> Into:
+    """(bank, rows) a kernel stores to: the states themselves at slot_ids, or `into`, whose rows must be laid out as
+    the states' (the kernels index both with the states' strides)."""
+    if into is None:
+        return Into(state, slot_ids)
+    laid_out = into.bank.shape[1:] == state.shape[1:] and into.bank.stride() == state.stride()
+    if not laid_out or into.rows.shape != slot_ids.shape:
+        raise ValueError(
+            f"states stored aside need a bank laid out as the states ({tuple(state.shape[1:])}, strides "
+            f"{state.stride()}) and a row per batch row; got {tuple(into.bank.shape)}, strides {into.bank.stride()}, "
+            f"rows {tuple(into.rows.shape)}"
+        )
+    return into
+
 
 if triton is not None:
     import triton.language as tl
@@ -59,6 +84,8 @@ if triton is not None:
         w_ptr,
         slot_ptr,
         y_ptr,
+        into_ptr,
+        into_row_ptr,
         C,
         stride_xb,
         stride_ss,
@@ -68,22 +95,24 @@ if triton is not None:
         BLOCK_C: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        """y = silu(sum_j w[c, j] * [window | x][c, j]); the window shifts left by one and takes x. y may be x
-        itself (ConvStep on a projection's output): every read of x comes before the barrier ahead of y's store."""
+        """y = silu(sum_j w[c, j] * [window | x][c, j]); the window, shifted left by one and taking x, is stored
+        at into_row_ptr[b] of into_ptr (its own place, or aside). y may be x itself (ConvStep on a projection's
+        output): every read of x comes before the barrier ahead of y's store."""
         wait_then_release(PDL)
         b, cb = tl.program_id(0), tl.program_id(1)
         slot = tl.load(slot_ptr + b).to(tl.int64)
         c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
         live = c < C
         window = state_ptr + slot * stride_ss + c * stride_sc
+        moved = into_ptr + tl.load(into_row_ptr + b).to(tl.int64) * stride_ss + c * stride_sc
         t = tl.zeros([1], tl.int32)
         y = _conv_token(x_ptr + b * stride_xb, 0, window[None, :], w_ptr, t, c, live, live[None, :], K)
         x = tl.load(x_ptr + b * stride_xb + c, mask=live, other=0.0)
         tl.debug_barrier()  # every thread has read x and the window before any overwrites them
         tl.store(y_ptr + b * stride_yb + c[None, :], y.to(y_ptr.dtype.element_ty), mask=live[None, :])
-        for j in tl.static_range(1, K - 1):  # each cell is read before it is overwritten, by the same thread
-            tl.store(window + (j - 1), tl.load(window + j, mask=live, other=0.0), mask=live)
-        tl.store(window + (K - 2), x.to(state_ptr.dtype.element_ty), mask=live)
+        for j in tl.static_range(1, K - 1):  # in place, each cell is read before it is overwritten, by one thread
+            tl.store(moved + (j - 1), tl.load(window + j, mask=live, other=0.0), mask=live)
+        tl.store(moved + (K - 2), x.to(state_ptr.dtype.element_ty), mask=live)
 
     @triton.jit
     def _conv_steps(
@@ -165,6 +194,8 @@ if triton is not None:
         beta_ptr,
         state_ptr,
         slot_ptr,
+        into_ptr,
+        into_row_ptr,
         o_ptr,
         scale,
         eps,
@@ -201,7 +232,8 @@ if triton is not None:
         PREFETCH: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        """One token per row: the state block of (slot, value head, value block) loaded, advanced, stored. With
+        """One token per row: the state block of (slot, value head, value block) loaded, advanced, stored at
+        into_row_ptr[b] of into_ptr (its own place, or aside). With
         RAW_GATES g and beta are computed here from the raw a and b, as invariant.decay_and_beta computes them.
         NORM: the last of a head's value blocks to finish runs the gated output norm on the head's whole row (its
         o as stored, the gate z, the weight), as invariant.gated_rms_norm computes it, and writes it over o.
@@ -222,9 +254,9 @@ if triton is not None:
         if RAW_GATES:  # g holds a, beta holds b
             g = tl.load(neg_a_ptr + hv) * softplus(g + tl.load(dt_ptr + hv))
             beta = cast(sigmoid(beta), beta_ptr.dtype.element_ty).to(tl.float32)
-        cells = state_ptr + slot * stride_ss + hv * stride_sh + kk[:, None] * stride_sk + vv[None, :]
-        S, o = _delta_rule_token(tl.load(cells), q, k, v, g, beta, scale, eps)
-        tl.store(cells, S)
+        block = hv * stride_sh + kk[:, None] * stride_sk + vv[None, :]
+        S, o = _delta_rule_token(tl.load(state_ptr + slot * stride_ss + block), q, k, v, g, beta, scale, eps)
+        tl.store(into_ptr + tl.load(into_row_ptr + b).to(tl.int64) * stride_ss + block, S)
         tl.store(o_ptr + b * stride_ob + hv * stride_oh + vv, o.to(o_ptr.dtype.element_ty))
         if NORM:  # every thread's store before the one thread's atomic; the last block of the head norms it
             tl.debug_barrier()
@@ -330,18 +362,22 @@ def conv_step(
     weight: torch.Tensor,
     slot_ids: torch.Tensor,
     out: torch.Tensor | None = None,
+    into: Into | None = None,
 ) -> torch.Tensor:
     """x [B, C] (one token per row) -> silu(causal conv) [B, C] (into `out`, which may be x); conv_state[slot_ids[b]]
-    [C, K-1] moves on by x."""
+    [C, K-1] moves on by x, stored in place or, with `into`, at into.rows[b] of into.bank."""
     B, C = x.shape
     K = weight.shape[-1]
     y = torch.empty_like(x) if out is None else out
+    bank, rows = checked_into(into, conv_state, slot_ids)
     _conv_step[(B, triton.cdiv(C, CONV_BLOCK_C))](
         x,
         conv_state,
         weight,
         slot_ids,
         y,
+        bank,
+        rows,
         C,
         x.stride(0),
         conv_state.stride(0),
@@ -363,6 +399,7 @@ class ConvStep:
     state: torch.Tensor  # [slots, C, K-1]: every slot's window
     weight: torch.Tensor  # [C, K]
     slot_ids: torch.Tensor  # [B]: the slot of row b
+    into: Into | None = None  # where the moved windows go (None: in place)
 
     @property
     def channels(self) -> int:
@@ -371,7 +408,7 @@ class ConvStep:
     def __call__(self, y: torch.Tensor) -> torch.Tensor:
         """y [B, (1,) N >= channels] with its first `channels` columns convolved in place; the windows move on."""
         y2 = y.view(-1, y.shape[-1])[:, : self.channels]
-        conv_step(y2, self.state, self.weight, self.slot_ids, out=y2)
+        conv_step(y2, self.state, self.weight, self.slot_ids, out=y2, into=self.into)
         return y
 
 
@@ -437,9 +474,11 @@ def recurrent_step(
     gates: tuple[torch.Tensor, torch.Tensor] | None = None,
     gated_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
     prefetch: torch.Tensor | None = None,
+    into: Into | None = None,
 ) -> torch.Tensor:
     """q, k [B, Hk, dk] raw; v [B, Hv, dv]; g (log-decay), beta [B, Hv] -> o [B, Hv, dv] in v's dtype, while
-    state[slot_ids[b]] ([Hv, dk, dv] float32) advances by one token in place. With `gates` = (neg_A, dt_bias)
+    state[slot_ids[b]] ([Hv, dk, dv] float32) advances by one token, in place or, with `into`, stored at
+    into.rows[b] of into.bank. With `gates` = (neg_A, dt_bias)
     [Hv] float32, g and beta are the raw a and b, and the decay and beta are computed in the same kernel (one
     launch less per layer and step); with `gated_norm` = (z [B, Hv * dv] rows, weight [dv], eps), o is
     gated_rms_norm(o, z, weight, eps) from the same launch (one more less; its sum of squares in another order).
@@ -456,6 +495,7 @@ def recurrent_step(
                          f"for {B} rows of {Hv} x {dv}")  # fmt: skip
     counts = arrival_counts(v.device, B * Hv) if gated_norm is not None else slot_ids  # unread if absent
     pf_ptr, pf_bytes, prefetching = prefetch_arguments(prefetch, B, o)
+    bank, rows = checked_into(into, state, slot_ids)
     _recurrent_step[(B, Hv, triton.cdiv(dv, block_v))](
         q,
         k,
@@ -464,6 +504,8 @@ def recurrent_step(
         beta,
         state,
         slot_ids,
+        bank,
+        rows,
         o,
         dk**-0.5,
         eps,

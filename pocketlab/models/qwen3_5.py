@@ -51,27 +51,34 @@ class GatedDeltaNet:
         the add inside out_proj's, where they fuse."""
         B, T, _ = h.shape
         conv, rec = cache.conv[self.layer], cache.rec[self.layer]
+        conv_into, rec_into = cache.aside(self.layer, B) if ctx.states_aside else (None, None)
         invariant = self.kernels.delta_rule_in_place
         plain = ctx.delta_rule is None and ctx.gdn_log is None  # not a speculative verify, which keeps its own rule
         if not invariant and T == 1 and self.in_place and plain:  # the state step runs the gated norm too
-            step = ConvStep(conv, self.conv_weight, ctx.slot_ids)
+            step = ConvStep(conv, self.conv_weight, ctx.slot_ids, conv_into)
             y, z, b, a = self.kernels.linear(h, self.in_proj, norm=norm, conv=step).split(self.splits, dim=-1)
-            o = self._step_in_place(y[:, 0], z[:, 0], b, a, rec, ctx.slot_ids)
+            o = self._step_in_place(y[:, 0], z[:, 0], b, a, rec, ctx.slot_ids, rec_into)
         else:
             qkv, z, b, a = self.kernels.linear(h, self.in_proj, norm=norm).split(self.splits, dim=-1)
             token_by_token = invariant or (plain and T <= self.in_place_tokens)
-            run = self._run_invariant if token_by_token else self._run_gathered
-            o = run(qkv, b, a, conv, rec, ctx)
+            if token_by_token:  # in place, token by token: never asked for a step launched ahead (launches_ahead)
+                if ctx.states_aside:
+                    raise ValueError("Gated DeltaNet stores states aside only from a one-token step or a gathered one")
+                o = self._run_invariant(qkv, b, a, conv, rec, ctx)
+            else:
+                o = self._run_gathered(qkv, b, a, conv, rec, ctx, conv_into, rec_into)
             o = self.kernels.gated_rms_norm(o, z.reshape(B, T, self.hv, self.dv), self.norm, self.cfg.rms_norm_eps)
         return self.kernels.project_out(o.reshape(B, T, self.hv * self.dv), self.out, h)
 
-    def _run_gathered(self, qkv_in, b, a, conv, rec, ctx: ForwardContext) -> torch.Tensor:
-        """Any number of tokens: gather the slots' states, run conv and delta rule on the copies, scatter back.
-        Returns [B, T, Hv, dv]."""
+    def _run_gathered(self, qkv_in, b, a, conv, rec, ctx: ForwardContext, conv_into=None, rec_into=None):
+        """Any number of tokens: gather the slots' states, run conv and delta rule on the copies, scatter back (or
+        store them `into` rows aside). Returns [B, T, Hv, dv]."""
         B, T, _ = qkv_in.shape
         conv0, rec0 = conv[ctx.slot_ids], rec[ctx.slot_ids]  # gathered copies: the states before this forward
         lengths = ctx.lengths if T > 1 and ctx.padded else None  # every token real: no padding masks
-        qkv, conv[ctx.slot_ids] = causal_conv1d(qkv_in, conv0, self.conv_weight, lengths)
+        conv_out, conv_rows = conv_into or (conv, ctx.slot_ids)
+        rec_out, rec_rows = rec_into or (rec, ctx.slot_ids)
+        qkv, conv_out[conv_rows] = causal_conv1d(qkv_in, conv0, self.conv_weight, lengths)
         q, k, v = qkv.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
         group = self.hv // self.hk  # value head j reads key head j // group
         q = q.reshape(B, T, self.hk, self.dk).repeat_interleave(group, dim=2)
@@ -80,18 +87,18 @@ class GatedDeltaNet:
         g, beta = self.kernels.decay_and_beta(a, b, self.neg_A, self.dt_bias)
         rule = gated_delta_rule if ctx.delta_rule is None else ctx.delta_rule  # verify may keep every state
         if ctx.checkpoints:
-            o, rec[ctx.slot_ids] = self._with_checkpoints(
+            o, rec_out[rec_rows] = self._with_checkpoints(
                 rule, (q, k, v, g, beta), rec0, lengths, ctx, conv_inputs(conv0, qkv_in), conv.dtype
             )
         else:
-            o, rec[ctx.slot_ids] = rule(q, k, v, g, beta, rec0, lengths)
+            o, rec_out[rec_rows] = rule(q, k, v, g, beta, rec0, lengths)
         if ctx.gdn_log is not None:  # speculative verify: what rolling back to an accepted prefix needs
             ctx.gdn_log[self.layer] = (qkv_in, conv0, (q, k, v, g, beta, rec0))
         return o
 
-    def _step_in_place(self, y, z, b, a, rec, slot_ids) -> torch.Tensor:
+    def _step_in_place(self, y, z, b, a, rec, slot_ids, into=None) -> torch.Tensor:
         """One token per row, y its conv's output, z its gate: [B, Hv, dv] outputs after the gated norm, each slot's
-        state advanced where it lives."""
+        state advanced where it lives (or stored `into` rows aside)."""
         q, k, v = y.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
         B = y.shape[0]
         return recurrent_step(
@@ -106,6 +113,7 @@ class GatedDeltaNet:
             gates=(self.neg_A, self.dt_bias),  # the decay and beta computed in the step's kernel
             gated_norm=(z, self.norm, self.cfg.rms_norm_eps),
             prefetch=self.out,  # out_proj reads it next
+            into=into,
         )
 
     def _run_invariant(self, qkv_in, b, a, conv, rec, ctx: ForwardContext) -> torch.Tensor:
