@@ -59,7 +59,7 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "MoE": ("tiny-qwen3_moe", {}),
     "hybrid MoE + MTP drafts": ("tiny-qwen3_5_moe-mtp", dict(speculative_tokens=2)),
     "dense, graphed prompts and decode": ("tiny-qwen3", dict(prefill_graph_tokens=48, decode_ahead=True)),
-    "hybrid, graphed prompts and decode": ("tiny-qwen3_5", dict(prefill_graph_tokens=48)),
+    "hybrid, graphed prompts and decode": ("tiny-qwen3_5", dict(prefill_graph_tokens=48, decode_ahead=True)),
     "hybrid + MTP drafts, graphed": ("tiny-qwen3_5-mtp", dict(speculative_tokens=2, prefill_graph_tokens=48)),
 }
 # engines with prompt graphs: their CUDA graphs are graph_doubles.RerunGraphs
