@@ -115,17 +115,15 @@ def _conv_epilogue(y, n, live_m, taps, cells, window, C, CONV_K: tl.constexpr, T
 
 @triton.jit(do_not_specialize=["rows"])
 def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, g_ptr, slot_ptr, conv_ptr, into_ptr, into_row_ptr, cw_ptr, eps, rows, N,
-          K, C, stride_xm,
-          stride_wn, stride_ym, stride_rm, stride_cs, stride_cc, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
-          NORM: tl.constexpr, CONV_K: tl.constexpr, TAPS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_K: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+          K, C, stride_xm, stride_wn, stride_ym, stride_rm, stride_cs, stride_cc, HAS_BIAS: tl.constexpr,
+          EPILOGUE: tl.constexpr, NORM: tl.constexpr, CONV_K: tl.constexpr, TAPS: tl.constexpr, ROWS: tl.constexpr,
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """y[m, n] for the ROWS rows and this program's BLOCK_N columns: float32 lanes [ROWS, BLOCK_N, BLOCK_K] along
     K, summed once. NORM: x is first RMS-normed with weight g (see the module docstring). EPILOGUE 1: y = residual +
     x @ W^T; 2: W is [gate | up] (2N rows), y = silu(x @ gate^T) * (x @ up^T). CONV_K: then the causal conv of width
     CONV_K (TAPS: its power of two) on the first C columns, each row's window in slot slot_ptr[m], moved to row
-    into_row_ptr[m] of into_ptr (_conv_epilogue).
-    Each weight tile is loaded AHEAD steps before its use, the first AHEAD before the PDL wait (weights are never
-    written), so the read streams while the previous kernel finishes."""
+    into_row_ptr[m] of into_ptr (_conv_epilogue). Each weight tile is loaded AHEAD steps before its use, the first
+    AHEAD before the PDL wait (weights are never written), so the read streams while the previous kernel finishes."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, ROWS)
     live_m, live_n = m < rows, n < N

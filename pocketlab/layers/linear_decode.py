@@ -232,11 +232,11 @@ if triton is not None:
         PREFETCH: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        """One token per row: the state block of (slot, value head, value block) loaded, advanced, stored at
-        into_row_ptr[b] of into_ptr (its own place, or aside). With
-        RAW_GATES g and beta are computed here from the raw a and b, as invariant.decay_and_beta computes them.
-        NORM: the last of a head's value blocks to finish runs the gated output norm on the head's whole row (its
-        o as stored, the gate z, the weight), as invariant.gated_rms_norm computes it, and writes it over o.
+        """One token per row: the state block of (slot, value head, value block) loaded, advanced, stored at row
+        into_row_ptr[b] of into_ptr (its own place, or aside). With RAW_GATES g and beta are computed here from the
+        raw a and b, as invariant.decay_and_beta computes them. NORM: the last of a head's value blocks to finish
+        runs the gated output norm on the head's whole row (its o as stored, the gate z, the weight), as
+        invariant.gated_rms_norm computes it, and writes it over o.
         PREFETCH: out_proj's weight into L2 meanwhile (layers.prefetch)."""
         if PREFETCH:
             prefetch_l2(pf_ptr, pf_bytes, LANES)
@@ -478,12 +478,11 @@ def recurrent_step(
 ) -> torch.Tensor:
     """q, k [B, Hk, dk] raw; v [B, Hv, dv]; g (log-decay), beta [B, Hv] -> o [B, Hv, dv] in v's dtype, while
     state[slot_ids[b]] ([Hv, dk, dv] float32) advances by one token, in place or, with `into`, stored at
-    into.rows[b] of into.bank. With `gates` = (neg_A, dt_bias)
-    [Hv] float32, g and beta are the raw a and b, and the decay and beta are computed in the same kernel (one
-    launch less per layer and step); with `gated_norm` = (z [B, Hv * dv] rows, weight [dv], eps), o is
-    gated_rms_norm(o, z, weight, eps) from the same launch (one more less; its sum of squares in another order).
-    `prefetch`: the weight the next kernel reads (out_proj's), pulled into L2 meanwhile where layers.prefetch
-    takes it."""
+    into.rows[b] of into.bank. With `gates` = (neg_A, dt_bias) [Hv] float32, g and beta are the raw a and b, and the
+    decay and beta are computed in the same kernel (one launch less per layer and step); with `gated_norm` = (z
+    [B, Hv * dv] rows, weight [dv], eps), o is gated_rms_norm(o, z, weight, eps) from the same launch (one more less;
+    its sum of squares in another order). `prefetch`: the weight the next kernel reads (out_proj's), pulled into L2
+    meanwhile where layers.prefetch takes it."""
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))  # the kernel reads rows whole
     B, Hk, dk = q.shape
     Hv, dv = v.shape[1], v.shape[2]
