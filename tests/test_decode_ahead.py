@@ -4,13 +4,16 @@ models and hybrids (whose launched step stores its Gated DeltaNet states aside):
 call only where that call feeds those slots the tokens it was fed from an unchanged history, gives the bits a fresh
 replay gives, and shows nowhere."""
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import DEVICE, random_prompt
 
-from pocketlab import BatchedRequest, graphs
+from pocketlab import BatchedRequest, EngineOptions, ModelConfig, graphs
 from pocketlab.cache import linear_state_bytes
 from pocketlab.sampling import SamplingParams
+from pocketlab.tools.synthetic import hf_config
 from pocketlab.verify.graph_doubles import rerun_graphs
 
 SHAPE = dict(max_slots=4, max_seq_len=160, prefill_graph_tokens=0)  # decode graphs only; keys cross 128 -> 160
@@ -133,6 +136,18 @@ def test_a_hybrid_launches_ahead_only_batches_its_rows_aside_hold(make_engine, m
             assert (e.graphs.ahead is not None) == (e is eng and n == 1)
     assert [r.generated_tokens for r in eng.reqs] == [r.generated_tokens for r in plain.reqs]
     assert eng.replays == plain.replays - 2  # the last two steps of one slot served
+
+
+@pytest.mark.parametrize(
+    ("preset", "rows"), [("qwen3.5-0.8b", 2), ("qwen3.5-9b", 1), ("qwen3.5-35b-a3b", 1), ("qwen3-8b", 0)]
+)
+def test_the_rows_aside_at_the_real_shapes(preset, rows):
+    """graphs.ASIDE_BYTES of rows aside, at the real shapes' Gated DeltaNet states (bf16 windows, fp32 states): the
+    batches whose steps launch ahead there (README's figures). None at a dense model or with the option off."""
+    cfg = ModelConfig.from_dict(hf_config(preset).to_dict())
+    options = EngineOptions(max_slots=32, dtype="bfloat16")
+    assert graphs.aside_rows(cfg, options) == rows
+    assert graphs.aside_rows(cfg, dataclasses.replace(options, decode_ahead=False)) == 0
 
 
 def test_a_step_that_ends_a_request_launches_nothing_ahead(make_engine):
