@@ -30,11 +30,8 @@ from .prefix_cache import common_len
 
 def linear_state_bytes(cfg: ModelConfig, elem: int) -> int:
     """One slot's Gated DeltaNet states: every layer's conv window (elem bytes a value) and fp32 recurrent state."""
-    conv_dim = (
-        2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
-    )
     rec = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
-    return len(cfg.linear_layers) * (conv_dim * (cfg.linear_conv_kernel_dim - 1) * elem + rec)
+    return len(cfg.linear_layers) * (cfg.linear_conv_dim * (cfg.linear_conv_kernel_dim - 1) * elem + rec)
 
 
 class HistoryListener(Protocol):
@@ -232,11 +229,7 @@ class SlotCache:
             shape = (rows, cfg.num_key_value_heads, opts.max_seq_len, cfg.head_dim)
             self.k[i] = torch.zeros(shape, device=dev, dtype=dt)
             self.v[i] = torch.zeros(shape, device=dev, dtype=dt)
-        conv_dim = (
-            2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
-            + cfg.linear_num_value_heads * cfg.linear_value_head_dim
-        )
-        conv_row = (conv_dim, cfg.linear_conv_kernel_dim - 1)
+        conv_row = (cfg.linear_conv_dim, cfg.linear_conv_kernel_dim - 1)
         rec_row = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
         # every layer's rows in one bank, so a served step launched ahead moves its states in one copy a bank
         self.conv_bank = torch.zeros(len(cfg.linear_layers), rows, *conv_row, device=dev, dtype=dt)

@@ -105,6 +105,14 @@ class ModelConfig:
     def linear_layers(self) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
 
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of a Gated DeltaNet layer's conv: its q, k and v, as in_proj_qkv produces them."""
+        return (
+            2 * self.linear_num_key_heads * self.linear_key_head_dim
+            + self.linear_num_value_heads * self.linear_value_head_dim
+        )
+
     @classmethod
     def from_dict(cls, raw: dict) -> ModelConfig:
         model_type = raw.get("model_type")

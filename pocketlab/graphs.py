@@ -259,8 +259,7 @@ class StepGraphs:
     def ahead_keys(self) -> list[tuple]:
         """Every key a hybrid's step launched ahead can replay (its batch within the rows aside): warm-up captures
         them."""
-        keys = self.keys("decode_aside", 1) if self.model.cfg.linear_layers else []
-        return [key for key in keys if key[1] <= self.cache.aside_rows]
+        return [key for key in self.keys("decode_aside", 1) if key[1] <= self.cache.aside_rows]
 
     def prefill(self, runs: list[Run]) -> torch.Tensor | None:
         """[B, T, hidden] final-normed hidden states of the runs' tokens from a graph whose rows run T, the token

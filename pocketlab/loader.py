@@ -76,9 +76,7 @@ def _attention_shapes(cfg: ModelConfig, p: str) -> dict:
 
 
 def _linear_attention_shapes(cfg: ModelConfig, p: str) -> dict:
-    d, hk, hv = cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads
-    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    conv_dim = 2 * hk * dk + hv * dv
+    d, hv, dv, conv_dim = cfg.hidden_size, cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.linear_conv_dim
     return {
         p + "in_proj_qkv.weight": (conv_dim, d),
         p + "in_proj_z.weight": (hv * dv, d),

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cache import linear_state_bytes
 from ..config import ModelConfig
 from ..loader import expected_shapes
 from .timing import Clock
@@ -64,13 +65,12 @@ class ModelCost:
         weight_elems += head if cfg.tie_word_embeddings else 0
         n_attn, n_lin = len(cfg.attention_layers), len(cfg.linear_layers)
         hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        conv_dim = 2 * cfg.linear_num_key_heads * dk + hv * dv
         return cls(
             layer_matmul_params=layer_matmul,
             head_params=head,
             weight_bytes=weight_elems * elem_bytes,
             kv_bytes_per_token=n_attn * 2 * cfg.num_key_value_heads * cfg.head_dim * elem_bytes,
-            state_bytes_per_seq=n_lin * (hv * dk * dv * 4 + conv_dim * (cfg.linear_conv_kernel_dim - 1) * elem_bytes),
+            state_bytes_per_seq=linear_state_bytes(cfg, elem_bytes),
             attn_flops_per_pair=n_attn * 4 * cfg.num_attention_heads * cfg.head_dim,
             # per token and value head: decay, S^T k, k (x) delta, S^T q ~ three dk x dv products (6 flops/elem)
             linear_flops_per_token=n_lin * 6 * hv * dk * dv,
