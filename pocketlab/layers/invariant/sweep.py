@@ -153,14 +153,23 @@ def tma_line(name, M, tb, cublas, ref, what, ms, got) -> None:
     print(f"{name:<20}{M:>4}  {what:<30}{ms:>8.4f}{tb / ms:>7.2f}{cublas:>8.4f}{tb / cublas:>7.2f}  {diff:.3g}")
 
 
-def sweep_tma(rows: list[int]) -> None:
+def ring_name(r) -> str:
+    return f"tma {r.block_n} s{r.stages} p{r.prefetch}" + (" ws" if r.specialize else "")
+
+
+def sweep_tma(rows: list[int], shapes: str = "") -> None:
     """layers.matmul_tma's rings (W @ x^T through TMA) against the fused kernel's default launch and cuBLAS's bare
-    matmul, at decode rows, as weight-read bandwidth; the largest difference from the default launch's output."""
+    matmul, at decode rows, as weight-read bandwidth; the largest difference from the default launch's output.
+    `shapes`: only the FUSED_SHAPES whose names hold one of these (comma-separated)."""
     from .. import matmul_tma
 
     rings = [matmul_tma.Ring(bn, stages, ahead) for bn in (64, 128) for stages in (3, 4, 6) for ahead in (0, 2)]
+    rings += [matmul_tma.Ring(bn, stages, 2, specialize=True) for bn in (64, 128) for stages in (2, 3, 4)]
     print(f"{'shape':<20}{'M':>4}  {'launch':<30}{'ms':>8}{'TB/s':>7}{'cuBLAS':>8}{'TB/s':>7}  max diff")
+    wanted = [w for w in shapes.split(",") if w]
     for name, (N, K, extra) in FUSED_SHAPES.items():
+        if wanted and not any(w in name for w in wanted):
+            continue
         rows_w = 2 * N if extra == "swiglu" else N
         weights = fused_weights(rows_w, K)
         tb = rows_w * K * 2 / 1e9
@@ -183,9 +192,9 @@ def sweep_tma(rows: list[int]) -> None:
                 try:
                     ms = graph_ms(lambda w, a=(x, y, r, fused): matmul_tma.launch(a[0], w, None, *a[1:]), weights)
                 except Exception as e:  # a ring past the shared memory: say so, go on
-                    print(f"{name:<20}{M:>4}  tma {r.block_n} s{r.stages} p{r.prefetch}: {str(e)[:60]}")
+                    print(f"{name:<20}{M:>4}  {ring_name(r)}: {str(e)[:60]}")
                     continue
-                line(f"tma {r.block_n} s{r.stages} p{r.prefetch}", ms,
+                line(ring_name(r), ms,
                      matmul_tma.launch(x, weights[0], None, y.clone(), r, fused))  # fmt: skip
         del weights
         torch.cuda.empty_cache()
@@ -198,9 +207,10 @@ def main(argv=None):
     ap.add_argument("--splits", default="1,2,4,8")
     ap.add_argument("--fused", action="store_true", help="the fused kernel's launches at the --few rows instead")
     ap.add_argument("--tma", action="store_true", help="layers.matmul_tma's rings at the --few rows instead")
+    ap.add_argument("--shapes", default="", help="--tma: names holding any of these, comma-separated")
     a = ap.parse_args(argv)
     if a.tma:
-        return sweep_tma([int(v) for v in a.few.split(",")])
+        return sweep_tma([int(v) for v in a.few.split(",")], a.shapes)
     if a.fused:
         return sweep_fused([int(v) for v in a.few.split(",")], [int(v) for v in a.splits.split(",")])
     few, many, splits = ([int(v) for v in s.split(",")] for s in (a.few, a.many, a.splits))
