@@ -293,6 +293,17 @@ def test_a_decode_steps_timeline_stamps_its_phases_in_order(make_engine):
     assert StaticInputs.load is load
 
 
+def test_a_decode_step_served_ahead_has_a_timeline_too(make_engine):
+    """With steps launched ahead, every call after the first is served by the step the call before launched: no
+    replay of its own, so the timeline keeps the stamps every call took, the next step's launch among them."""
+    from pocketlab.tools import profile
+    from pocketlab.tools.host_time import step_timeline
+
+    engine = rerun_graphs(make_engine("tiny-qwen3", cuda_graphs=False, decode_ahead=True))
+    timeline = step_timeline(profile.decode_step(engine, 2), 3)
+    assert list(timeline) == ["load", "loaded", "ahead", "read", "done"] and timeline["load"] > 0
+
+
 def test_a_decode_steps_ladder_times_every_rung_at_the_same_keys(make_engine):
     """tools.host_time.step_ladder (CPU graph doubles): every rung timed, and every slot and request cut back to
     where it was after each call, so the rungs attend over the same keys."""

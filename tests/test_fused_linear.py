@@ -88,15 +88,14 @@ def test_gemv_matches_the_unfused_torch_steps(dtype, epilogue):
             assert_matches_the_unfused_steps(gemv.gemv(x, w, bias, **extras), want, dtype, (N, K, M))
 
 
-@pytest.mark.parametrize("specialize", [0, 1])
 @pytest.mark.parametrize("epilogue", EPILOGUES)
-def test_tma_ring_matmul_matches_the_unfused_torch_steps(epilogue, specialize, monkeypatch):
+def test_tma_ring_matmul_matches_the_unfused_torch_steps(epilogue, monkeypatch):
     """The few-row matmul through a TMA ring as W @ x^T (POCKETLAB_MATMUL_TMA, layers.matmul_tma), reached through
     the default engine's linear, against the unfused torch steps: rows padded to 16 and to 32 columns of the dot,
     N off the 64-row tile (the gate rows past N), K over two slices and off the 128-wide tile (zero fill), plain
-    projections only when switched in, the loop warp-specialized or not (on the GPU; the interpreter runs one
-    loop); rows TMA cannot read (off 16-byte alignment) and no rows at all keep the invariant matmul."""
-    monkeypatch.setenv("POCKETLAB_MATMUL_TMA", f"64:3:0:1:2:{specialize}")
+    projections only when switched in; rows TMA cannot read (off 16-byte alignment) and no rows at all keep the
+    invariant matmul."""
+    monkeypatch.setenv("POCKETLAB_MATMUL_TMA", "64:3:0:1")
     real, taken = matmul_tma.launch, []
     monkeypatch.setattr(matmul_tma, "launch", lambda *a, **k: taken.append(1) or real(*a, **k))
     linear = torch_linear.fused_at_few_rows(inv.linear)

@@ -11,7 +11,7 @@ element is the same chain of MMA steps, and the sweep and the engine found the s
 
 The default engine sends its calls of up to 64 rows here on sm_90 and later (`ring_for`), save those the GEMV takes
 and one-row calls with an epilogue: the lm_head at batch 1 among them, which cuBLAS ran before. POCKETLAB_MATMUL_TMA=0
-turns that off, "block_n:stages:prefetch[:plain[:min_rows[:specialize]]]" tries another ring.
+turns that off, "block_n:stages:prefetch[:plain[:min_rows]]" tries another ring.
 """
 
 from __future__ import annotations
@@ -39,15 +39,13 @@ SHARED_BYTES = 224 << 10  # of an H100's or H200's 227 KiB a program may hold: t
 class Ring:
     """BLOCK_N weight rows a program (the MMA's M side), STAGES tiles in the ring, PREFETCH first tiles into L2
     before the PDL wait; `plain`: projections without an epilogue take it too (else cuBLAS's); calls with an
-    epilogue take it from `min_rows` rows (else the invariant matmul's); `specialize`: Triton's warp
-    specialization splits the loop into a warp that issues the TMA loads and warps that run the MMAs."""
+    epilogue take it from `min_rows` rows (else the invariant matmul's)."""
 
     block_n: int = 64
     stages: int = 4
     prefetch: int = 2
     plain: bool = True
     min_rows: int = 2
-    specialize: bool = False
 
     def takes(self, rows: int, epilogue: bool) -> bool:
         return rows >= self.min_rows if epilogue else self.plain
@@ -59,7 +57,7 @@ DEFAULT_RING = Ring()  # one-row calls with an epilogue (8B's, 9B's gate_up) wer
 def ring_for(rows: int, device: torch.device) -> Ring | None:
     """The ring for a few-row matmul of `rows` rows on `device`: DEFAULT_RING up to MAX_ROWS rows on a GPU with TMA
     (sm_90 and later), unless POCKETLAB_MATMUL_TMA says otherwise ("0": none; "block_n:stages:prefetch[:plain
-    [:min_rows[:specialize]]]"), for measuring; the interpreter takes a ring only when it says so."""
+    [:min_rows]]"), for measuring; the interpreter takes a ring only when it says so."""
     if rows > MAX_ROWS:
         return None
     return gemv_tma.ring_from_env("POCKETLAB_MATMUL_TMA", DEFAULT_RING if gemv_tma.has_tma(device) else None, Ring)
@@ -85,7 +83,7 @@ def _matmul_tma(x_desc, w_desc, w_ptr, b_ptr, y_ptr, part_ptr, arrived_ptr, res_
                 split_k, stride_wn, stride_ym, stride_ps, stride_pm, stride_rm, HAS_BIAS: tl.constexpr,
                 EPILOGUE: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
-                SPECIALIZE: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                PDL: tl.constexpr):  # fmt: skip
     """Slice program_id(1) of weight rows [BLOCK_N from program_id(0)] times every row of x; EPILOGUE as the
     invariant matmul's (2: W is [gate | up], up rows N further; gate rows past N read up rows, never stored)."""
     pid_n, s = tl.program_id(0), tl.program_id(1)
@@ -100,7 +98,7 @@ def _matmul_tma(x_desc, w_desc, w_ptr, b_ptr, y_ptr, part_ptr, arrived_ptr, res_
     wait_then_release(PDL)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES, warp_specialize=SPECIALIZE):
+    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
         x = tl.trans(x_desc.load([0, k0]))  # [BLOCK_K, BLOCK_M]; rows past `rows` and columns past K read zeros
         acc = dot(w_desc.load([n0, k0]), x, acc, PRECISION)
         if TWO:
@@ -152,7 +150,7 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
         part.stride(1) if o.split_k > 1 else 0, 0 if res is None else res.stride(0), HAS_BIAS=bias is not None,
         EPILOGUE=fused.epilogue, PRECISION=precision(x2.dtype, x2.device), BLOCK_M=block_m, BLOCK_N=ring.block_n,
         BLOCK_K=o.block_k, STAGES=stages, PREFETCH=ring.prefetch if pdl.sm90(x2.device) else 0,
-        SPECIALIZE=ring.specialize and x2.is_cuda, num_warps=4, **pdl.launch(x2.device),
+        num_warps=4, **pdl.launch(x2.device),
     )  # fmt: skip
     return y
 

@@ -23,7 +23,7 @@ from ..graphs import StaticInputs, StepGraphs
 
 # where a graphed decode step stamps the host clock: (owner, function, stamp on entry, stamp on return)
 STAMPED = ((StaticInputs, "load", "load", "loaded"), (StepGraphs, "replay", None, "launched"),
-           (StepGraphs, "logits", None, "read"))  # fmt: skip
+           (StepGraphs, "launch_ahead", None, "ahead"), (StepGraphs, "logits", None, "read"))  # fmt: skip
 
 
 def profile_call(fn, n: int, key: str = "cumulative_s") -> tuple[float, list[dict]]:
@@ -69,9 +69,11 @@ def stamping(stamps: dict[str, float]):
 
 def step_timeline(step, steps: int, sync=lambda: None) -> dict[str, float]:
     """Medians over `steps` calls of step() (a graphed decode step, from an idle device: `sync` first) of the host
-    clock at each stamp, in us from the call: `load` (its inputs' copy starts), `loaded`, `launched` (the graph's
-    replay call returned), `read` (the greedy tokens on the host, the logits' copy queued) and `done` (the step
-    returned)."""
+    clock at each stamp every call took, in us from the call, in time order: `load` (its inputs' copy starts),
+    `loaded`, `launched` (the graph's replay call returned), `read` (the greedy tokens on the host, the logits' copy
+    queued) and `done` (the step returned). Where the engine launches steps ahead, a call served by the step the
+    call before launched replays nothing (no `launched`); its `load` and `loaded` are the next step's inputs, and
+    `ahead` is when that step was launched."""
     rows = []
     with stamping({}) as stamps:
         for _ in range(steps):
@@ -81,7 +83,8 @@ def step_timeline(step, steps: int, sync=lambda: None) -> dict[str, float]:
             step()
             stamps["done"] = time.perf_counter()
             rows.append({k: (t - start) * 1e6 for k, t in stamps.items()})
-    return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    every = set.intersection(*(set(r) for r in rows))
+    return dict(sorted(((k, statistics.median(r[k] for r in rows)) for k in every), key=lambda kv: kv[1]))
 
 
 def step_ladder(engine, reqs: list, steps: int, sync=lambda: None) -> dict[str, float]:

@@ -153,10 +153,6 @@ def tma_line(name, M, tb, cublas, ref, what, ms, got) -> None:
     print(f"{name:<20}{M:>4}  {what:<30}{ms:>8.4f}{tb / ms:>7.2f}{cublas:>8.4f}{tb / cublas:>7.2f}  {diff:.3g}")
 
 
-def ring_name(r) -> str:
-    return f"tma {r.block_n} s{r.stages} p{r.prefetch}" + (" ws" if r.specialize else "")
-
-
 def sweep_tma(rows: list[int], shapes: str = "") -> None:
     """layers.matmul_tma's rings (W @ x^T through TMA) against the fused kernel's default launch and cuBLAS's bare
     matmul, at decode rows, as weight-read bandwidth; the largest difference from the default launch's output.
@@ -164,7 +160,6 @@ def sweep_tma(rows: list[int], shapes: str = "") -> None:
     from .. import matmul_tma
 
     rings = [matmul_tma.Ring(bn, stages, ahead) for bn in (64, 128) for stages in (3, 4, 6) for ahead in (0, 2)]
-    rings += [matmul_tma.Ring(bn, stages, 2, specialize=True) for bn in (64, 128) for stages in (2, 3, 4)]
     print(f"{'shape':<20}{'M':>4}  {'launch':<30}{'ms':>8}{'TB/s':>7}{'cuBLAS':>8}{'TB/s':>7}  max diff")
     wanted = [w for w in shapes.split(",") if w]
     for name, (N, K, extra) in FUSED_SHAPES.items():
@@ -192,9 +187,9 @@ def sweep_tma(rows: list[int], shapes: str = "") -> None:
                 try:
                     ms = graph_ms(lambda w, a=(x, y, r, fused): matmul_tma.launch(a[0], w, None, *a[1:]), weights)
                 except Exception as e:  # a ring past the shared memory: say so, go on
-                    print(f"{name:<20}{M:>4}  {ring_name(r)}: {str(e)[:60]}")
+                    print(f"{name:<20}{M:>4}  tma {r.block_n} s{r.stages} p{r.prefetch}: {str(e)[:60]}")
                     continue
-                line(ring_name(r), ms,
+                line(f"tma {r.block_n} s{r.stages} p{r.prefetch}", ms,
                      matmul_tma.launch(x, weights[0], None, y.clone(), r, fused))  # fmt: skip
         del weights
         torch.cuda.empty_cache()
