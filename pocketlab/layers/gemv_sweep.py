@@ -44,7 +44,7 @@ from .gemv_tma import Ring, _gemv_tma
 from .invariant import linear as fused_linear
 from .invariant import matmul, rms_norm
 from .invariant.matmul import PLAIN, RESIDUAL, SWIGLU
-from .invariant.sweep import graph_ms
+from .invariant.sweep import graph_ms, named
 from .moe_gemv_tma import _expert_gate_up_tma
 from .norm import RMSNorm
 
@@ -396,18 +396,13 @@ def main(argv=None):
     ap.add_argument("--forms", action="store_true", help="one or two tiles ahead too (one row count)")
     ap.add_argument("--shapes", default="", help="names containing any of these, comma-separated, _ for a space")
     a = ap.parse_args(argv)
-    parts = [part.replace("_", " ") for part in a.shapes.split(",") if part]
-
-    def named(names) -> list[str]:
-        return [s for s in names if not parts or any(part in s for part in parts)]
-
     if a.norm_chain:
-        return norm_chain(named(NORM_CHAIN), top=a.top)
+        return norm_chain(named(NORM_CHAIN, a.shapes), top=a.top)
     if a.tma_chain:
-        return tma_chain(named(NORM_CHAIN), top=a.top)
+        return tma_chain(named(NORM_CHAIN, a.shapes), top=a.top)
     if a.resources:
         return resources()
-    shapes = named(SHAPES)
+    shapes = named(SHAPES, a.shapes)
     summary = sweep([int(v) for v in a.rows.split(",")], a.top, shapes, a.forms)
     print(f"\n{'shape':<20}{'M':>3}{'chosen':>18}{'ms':>9}{'TB/s':>7}{'best ms':>9}{'today ms':>10}{'cuBLAS ms':>11}"
           f"{'today/chosen':>14}  row 0 alone vs in the batch")  # fmt: skip

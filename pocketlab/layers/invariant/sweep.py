@@ -153,18 +153,22 @@ def tma_line(name, M, tb, cublas, ref, what, ms, got) -> None:
     print(f"{name:<20}{M:>4}  {what:<30}{ms:>8.4f}{tb / ms:>7.2f}{cublas:>8.4f}{tb / cublas:>7.2f}  {diff:.3g}")
 
 
-def sweep_tma(rows: list[int], shapes: str = "") -> None:
+def named(names, spec: str) -> list[str]:
+    """The names holding any of `spec`'s comma-separated parts (`_` for a space); every name for an empty spec."""
+    parts = [part.replace("_", " ") for part in spec.split(",") if part]
+    return [s for s in names if not parts or any(part in s for part in parts)]
+
+
+def sweep_tma(rows: list[int], shapes: Sequence[str] = tuple(FUSED_SHAPES)) -> None:
     """layers.matmul_tma's rings (W @ x^T through TMA) against the fused kernel's default launch and cuBLAS's bare
-    matmul, at decode rows, as weight-read bandwidth; the largest difference from the default launch's output.
-    `shapes`: only the FUSED_SHAPES whose names hold one of these (comma-separated)."""
+    matmul, at decode rows, as weight-read bandwidth, for the FUSED_SHAPES named `shapes`; the largest difference
+    from the default launch's output."""
     from .. import matmul_tma
 
     rings = [matmul_tma.Ring(bn, stages, ahead) for bn in (64, 128) for stages in (3, 4, 6) for ahead in (0, 2)]
     print(f"{'shape':<20}{'M':>4}  {'launch':<30}{'ms':>8}{'TB/s':>7}{'cuBLAS':>8}{'TB/s':>7}  max diff")
-    wanted = [w for w in shapes.split(",") if w]
-    for name, (N, K, extra) in FUSED_SHAPES.items():
-        if wanted and not any(w in name for w in wanted):
-            continue
+    for name in shapes:
+        N, K, extra = FUSED_SHAPES[name]
         rows_w = 2 * N if extra == "swiglu" else N
         weights = fused_weights(rows_w, K)
         tb = rows_w * K * 2 / 1e9
@@ -202,10 +206,10 @@ def main(argv=None):
     ap.add_argument("--splits", default="1,2,4,8")
     ap.add_argument("--fused", action="store_true", help="the fused kernel's launches at the --few rows instead")
     ap.add_argument("--tma", action="store_true", help="layers.matmul_tma's rings at the --few rows instead")
-    ap.add_argument("--shapes", default="", help="--tma: names holding any of these, comma-separated")
+    ap.add_argument("--shapes", default="", help="--tma: names holding any of these, comma-separated, _ for a space")
     a = ap.parse_args(argv)
     if a.tma:
-        return sweep_tma([int(v) for v in a.few.split(",")], a.shapes)
+        return sweep_tma([int(v) for v in a.few.split(",")], named(FUSED_SHAPES, a.shapes))
     if a.fused:
         return sweep_fused([int(v) for v in a.few.split(",")], [int(v) for v in a.splits.split(",")])
     few, many, splits = ([int(v) for v in s.split(",")] for s in (a.few, a.many, a.splits))
