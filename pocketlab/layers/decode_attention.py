@@ -6,7 +6,7 @@ padded key bucket costs nothing. The new token's raw q/k/v arrive as inputs: eac
 per-head RMSNorm and rotary embedding itself, and the program whose split holds the last position stores
 the new K/V into the cache, so no separate norm, rotary or write kernel runs. Splits over the key axis keep
 the GPU busy at batch 1; the last split of each (sequence, kv head) to finish merges the partial softmaxes in
-split order, in the same launch.
+split order, in the same launch (a lone split, as at batch 32, writes its output as it is).
 """
 
 from dataclasses import dataclass
@@ -96,6 +96,25 @@ if triton is not None:
         l = l * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, tl.zeros_like(acc), PRECISION)
         return m_new, l, acc
+
+    @triton.jit
+    def _gate_rows(gate_ptr, b, heads, live, d, stride_gb, stride_gh, GATED: tl.constexpr):
+        """Qwen3.5's output gate (the q projection's) for the kv head's query heads [BLOCK_G, D], float32 (without
+        a gate: never read)."""
+        gate = 0.0
+        if GATED:
+            gate = tl.load(gate_ptr + b * stride_gb + heads[:, None] * stride_gh + d[None, :], mask=live, other=0.0)
+            gate = gate.to(tl.float32)
+        return gate
+
+    @triton.jit
+    def _store_heads(out_ptr, b, heads, live, d, stride_yb, stride_yh, x, gate, GATED: tl.constexpr):
+        """The heads' attention x [BLOCK_G, D] (float32) into `out` in its dtype, times sigmoid(gate) where GATED, as
+        invariant.sigmoid_gate applies it."""
+        x = x.to(out_ptr.dtype.element_ty)
+        if GATED:
+            x = gated(x.to(tl.float32), gate, out_ptr.dtype.element_ty)
+        tl.store(out_ptr + b * stride_yb + heads[:, None] * stride_yh + d[None, :], x, mask=live)
 
     @triton.jit
     def _partial_attention(
@@ -205,41 +224,39 @@ if triton is not None:
             k, v = _cached_block(k_ptr, v_ptr, base, keys, d, last, stride_ct)
             m, l, acc = _attend(q, k, v, k_new, v_new, keys, last, length, m, l, acc, scale, PRECISION)
         out = acc / tl.where(l == 0, 1.0, l)[:, None]
-        lse = tl.where(l == 0, float("-inf"), m + tl.log(l))
-        o_off = b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
-        tl.store(o_ptr + o_off, out, mask=g[:, None] < G)
-        tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=g < G)
-        # release our split, acquire the others': the last of (b, kvh)'s splits to finish merges them all (the
-        # barrier puts every thread's stores before the one thread's atomic)
-        tl.debug_barrier()
-        arrivals = arrived_ptr + b * tl.num_programs(1) + kvh
-        if tl.atomic_add(arrivals, 1, sem="acq_rel") == splits - 1:
-            s_idx = tl.arange(0, BLOCK_S)
-            live = (g[:, None] < G) & (s_idx[None, :] < splits)
-            lses = tl.load(lse_ptr + b * stride_lb + heads[:, None] * stride_lh + s_idx[None, :], mask=live,
-                           other=float("-inf"), volatile=True)  # fmt: skip
-            if GATED:  # Qwen3.5's output gate (the q projection's), read with the rest
-                gate = gate_ptr + b * stride_gb + heads[:, None] * stride_gh + d[None, :]
-                gate = tl.load(gate, mask=g[:, None] < G, other=0.0).to(tl.float32)
-            top = tl.max(lses, axis=1)
-            top = tl.where(top == float("-inf"), 0.0, top)  # no live key at all: every weight is 0
-            weights = tl.exp(lses - top[:, None])
-            total = tl.sum(weights, axis=1)
-            weights = weights / tl.where(total == 0, 1.0, total)[:, None]
-            merged = tl.zeros([BLOCK_G, D], tl.float32)
-            for t0 in range(0, splits, MERGE):  # MERGE splits' partials read at once, added in split order
-                for i in tl.static_range(MERGE):  # past `splits`: a weight and a partial of 0, adding +0 exactly
-                    t = t0 + i
-                    w_t = tl.sum(tl.where(s_idx[None, :] == t, weights, 0.0), axis=1)
-                    part = tl.load(o_ptr + b * stride_ob + heads[:, None] * stride_oh + t * stride_os + d[None, :],
-                                   mask=g[:, None] < G * (t < splits), other=0.0, volatile=True)  # fmt: skip
-                    merged += w_t[:, None] * part
-            y = out_ptr + b * stride_yb + heads[:, None] * stride_yh + d[None, :]
-            merged = merged.to(out_ptr.dtype.element_ty)
-            if GATED:  # as invariant.sigmoid_gate applies it
-                merged = gated(merged.to(tl.float32), gate, out_ptr.dtype.element_ty)
-            tl.store(y, merged, mask=g[:, None] < G)
-            tl.atomic_xchg(arrivals, 0)  # ready for the next launch
+        live = g[:, None] < G
+        if splits == 1:  # nothing to merge: the split's output is the merge's, bit for bit, without its round trips
+            gate = _gate_rows(gate_ptr, b, heads, live, d, stride_gb, stride_gh, GATED)
+            _store_heads(out_ptr, b, heads, live, d, stride_yb, stride_yh, out, gate, GATED)
+        else:
+            lse = tl.where(l == 0, float("-inf"), m + tl.log(l))
+            o_off = b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
+            tl.store(o_ptr + o_off, out, mask=live)
+            tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=g < G)
+            # release our split, acquire the others': the last of (b, kvh)'s splits to finish merges them all (the
+            # barrier puts every thread's stores before the one thread's atomic)
+            tl.debug_barrier()
+            arrivals = arrived_ptr + b * tl.num_programs(1) + kvh
+            if tl.atomic_add(arrivals, 1, sem="acq_rel") == splits - 1:
+                s_idx = tl.arange(0, BLOCK_S)
+                lses = tl.load(lse_ptr + b * stride_lb + heads[:, None] * stride_lh + s_idx[None, :],
+                               mask=live & (s_idx[None, :] < splits), other=float("-inf"), volatile=True)  # fmt: skip
+                gate = _gate_rows(gate_ptr, b, heads, live, d, stride_gb, stride_gh, GATED)  # read with the rest
+                top = tl.max(lses, axis=1)
+                top = tl.where(top == float("-inf"), 0.0, top)  # no live key at all: every weight is 0
+                weights = tl.exp(lses - top[:, None])
+                total = tl.sum(weights, axis=1)
+                weights = weights / tl.where(total == 0, 1.0, total)[:, None]
+                merged = tl.zeros([BLOCK_G, D], tl.float32)
+                for t0 in range(0, splits, MERGE):  # MERGE splits' partials read at once, added in split order
+                    for i in tl.static_range(MERGE):  # past `splits`: a weight and a partial of 0, adding +0 exactly
+                        t = t0 + i
+                        w_t = tl.sum(tl.where(s_idx[None, :] == t, weights, 0.0), axis=1)
+                        part = tl.load(o_ptr + b * stride_ob + heads[:, None] * stride_oh + t * stride_os + d[None, :],
+                                       mask=g[:, None] < G * (t < splits), other=0.0, volatile=True)  # fmt: skip
+                        merged += w_t[:, None] * part
+                _store_heads(out_ptr, b, heads, live, d, stride_yb, stride_yh, merged, gate, GATED)
+                tl.atomic_xchg(arrivals, 0)  # ready for the next launch
 
 
 MERGE_AT_ONCE = 4  # partials the merge reads in one round trip
