@@ -160,6 +160,14 @@ def test_splits_are_whole_blocks_and_few(programs, max_len):
     assert split % 64 == 0 and splits <= 64 and (splits == 1 or programs * (splits - 1) < 256)
 
 
+def test_the_programs_switch_sets_the_split_count(monkeypatch):
+    """POCKETLAB_ATTN_PROGRAMS (for tools.ab) stands in for PROGRAMS_WANTED: 4 programs over 4,096 keys split 64
+    ways by default, 4 ways when 16 programs are wanted."""
+    assert da.split_length(4, 4096, 64) == 64
+    monkeypatch.setenv("POCKETLAB_ATTN_PROGRAMS", "16")
+    assert da.split_length(4, 4096, 64) == 1024
+
+
 @pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen3_5"])  # Qwen3.5: its output gate in the merge
 def test_engine_decodes_the_same_with_either_attention(make_engine, preset):
     from conftest import LOGIT_TOL, greedy_run, random_prompt

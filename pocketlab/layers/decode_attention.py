@@ -9,6 +9,7 @@ the GPU busy at batch 1; the last split of each (sequence, kv head) to finish me
 split order, in the same launch (a lone split, as at batch 32, writes its output as it is).
 """
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -405,7 +406,9 @@ def decode_attention(
 
 def split_length(programs: int, max_len: int, block_n: int) -> int:
     """Keys per split: enough splits that (sequences x kv heads x splits) reaches ~PROGRAMS_WANTED programs (read
-    at each call, so the sweep can vary it), each a whole number of key blocks and at most 64 splits to merge."""
-    want = max(1, min(64, PROGRAMS_WANTED // programs))
+    at each call, so the sweep can vary it; POCKETLAB_ATTN_PROGRAMS sets it, for tools.ab), each a whole number of
+    key blocks and at most 64 splits to merge."""
+    wanted = int(os.environ.get("POCKETLAB_ATTN_PROGRAMS") or PROGRAMS_WANTED)
+    want = max(1, min(64, wanted // programs))
     per_split = triton.cdiv(max_len, want)
     return max(block_n, triton.next_power_of_2(per_split))
