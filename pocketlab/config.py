@@ -272,9 +272,10 @@ class EngineOptions:
     linear_in_place_tokens: int = 0  # with linear_decode's in-place kernels: forwards of at most this many tokens too
     fused_linear: str = "auto"  # few-row projections with their residual add / SwiGLU in one Triton kernel
     gemv_rows: int = 1  # fused_linear: projections of at most this many rows stream their weight (layers.gemv); 0: off
-    # fused_linear, not batch_invariant: the dense MLP's pre-norm weight multiplied into gate_up at load, so the fused
-    # matmul norms a row as one scalar, not a launch of its own: "auto" where gate_up's one-row call takes that matmul
-    # (past the GEMV's weight limit: 8B, 9B), "always", "never"
+    # fused_linear, not batch_invariant: each pre-norm's weight multiplied into the projection that reads it (qkv,
+    # in_proj, a dense gate_up) at load, so a launch norms a row as one scalar, not a launch of its own: "auto" where
+    # gate_up's one-row call takes the fused matmul (past the GEMV's weight limit: 8B, 9B) and on GPUs whose few-row
+    # matmuls take the TMA ring (layers.matmul_tma: sm_90), "always", "never"
     fold_norm_weights: str = "auto"
     moe_kernel: str = "auto"  # routed experts: "triton" (layers.moe_kernel), "torch" (grouped_mm), "auto": GPU triton
     moe_gemv_tokens: int = 1  # with both Triton paths: MoE blocks of at most this many tokens take layers.moe_gemv

@@ -50,6 +50,18 @@ def fp32_matmul(x, w, bias=None):
     return F.linear(x.float(), w.float(), None if bias is None else bias.float()).to(x.dtype)
 
 
+def scaled_matmul(x, eps):
+    """fp32_matmul with x's rows normed by a unit RMSNorm as one scalar a row on the fp32 sums (the norm's weight
+    folded into w), the bias added after, one rounding."""
+    rsqrt = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+
+    def matmul(a, w, bias=None):
+        y = F.linear(a.float(), w.float()) * rsqrt
+        return (y if bias is None else y + bias.float()).to(x.dtype)
+
+    return matmul
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("epilogue", EPILOGUES)
 def test_fused_linear_matches_the_unfused_torch_steps(dtype, epilogue):
@@ -114,6 +126,40 @@ def test_tma_ring_matmul_matches_the_unfused_torch_steps(epilogue, monkeypatch):
     empty = matmul_tma.linear(x[:0], w, bias, ring=matmul_tma.DEFAULT_RING,
                               **extras | {"residual": None if residual is None else residual[:0]})  # fmt: skip
     assert empty.shape == (0, N) and len(taken) == 2 + (epilogue in ("residual", "swiglu"))
+
+
+@pytest.mark.parametrize("epilogue", EPILOGUES)
+@pytest.mark.parametrize("offset", [False, True], ids=["w*x", "(1+w)*x"])
+def test_tma_ring_norms_rows_by_the_squares_its_residual_epilogue_left(epilogue, offset, monkeypatch):
+    """Batches of 2-64 rows on sm_90: the ring's residual epilogue stores each row's sum of squares over its tile of
+    columns beside the residual stream it writes, and the next projection, its pre-norm's weight folded in (a unit
+    norm), scales its fp32 sums by rsqrt(mean(x^2) + eps) from them, with no norm launch: against that arithmetic
+    in torch over the folded weight. A tensor no epilogue wrote, or a norm not folded, runs the norm's own launch.
+    Rows of rms 0.01-10; a stream of 18 column tiles (the last partial), K in two slices."""
+    monkeypatch.setenv("POCKETLAB_MATMUL_TMA", "64:3:0:1")
+    linear, dtype = torch_linear.fused_at_few_rows(inv.linear), torch.bfloat16
+    N, K, inner = 40, 1096, 200
+    for M in (3, 20):
+        scales = torch.logspace(-2, 1, M, device=DEV, dtype=dtype)[:, None]
+        stream = randn(M, K, dtype=dtype, seed=M) * scales
+        h = linear(randn(M, inner, dtype=dtype, seed=M + 1), randn(K, inner, dtype=dtype, scale=0.01, seed=M + 2),
+                   residual=stream)  # fmt: skip
+        sums = getattr(h, matmul_tma.SQUARES)
+        assert sums.shape == (18, M) and torch.allclose(sums.sum(0), h.float().pow(2).sum(-1), rtol=1e-5)
+        _, w, bias, extras = inputs(M, N, K, dtype, epilogue, seed=M)
+        norm = RMSNorm(randn(K, dtype=dtype, seed=M + 7), 1e-2, offset)
+        folded = norm.fold_into(w.clone())
+        calls: list[int] = []
+        norm.norm = lambda *a, run=norm.norm, calls=calls: calls.append(1) or run(*a)
+        want = torch_linear.composed(scaled_matmul(h, norm.eps), h, folded, bias, **extras)
+        assert_matches_the_unfused_steps(linear(h, folded, bias, norm=norm, **extras), want, dtype, (M, offset))
+        assert calls == []
+        copy = h.clone()  # the same values, but no epilogue's output: no sums come with it
+        want = torch_linear.composed(fp32_matmul, norm(copy), folded, bias, **extras)
+        assert_matches_the_unfused_steps(linear(copy, folded, bias, norm=norm, **extras), want, dtype, (M, "copy"))
+        assert len(calls) == 2
+        weighted = RMSNorm(norm.weight * 2, norm.eps)
+        assert not weighted.unit and matmul_tma.carried_squares(h, weighted) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -207,16 +253,10 @@ def test_fused_matmul_norms_rows_by_a_unit_norm(dtype, epilogue, offset):
             norm.norm = lambda *a, run=norm.norm, calls=calls: calls.append(1) or run(*a)
             got = inv.linear(x, folded, bias, norm=norm, **extras)
             assert norm.unit and len(calls) == (M > 1 or matmul.order(N, K, dtype).split_k > 1)
-            rsqrt = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + norm.eps)
-
-            def scaled(a, b, c=None, rsqrt=rsqrt):
-                y = F.linear(a.float(), b.float()) * rsqrt
-                return (y if c is None else y + c.float()).to(dtype)
-
             if calls:  # the norm kernel's rounded row, then the plain launch
                 want = torch_linear.composed(lambda a, b, c=None: fp32_matmul(a, b, c), norm(x), folded, bias, **extras)
             else:
-                want = torch_linear.composed(scaled, x, folded, bias, **extras)
+                want = torch_linear.composed(scaled_matmul(x, norm.eps), x, folded, bias, **extras)
             assert_matches_the_unfused_steps(got, want, dtype, (N, K, M, offset))
             if dtype == torch.float32:  # the norm's weight moved into the projection changes no result
                 unfolded = torch_linear.composed(lambda a, b, c=None: fp32_matmul(a, b, c), exact, w, bias, **extras)
@@ -416,14 +456,32 @@ def test_a_gate_up_past_the_gemv_limit_keeps_five_launches_with_its_norm_folded(
     assert decode_launches_by_layer(make_engine("tiny-qwen3", **options), monkeypatch) == [want, want]
 
 
-def decode_launches_by_layer(engine, monkeypatch) -> list[list[str]]:
-    """The Triton launches (kernel names, in order) of each decoder layer in one decode step after a 9-token prompt."""
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="counts the interpreter's launches")
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen3_5"])
+def test_a_batched_decode_step_norms_in_the_projections_where_the_ring_leaves_row_squares(make_engine, monkeypatch,
+                                                                                           preset):  # fmt: skip
+    """Where few-row matmuls take the TMA ring (sm_90; here switched in), "auto" folds every pre-norm's weight into
+    the projection that reads it, and a batched decode step launches one norm, the first layer's: every other norm
+    reads the row squares that the residual epilogue before it left."""
+    monkeypatch.setenv("POCKETLAB_MATMUL_TMA", "64:3:0")
+    options = dict(fused_linear="triton", linear_decode="triton", decode_attention="triton", dtype="bfloat16")
+    engine = make_engine(preset, **options)
+    assert all(layer.input_norm.unit and layer.post_norm.unit for layer in engine.model.layers)
+    layers = decode_launches_by_layer(engine, monkeypatch, slots=2)
+    assert [kernels.count("_rms_norm_rows") for kernels in layers] == [1] + [0] * (len(layers) - 1), layers
+
+
+def decode_launches_by_layer(engine, monkeypatch, slots: int = 1) -> list[list[str]]:
+    """The Triton launches (kernel names, in order) of each decoder layer in one decode step of `slots` slots, each
+    after a 9-token prompt."""
     from conftest import random_prompt
     from triton.runtime.interpreter import InterpretedFunction
 
     from pocketlab.models.qwen3 import DecoderLayer
+    from pocketlab.requests import BatchedRequest
 
-    first = engine.prefill(random_prompt(9, seed=2), slot_id=0)
+    requests = [BatchedRequest(s, random_prompt(9, seed=2 + s), slot_id=s) for s in range(slots)]
+    engine.batch_prefill(requests)  # each request's first token kept on it
     launches, layers = [], []
     run, call = InterpretedFunction.run, DecoderLayer.__call__
 
@@ -437,7 +495,7 @@ def decode_launches_by_layer(engine, monkeypatch) -> list[list[str]]:
         InterpretedFunction, "run", lambda self, *a, **k: launches.append(self.fn.__name__) or run(self, *a, **k)
     )
     monkeypatch.setattr(DecoderLayer, "__call__", counted_call)
-    engine.decode_step(first.next_token, slot_id=0)
+    engine.batch_decode_step(requests)
     return layers
 
 

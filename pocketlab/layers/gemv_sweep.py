@@ -378,11 +378,13 @@ def tma_matmul_usage(block_m: int, ring, epilogue: int) -> str:
     the launch caps them for SwiGLU)."""
     stages = matmul_tma.stages_that_fit(ring, block_m, 128 * 2, epilogue == SWIGLU)
     signature = {"x_desc": f"tensordesc<bf16[{block_m}, 128]>", "w_desc": f"tensordesc<bf16[{ring.block_n}, 128]>"}
-    signature |= dict.fromkeys(("w_ptr", "b_ptr", "y_ptr", "res_ptr"), "*bf16") | {"part_ptr": "*fp32"}
-    ints = ("rows", "N", "K", "k_per_split", "split_k", "stride_wn", "stride_ym", "stride_ps", "stride_pm", "stride_rm")
-    signature |= {"arrived_ptr": "*i32"} | dict.fromkeys(ints, "i32")
+    signature |= dict.fromkeys(("w_ptr", "b_ptr", "y_ptr", "res_ptr"), "*bf16")
+    signature |= dict.fromkeys(("part_ptr", "squares_in_ptr", "squares_out_ptr"), "*fp32") | {"arrived_ptr": "*i32"}
+    ints = ("rows", "N", "K", "k_per_split", "split_k", "tiles_in", "stride_wn", "stride_ym", "stride_ps",
+            "stride_pm", "stride_rm")  # fmt: skip
+    signature |= dict.fromkeys(ints, "i32") | {"eps": "fp32"}
     constants = dict(HAS_BIAS=False, EPILOGUE=epilogue, PRECISION="tf32", BLOCK_M=block_m, BLOCK_N=ring.block_n,
-                     BLOCK_K=128, STAGES=stages, PREFETCH=ring.prefetch)  # fmt: skip
+                     BLOCK_K=128, STAGES=stages, PREFETCH=ring.prefetch, TILES_IN=0, SQUARES_OUT=False)  # fmt: skip
     return compiled(matmul_tma._matmul_tma, signature, constants, 4, 3, ("k_per_split",))
 
 

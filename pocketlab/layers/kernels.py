@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import activations, greedy, moe, norm
+from . import activations, greedy, matmul_tma, moe, norm
 from .linear import fused_at_few_rows, streams_as_gemv
 from .linear import linear as composed_linear
 
@@ -39,7 +39,7 @@ class Kernels:
     embedding: Callable = F.embedding
     gather_vocab: Callable = lambda logits: logits  # noqa: E731
     logits_and_argmax: Callable = greedy.torch_logits_and_argmax  # a decode graph's float32 logits and greedy tokens
-    folds_norm: Callable = lambda gate_up: False  # noqa: E731  # whether the MLP's pre-norm weight goes into gate_up
+    folds_norm: Callable = lambda weight, swiglu=False: False  # noqa: E731  # a pre-norm's weight into its projection
 
     def project_out(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + x @ weight.T, for o_proj, down_proj, out_proj: the residual stream. Split over ranks each
@@ -85,11 +85,15 @@ def kernels_for(options) -> Kernels:
     )
 
 
-def folds_norm(options, gate_up: torch.Tensor) -> bool:
-    """options.fold_norm_weights for this gate_up: "auto" where its one-row call would otherwise run the norm as a
-    launch of its own before the fused matmul (no GEMV takes it: past its weight limit, or gemv_rows 0)."""
+def folds_norm(options, weight: torch.Tensor, swiglu: bool = False) -> bool:
+    """options.fold_norm_weights for a projection that reads a pre-norm (qkv, in_proj, gate_up): "auto" wherever
+    few-row calls take the TMA ring, whose residual epilogue leaves each row's sum of squares for the next
+    projection's norm (batches of 2-64 rows then launch no norm), and for a gate_up (`swiglu`) whose one-row call
+    would otherwise run the norm as a launch of its own before the fused matmul (no GEMV takes it: past its weight
+    limit, or gemv_rows 0)."""
     if options.fold_norm_weights == "auto":
-        return not (options.gemv_rows and streams_as_gemv(gate_up))
+        few_rows_ring = matmul_tma.ring_for(matmul_tma.MAX_ROWS, torch.device(options.device)) is not None
+        return few_rows_ring or (swiglu and not (options.gemv_rows and streams_as_gemv(weight)))
     return options.fold_norm_weights == "always"
 
 

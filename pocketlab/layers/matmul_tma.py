@@ -79,13 +79,17 @@ def _prefetch_rows(w_ptr, n0, k_start, K, rows_total, stride_wn, ROWS: tl.conste
 
 
 @triton.jit(do_not_specialize=["rows"])
-def _matmul_tma(x_desc, w_desc, w_ptr, b_ptr, y_ptr, part_ptr, arrived_ptr, res_ptr, rows, N, K, k_per_split,
-                split_k, stride_wn, stride_ym, stride_ps, stride_pm, stride_rm, HAS_BIAS: tl.constexpr,
-                EPILOGUE: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
+def _matmul_tma(x_desc, w_desc, w_ptr, b_ptr, y_ptr, part_ptr, arrived_ptr, res_ptr, squares_in_ptr,
+                squares_out_ptr, rows, N, K, k_per_split, split_k, tiles_in, eps, stride_wn, stride_ym, stride_ps,
+                stride_pm, stride_rm, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, PRECISION: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+                PREFETCH: tl.constexpr, TILES_IN: tl.constexpr, SQUARES_OUT: tl.constexpr,
                 PDL: tl.constexpr):  # fmt: skip
     """Slice program_id(1) of weight rows [BLOCK_N from program_id(0)] times every row of x; EPILOGUE as the
-    invariant matmul's (2: W is [gate | up], up rows N further; gate rows past N read up rows, never stored)."""
+    invariant matmul's (2: W is [gate | up], up rows N further; gate rows past N read up rows, never stored).
+    TILES_IN (> 0): x's rows are normed by a unit RMSNorm, their sums of squares read as `tiles_in` partials
+    [tiles_in, rows] at squares_in_ptr; SQUARES_OUT: each row's sum of squares over this tile's columns of y is
+    stored at squares_out_ptr [program_id(0), rows], for the norm of the projection that reads y next."""
     pid_n, s = tl.program_id(0), tl.program_id(1)
     n0 = pid_n * BLOCK_N
     k_start = s * k_per_split
@@ -96,6 +100,13 @@ def _matmul_tma(x_desc, w_desc, w_ptr, b_ptr, y_ptr, part_ptr, arrived_ptr, res_
         if TWO:
             _prefetch_rows(w_ptr, n0 + N, k_start, K, N * 2, stride_wn, BLOCK_N, PREFETCH * BLOCK_K * 2)
     wait_then_release(PDL)
+    m = tl.arange(0, BLOCK_M)
+    live_m = m < rows
+    if TILES_IN:  # the kernel before stored them: read after the wait, summed in tile order, used by the epilogue
+        t = tl.arange(0, TILES_IN)
+        parts = tl.load(squares_in_ptr + t[:, None] * rows + m[None, :], mask=(t < tiles_in)[:, None] & live_m[None, :],
+                        other=0.0)  # fmt: skip
+        rstd = tl.rsqrt(tl.sum(parts, 0) / K + eps)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
@@ -103,9 +114,8 @@ def _matmul_tma(x_desc, w_desc, w_ptr, b_ptr, y_ptr, part_ptr, arrived_ptr, res_
         acc = dot(w_desc.load([n0, k0]), x, acc, PRECISION)
         if TWO:
             acc_up = dot(w_desc.load([n0 + N, k0]), x, acc_up, PRECISION)
-    m = tl.arange(0, BLOCK_M)
     n = n0 + tl.arange(0, BLOCK_N)
-    live_m, live_n = m < rows, n < N
+    live_n = n < N
     live = live_m[:, None] & live_n[None, :]
     total, total_up = tl.trans(acc), tl.trans(acc_up)  # [BLOCK_M, BLOCK_N]
     done = True
@@ -113,9 +123,14 @@ def _matmul_tma(x_desc, w_desc, w_ptr, b_ptr, y_ptr, part_ptr, arrived_ptr, res_
         total, total_up, done = last_sums(total, total_up, part_ptr + m[:, None] * stride_pm + n[None, :],
                                           arrived_ptr + pid_n, s, split_k, live, stride_ps, N, TWO)  # fmt: skip
     if done:
+        if TILES_IN:  # x's norm as one scalar a row: (rstd x) @ W^T = rstd (x @ W^T), the norm's weight in W
+            total, total_up = total * rstd[:, None], total_up * rstd[:, None]
         y = finish(total, total_up, b_ptr, res_ptr, m, n, live_m, live_n, stride_rm, y_ptr.dtype.element_ty,
                    HAS_BIAS, EPILOGUE)  # fmt: skip
         tl.store(y_ptr + m.to(tl.int64)[:, None] * stride_ym + n[None, :], y, mask=live)
+        if SQUARES_OUT:  # of y as stored, as the norm would read it
+            yf = tl.where(live, y.to(tl.float32), 0.0)
+            tl.store(squares_out_ptr + pid_n * rows + m, tl.sum(yf * yf, 1), mask=live_m)
 
 
 def stages_that_fit(ring: Ring, block_m: int, row_bytes: int, two: bool) -> int:
@@ -124,10 +139,22 @@ def stages_that_fit(ring: Ring, block_m: int, row_bytes: int, two: bool) -> int:
     return max(2, min(ring.stages, SHARED_BYTES // ((ring.block_n * (1 + two) + block_m) * row_bytes)))
 
 
+SQUARES = "_pocketlab_row_squares"  # the attribute by which a residual epilogue's output carries its rows' squares
+
+
+def carried_squares(x: torch.Tensor, norm) -> torch.Tensor | None:
+    """The partial sums of squares of x's rows ([tiles, rows] fp32) that a unit `norm` (its weight folded into the
+    projection) may take instead of its launch: those the ring's residual epilogue that wrote x stored beside it,
+    else None. The residual stream is never changed in place (inference tensors keep no version to tell)."""
+    return getattr(x, SQUARES, None) if norm is not None and norm.unit else None
+
+
 def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, ring: Ring,
-           fused: Fused | None = None) -> torch.Tensor:  # fmt: skip
+           fused: Fused | None = None, squares: torch.Tensor | None = None, eps: float = 0.0,
+           squares_out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """y [M, N] = x2 [M, K] @ weight^T (+ bias), then `fused`'s epilogue, the weight read through `ring`
-    (`fits(x2, weight)` checked by the caller)."""
+    (`fits(x2, weight)` checked by the caller); with `squares` (partial sums of x2's rows' squares, [tiles, M]) the
+    rows normed by a unit RMSNorm of `eps` first; `squares_out` ([cdiv(N, ring.block_n), M] fp32) gets y's."""
     fused = fused or Fused()
     M, K = x2.shape
     N = y.shape[1]
@@ -137,19 +164,22 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
     w_desc = TensorDescriptor.from_tensor(weight, block_shape=[ring.block_n, o.block_k])
     grid_n = triton.cdiv(N, ring.block_n)
     stages = stages_that_fit(ring, block_m, o.block_k * x2.element_size(), fused.epilogue == SWIGLU)
+    arrived = arrival_counts(x2.device, grid_n)  # read only with split_k > 1, but typed for any launch's compile
     if o.split_k > 1:
         part = torch.empty(o.split_k, M, 2 * N if fused.epilogue == SWIGLU else N, dtype=torch.float32,
                            device=x2.device)  # fmt: skip
-        arrived = arrival_counts(x2.device, grid_n)
     else:
-        part = arrived = y  # never read
-    res = fused.residual
+        part = y  # never read
+    res, out = fused.residual, squares_out
     _matmul_tma[(grid_n, o.split_k)](
-        x_desc, w_desc, weight, y if bias is None else bias, y, part, arrived, y if res is None else res, M, N, K,
-        o.k_per_split, o.split_k, weight.stride(0), y.stride(0), part.stride(0) if o.split_k > 1 else 0,
-        part.stride(1) if o.split_k > 1 else 0, 0 if res is None else res.stride(0), HAS_BIAS=bias is not None,
-        EPILOGUE=fused.epilogue, PRECISION=precision(x2.dtype, x2.device), BLOCK_M=block_m, BLOCK_N=ring.block_n,
-        BLOCK_K=o.block_k, STAGES=stages, PREFETCH=ring.prefetch if pdl.sm90(x2.device) else 0,
+        x_desc, w_desc, weight, y if bias is None else bias, y, part, arrived, y if res is None else res,
+        y if squares is None else squares, y if out is None else out, M, N, K, o.k_per_split, o.split_k,
+        0 if squares is None else squares.shape[0], eps, weight.stride(0), y.stride(0),
+        part.stride(0) if o.split_k > 1 else 0, part.stride(1) if o.split_k > 1 else 0,
+        0 if res is None else res.stride(0), HAS_BIAS=bias is not None, EPILOGUE=fused.epilogue,
+        PRECISION=precision(x2.dtype, x2.device), BLOCK_M=block_m, BLOCK_N=ring.block_n, BLOCK_K=o.block_k,
+        STAGES=stages, PREFETCH=ring.prefetch if pdl.sm90(x2.device) else 0,
+        TILES_IN=0 if squares is None else triton.next_power_of_2(squares.shape[0]), SQUARES_OUT=out is not None,
         num_warps=4, **pdl.launch(x2.device),
     )  # fmt: skip
     return y
@@ -158,18 +188,33 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, ring: Ring,
            residual: torch.Tensor | None = None, swiglu: bool = False, norm=None,
            conv=None) -> torch.Tensor:  # fmt: skip
-    """invariant.matmul.linear's call (its norm before and conv after as kernels of their own) through `ring`;
-    calls TMA cannot read (and empty ones) go there."""
-    if norm is not None:
-        x = norm(x)
+    """invariant.matmul.linear's call (its conv after as a kernel of its own) through `ring`; calls TMA cannot read
+    (and empty ones) go there. A unit `norm` of an x this ring's residual epilogue wrote runs inside the launch, on
+    the sums of squares that epilogue left on x (`carried_squares`); any other norm runs first, as its own kernel.
+    A residual epilogue's output so carries its own sums."""
     N = checked_width("linear", x, weight, bias, residual, swiglu)
-    x2 = as_rows(x, weight.shape[1])
+    K = weight.shape[1]
+    squares = carried_squares(x, norm) if fits(as_rows(x, K), weight) else None
+    if norm is not None and squares is None:
+        x = norm(x)
+    x2 = as_rows(x, K)
     if not (x2.shape[0] and fits(x2, weight)):
         y = invariant_linear(x2, weight, bias, residual=None if residual is None else as_rows(residual, N),
                              swiglu=swiglu)  # fmt: skip
-    else:
-        y = torch.empty(x2.shape[0], N, dtype=x.dtype, device=x.device)
-        fused = Fused(None if residual is None else as_rows(residual, N), epilogue_of(residual, swiglu))
-        launch(x2, weight, bias, y, ring, fused)
-    y = y.reshape(*x.shape[:-1], N)
+        return finished(y, x, conv)
+    y = torch.empty(x2.shape[0], N, dtype=x.dtype, device=x.device)
+    fused = Fused(None if residual is None else as_rows(residual, N), epilogue_of(residual, swiglu))
+    out = None
+    if residual is not None and conv is None:
+        out = torch.empty(triton.cdiv(N, ring.block_n), x2.shape[0], dtype=torch.float32, device=x.device)
+    launch(x2, weight, bias, y, ring, fused, squares, norm.eps if squares is not None else 0.0, out)
+    y = finished(y, x, conv)
+    if out is not None:
+        setattr(y, SQUARES, out)
+    return y
+
+
+def finished(y: torch.Tensor, x: torch.Tensor, conv) -> torch.Tensor:
+    """y [rows, N] in x's leading shape, then `conv` on it."""
+    y = y.reshape(*x.shape[:-1], y.shape[1])
     return y if conv is None else conv(y)

@@ -25,6 +25,11 @@ class MLP:
         self.down = w.pop(p + "down_proj.weight")
         self.kernels = kernels
 
+    @property
+    def normed_weight(self) -> torch.Tensor:
+        """The weight of the projection that reads the pre-norm's output (DecoderLayer folds the norm into it)."""
+        return self.gate_up
+
     def __call__(self, h, norm):
         """h + down(silu(gate(x)) * up(x)) with x = norm(h): two kernels where the linears fuse the norm and the add."""
         return self.kernels.project_out(self.kernels.linear(h, self.gate_up, swiglu=True, norm=norm), self.down, h)
@@ -44,6 +49,10 @@ class Attention:
         self.o = w.pop(p + "o_proj.weight")
         self.q_norm = w.pop(p + "q_norm.weight", None)
         self.k_norm = w.pop(p + "k_norm.weight", None)
+
+    @property
+    def normed_weight(self) -> torch.Tensor:
+        return self.qkv
 
     def __call__(self, h, norm, ctx: ForwardContext, cache: SlotCache):
         """h + attention(norm(h)), the norm inside qkv's kernel and the residual add inside o_proj's where they fuse."""
@@ -108,8 +117,10 @@ class DecoderLayer:
         self.mixer = mixer
         self.post_norm = RMSNorm(w.pop(p + "post_attention_layernorm.weight"), eps, offset, kernels)
         self.mlp = mlp
-        if isinstance(mlp, MLP) and kernels.folds_norm(mlp.gate_up):  # the fused matmul then norms in its launch
-            self.post_norm.fold_into(mlp.gate_up)
+        for norm, reads_it in ((self.input_norm, mixer), (self.post_norm, mlp)):  # the launches then norm a row
+            weight = getattr(reads_it, "normed_weight", None)  # a MoE block norms in its own kernels
+            if weight is not None and kernels.folds_norm(weight, swiglu=reads_it is mlp):
+                norm.fold_into(weight)
 
     def __call__(self, h, ctx: ForwardContext, cache: SlotCache):
         """h -> h + mixer(input_norm(h)) -> h + mlp(post_norm(h)). Each norm is handed to the projection that reads

@@ -46,6 +46,10 @@ class GatedDeltaNet:
         self.norm = w.pop(p + "norm.weight")
         self.out = w.pop(p + "out_proj.weight")
 
+    @property
+    def normed_weight(self) -> torch.Tensor:
+        return self.in_proj
+
     def __call__(self, h, norm, ctx: ForwardContext, cache: SlotCache):
         """h + gated_delta_net(norm(h)): the norm inside in_proj's kernel and a decode step's conv in its epilogue,
         the add inside out_proj's, where they fuse."""
