@@ -145,7 +145,7 @@ def test_the_rows_aside_at_the_real_shapes(preset, rows):
     """graphs.ASIDE_BYTES of rows aside, at the real shapes' Gated DeltaNet states (bf16 windows, fp32 states): the
     batches whose steps launch ahead there (README's figures). None at a dense model or with the option off."""
     cfg = ModelConfig.from_dict(hf_config(preset).to_dict())
-    options = EngineOptions(max_slots=32, dtype="bfloat16")
+    options = EngineOptions(max_slots=32, dtype="bfloat16", decode_ahead=True)
     assert graphs.aside_rows(cfg, options) == rows
     assert graphs.aside_rows(cfg, dataclasses.replace(options, decode_ahead=False)) == 0
 

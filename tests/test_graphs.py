@@ -58,7 +58,7 @@ def test_graphed_decode_equals_eager(make_engine, graphs, sampling):
     if graphs == "cuda" and DEVICE != "cuda":
         pytest.skip("real CUDA graphs: POCKETLAB_DEVICE=cuda")
     want = batch_decode(make_engine("tiny-qwen3_5", cuda_graphs=False, **decode_only), prompts, 20, sampling)
-    eng = make_engine("tiny-qwen3_5", **decode_only)
+    eng = make_engine("tiny-qwen3_5", decode_ahead=True, **decode_only)
     if graphs != "cuda":
         eng.graphs = graphs(eng.model, eng.cache, eng.options)
     if graphs is FailingGraphs:
