@@ -12,6 +12,10 @@ element is the same chain of MMA steps, and the sweep and the engine found the s
 The default engine sends its calls of up to 64 rows here on sm_90 and later (`ring_for`), save those the GEMV takes
 and one-row calls with an epilogue: the lm_head at batch 1 among them, which cuBLAS ran before. POCKETLAB_MATMUL_TMA=0
 turns that off, "block_n:stages:prefetch[:plain[:min_rows]]" tries another ring.
+
+The residual epilogue (o_proj, down, out_proj) also leaves each row's sum of squares over its tile of columns beside the
+stream it writes, so the next projection, its pre-norm's weight folded in (RMSNorm.fold_into), norms its rows as one
+scalar from them: no norm launch between the two (`carried_squares`).
 """
 
 from __future__ import annotations
