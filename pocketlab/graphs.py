@@ -13,7 +13,7 @@ import bisect
 import contextlib
 import warnings
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple, cast
 
 import numpy as np
 import torch
@@ -138,7 +138,7 @@ class Ahead:
 
     runs: list[tuple[int, int]]  # (slot, start) per row
     changes: list[int]  # each slot's SlotState.changes at the launch
-    outputs: Any  # its graph's static outputs
+    outputs: tuple[torch.Tensor, torch.Tensor]  # its [n, vocab] logits and n greedy tokens, out of the graphs' pool
     back: int  # the pinned buffer its greedy tokens come back in
     aside: torch.Tensor | None  # the slots [n] (device) whose Gated DeltaNet states it stored aside, if any
     tokens: list[int] | None = None  # what it was fed: the tokens the launching step returned
@@ -189,33 +189,34 @@ class StepGraphs:
         waits for those B tokens alone, not for the logits' copy out of the graph's buffer queued after them.
         `ahead`: before that wait, launch the next step of these slots, fed these tokens on the device
         (`launch_ahead`); a step launched so by the call before serves this one if it ran exactly these runs."""
-        launched, self.ahead = self.ahead, None  # any other decode replay would overwrite its outputs: used or gone
+        launched, self.ahead = self.ahead, None  # the next decode call takes it or no call does: used or gone
         n = len(runs)
         if launched is not None and launched.serves(runs, self.cache):
-            out, back = launched.outputs, launched.back
+            (logits, argmax), back = launched.outputs, launched.back
             if launched.aside is not None:  # its states join its slots', before anything reads them
                 self.cache.take_aside(launched.aside)
         else:
             out, back = self.replay("decode", self._decode, runs), 0
             if out is None:
                 return self._decode(ForwardContext.build(runs, self.cache.scratch, self.device))[0], None
-            self._read_back(out, n, back)
-        logits = out[0][:n].clone()  # the next replay overwrites the graph's; queued behind the tokens' copy
+            self._read_back(out[1], n, back)
+            logits, argmax = out[0][:n].clone(), out[1]  # the logits out before the next replay, behind the tokens
         if ahead:
-            self.ahead = self.launch_ahead(runs, out, 1 - back)
+            self.ahead = self.launch_ahead(runs, argmax, 1 - back)
         tokens = self._tokens(n, back)
         if self.ahead is not None:
             self.ahead.tokens = tokens
         return logits, tokens
 
-    def launch_ahead(self, runs: list[Run], out, back: int) -> Ahead | None:
-        """Launch the decode step after `runs` on the same slots, each row's token the argmax of `out` (a step's
-        outputs) copied on the device, so the GPU goes on while the host returns this step's tokens and the next
+    def launch_ahead(self, runs: list[Run], argmax: torch.Tensor, back: int) -> Ahead | None:
+        """Launch the decode step after `runs` on the same slots, each row's token from `argmax` (a step's greedy
+        tokens) copied on the device, so the GPU goes on while the host returns this step's tokens and the next
         call comes. Its tokens come back through pinned buffer `back`. Nothing visible changes: it writes each
         slot's K/V one position past its history, where no key is read until a step writes it again, the graph's
-        outputs, which the next decode replay overwrites, and a hybrid's Gated DeltaNet states aside (the cache's
-        `aside`), which join the slots' only if the step is served. None past max_seq_len, past the rows aside, or
-        where the capture fails."""
+        outputs, which it copies out at once (the graphs share one pool: a later replay of any of them may reuse
+        that memory before the step is served), and a hybrid's Gated DeltaNet states aside (the cache's `aside`),
+        which join the slots' only if the step is served. None past max_seq_len, past the rows aside, or where the
+        capture fails."""
         n, nxt = len(runs), [Run(r.slot, r.start + 1, [0]) for r in runs]
         b, kv = bucket(self.batch_sizes, n), bucket(self.key_sizes, max(r.start for r in nxt) + 1)
         aside = bool(self.model.cfg.linear_layers)
@@ -229,17 +230,19 @@ class StepGraphs:
         if captured is None:
             return None
         captured.inputs.load(nxt, self.cache.scratch, False)
-        captured.inputs.tokens[:n, 0].copy_(out[1][:n])
+        captured.inputs.tokens[:n, 0].copy_(argmax[:n])
         captured.graph.replay()
         self.last = captured
-        self._read_back(captured.outputs, n, back)
+        logits, argmax = cast(tuple[torch.Tensor, torch.Tensor], captured.outputs)  # a decode step's
+        outputs = (logits[:n].clone(), argmax[:n].clone())  # out of the pool before any other replay
+        self._read_back(outputs[1], n, back)
         changes = [self.cache.slots[r.slot].changes for r in runs]
         slots = captured.inputs.slot_ids[:n] if aside else None  # read by take_aside before any later load
-        return Ahead([(r.slot, r.start) for r in nxt], changes, captured.outputs, back, slots)
+        return Ahead([(r.slot, r.start) for r in nxt], changes, outputs, back, slots)
 
-    def _read_back(self, out, n: int, back: int) -> None:
+    def _read_back(self, argmax: torch.Tensor, n: int, back: int) -> None:
         """Queue the copy of a step's n greedy tokens into pinned buffer `back`."""
-        self.greedy_host[back][:n].copy_(out[1][:n], non_blocking=True)
+        self.greedy_host[back][:n].copy_(argmax[:n], non_blocking=True)
         if (event := self.greedy_copied[back]) is not None:
             event.record()
 

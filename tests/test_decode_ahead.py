@@ -1,5 +1,5 @@
 """A greedy decode step launches the next step of its slots before it returns (StepGraphs.launch_ahead), fed its
-argmax on the device. Checked on the CPU through RerunGraphs (and with real captures on CUDA), for attention-only
+argmax on the device. Checked on the CPU through SharedPoolGraphs (and with real captures on CUDA), for attention-only
 models and hybrids (whose launched step stores its Gated DeltaNet states aside): the launched step serves the next
 call only where that call feeds those slots the tokens it was fed from an unchanged history, gives the bits a fresh
 replay gives, and shows nowhere."""
@@ -20,8 +20,8 @@ SHAPE = dict(max_slots=4, max_seq_len=160, prefill_graph_tokens=0)  # decode gra
 
 
 def engine(make_engine, ahead: bool, cuda: bool = False, preset: str = "tiny-qwen3", **options):
-    """An engine with decode graphs: real ones (cuda) or RerunGraphs, counting its decode graphs' replay() calls
-    (launches ahead are not among them)."""
+    """An engine with decode graphs: real ones (cuda) or their CPU double (graph_doubles.rerun_graphs), counting its
+    decode graphs' replay() calls (launches ahead are not among them)."""
     eng = make_engine(preset, decode_ahead=ahead, **SHAPE | options, **({} if cuda else dict(cuda_graphs=False)))
     if not cuda:
         rerun_graphs(eng)
@@ -99,6 +99,24 @@ def test_a_step_launched_ahead_serves_no_other_call(make_engine, preset):
     assert torch.equal(eng.cache.rec_bank, plain.cache.rec_bank) and torch.equal(
         eng.cache.conv_bank, plain.cache.conv_bank
     )
+
+
+@PRESETS
+@pytest.mark.parametrize("cuda", [False, True], ids=["shared-pool", "cuda"])
+def test_a_step_launched_ahead_copies_its_outputs_before_another_graph_replays(make_engine, cuda, preset):
+    """The graphs share one memory pool, so a replay may overwrite another graph's outputs (the CPU's graphs here,
+    SharedPoolGraphs, spoil them all at every replay): a launched step copies its logits and tokens out at once, and
+    `schedule`'s prompt on another slot, replayed from a prompt graph before the launched step is taken, changes no
+    bit. Without the copy the taken step fed its spoiled tokens to the next (an embedding index out of range: on
+    CUDA, the isolation notebook's device-side assert of the fiftieth session; there real captures, whose memory
+    the allocator places, need not overlap)."""
+    if cuda and DEVICE != "cuda":
+        pytest.skip("real CUDA graphs: POCKETLAB_DEVICE=cuda")
+    prompt_graphs = dict(prefill_graph_tokens=48)
+    plain, eng = (engine(make_engine, ahead, cuda, preset, **prompt_graphs) for ahead in (False, True))
+    want, got = schedule(plain), schedule(eng)
+    assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert eng.replays == plain.replays - 4 and any(key[0] == "prefill" for key in eng.graphs.graphs)
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
 """CUDA graphs on the CPU: a StepGraphs whose "graph" re-runs the captured function, so everything around a capture
-(static input buffers, padding, bucket choice, outputs handed back, the eager fallback) runs for real without a GPU.
-The tests and the schedule fuzzer use it; the GPU runs check real captures."""
+(static input buffers, padding, bucket choice, outputs handed back, the eager fallback) runs for real without a GPU,
+and whose every replay spoils the other graphs' outputs, as the real graphs' shared memory pool may. The tests and the
+schedule fuzzer use it; the GPU runs check real captures."""
 
 from __future__ import annotations
 
@@ -37,7 +38,35 @@ class RerunGraphs(StepGraphs):
         return SimpleNamespace(replay=lambda: copy_into(out, fn())), out
 
 
-def rerun_graphs(engine):
-    """`engine` with RerunGraphs in place of its graphs (which the CPU has none of); returns it."""
-    engine.graphs = RerunGraphs(engine.model, engine.cache, engine.options)
+def spoil(out) -> None:
+    """Overwrite what a capture returned (tensors, recursively): NaN where it holds floats, -1 where integers."""
+    if isinstance(out, torch.Tensor):
+        out.fill_(float("nan") if out.is_floating_point() else -1)
+    elif isinstance(out, (list, tuple)):
+        for x in out:
+            spoil(x)
+
+
+class SharedPoolGraphs(RerunGraphs):
+    """RerunGraphs as the engine's CUDA graphs share one memory pool: a graph captured earlier may have freed, as its
+    intermediates, the memory a later one's outputs took, so replaying it overwrites them. Here every replay first
+    spoils the outputs of every other graph: a caller reading a graph's outputs after another graph ran reads NaN
+    and -1."""
+
+    def record(self, fn):
+        graph, out = super().record(fn)
+        self.spoilable = [*getattr(self, "spoilable", []), out]
+
+        def replay():
+            for other in self.spoilable:
+                if other is not out:
+                    spoil(other)
+            graph.replay()
+
+        return SimpleNamespace(replay=replay), out
+
+
+def rerun_graphs(engine, kind: type[RerunGraphs] = SharedPoolGraphs):
+    """`engine` with graphs of `kind` in place of its own (which the CPU has none of); returns it."""
+    engine.graphs = kind(engine.model, engine.cache, engine.options)
     return engine
