@@ -62,7 +62,7 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "hybrid, graphed prompts and decode": ("tiny-qwen3_5", dict(prefill_graph_tokens=48, decode_ahead=True)),
     "hybrid + MTP drafts, graphed": ("tiny-qwen3_5-mtp", dict(speculative_tokens=2, prefill_graph_tokens=48)),
 }
-# engines with prompt graphs: their CUDA graphs are graph_doubles.RerunGraphs
+# engines with prompt graphs: their CUDA graphs are graph_doubles.SharedPoolGraphs (each replay spoils the others)
 GRAPHED = {name for name, (_, extra) in CONFIGS.items() if extra.get("prefill_graph_tokens")}
 INTERPRETED: list[str] = []  # configs whose Triton kernels run in Triton's interpreter: far slower schedules
 if os.environ.get("TRITON_INTERPRET") == "1":  # the in-place Triton kernels run on the CPU in Triton's interpreter
