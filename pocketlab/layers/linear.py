@@ -50,7 +50,8 @@ def fused_at_few_rows(fused, gemv=None, gemv_rows: int = 0):
     for projections of up to `gemv_rows` rows and GEMV_MAX_BYTES of row-major weight; on sm_90 the few-row matmul's
     TMA form (layers.matmul_tma) for the other calls of few rows it takes; `fused` (the Triton matmul) where the rows
     are few and it has an epilogue to fuse (residual add, SwiGLU), `linear` (cuBLAS and torch) everywhere else; those
-    read a norm run first as its own kernel, and run a conv after."""
+    read a norm run first as its own kernel (the ring none, after a residual epilogue that left its rows' squares),
+    and run a conv after."""
 
     def run(x, weight, bias=None, *, residual=None, swiglu=False, norm=None, conv=None):
         rows = x.numel() // x.shape[-1]
