@@ -198,10 +198,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     A residual epilogue's output so carries its own sums."""
     N = checked_width("linear", x, weight, bias, residual, swiglu)
     K = weight.shape[1]
-    squares = carried_squares(x, norm) if fits(as_rows(x, K), weight) else None
+    x2 = as_rows(x, K)
+    squares = carried_squares(x, norm) if fits(x2, weight) else None
     if norm is not None and squares is None:
         x = norm(x)
-    x2 = as_rows(x, K)
+        x2 = as_rows(x, K)
     if not (x2.shape[0] and fits(x2, weight)):
         y = invariant_linear(x2, weight, bias, residual=None if residual is None else as_rows(residual, N),
                              swiglu=swiglu)  # fmt: skip

@@ -53,9 +53,13 @@ class SharedPoolGraphs(RerunGraphs):
     spoils the outputs of every other graph: a caller reading a graph's outputs after another graph ran reads NaN
     and -1."""
 
+    def __init__(self, *args, **kwargs):
+        self.spoilable: list = []  # every capture's outputs, each spoiled when another graph replays
+        super().__init__(*args, **kwargs)
+
     def record(self, fn):
         graph, out = super().record(fn)
-        self.spoilable = [*getattr(self, "spoilable", []), out]
+        self.spoilable.append(out)
 
         def replay():
             for other in self.spoilable:
@@ -66,7 +70,7 @@ class SharedPoolGraphs(RerunGraphs):
         return SimpleNamespace(replay=replay), out
 
 
-def rerun_graphs(engine, kind: type[RerunGraphs] = SharedPoolGraphs):
-    """`engine` with graphs of `kind` in place of its own (which the CPU has none of); returns it."""
-    engine.graphs = kind(engine.model, engine.cache, engine.options)
+def rerun_graphs(engine):
+    """`engine` with SharedPoolGraphs in place of its graphs (which the CPU has none of); returns it."""
+    engine.graphs = SharedPoolGraphs(engine.model, engine.cache, engine.options)
     return engine
