@@ -20,6 +20,7 @@ scalar from them: no norm launch between the two (`carried_squares`).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +31,19 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from . import gemv_tma, pdl
 from .arrivals import arrival_counts
 from .invariant.dot import dot, precision
-from .invariant.matmul import SWIGLU, Fused, as_rows, checked_width, epilogue_of, finish, last_sums, order
+from .invariant.matmul import (
+    MAX_SPLIT,
+    MIN_BLOCKS_PER_SPLIT,
+    SWIGLU,
+    Fused,
+    Order,
+    as_rows,
+    checked_width,
+    epilogue_of,
+    finish,
+    last_sums,
+    order,
+)
 from .invariant.matmul import linear as invariant_linear
 from .pdl import wait_then_release
 from .prefetch import bulk_prefetch
@@ -43,13 +56,15 @@ SHARED_BYTES = 224 << 10  # of an H100's or H200's 227 KiB a program may hold: t
 class Ring:
     """BLOCK_N weight rows a program (the MMA's M side), STAGES tiles in the ring, PREFETCH first tiles into L2
     before the PDL wait; `plain`: projections without an epilogue take it too (else cuBLAS's); calls with an
-    epilogue take it from `min_rows` rows (else the invariant matmul's)."""
+    epilogue take it from `min_rows` rows (else the invariant matmul's); `fill`: K cut for whole waves, not as the
+    invariant matmul cuts it (other bits)."""
 
     block_n: int = 64
     stages: int = 4
     prefetch: int = 2
     plain: bool = True
     min_rows: int = 2
+    fill: bool = False  # K cut in as many slices as fill the SMs' program slots in whole waves (`filling_order`)
 
     def takes(self, rows: int, epilogue: bool) -> bool:
         return rows >= self.min_rows if epilogue else self.plain
@@ -143,6 +158,33 @@ def stages_that_fit(ring: Ring, block_m: int, row_bytes: int, two: bool) -> int:
     return max(2, min(ring.stages, SHARED_BYTES // ((ring.block_n * (1 + two) + block_m) * row_bytes)))
 
 
+def slots_per_sm(program_bytes: int) -> int:
+    """How many programs holding `program_bytes` of shared memory an SM runs at once (Hopper: 228 KiB an SM, 1 KiB
+    of it reserved a program; a few KiB more for the ring's barriers and the epilogue's scratch)."""
+    return max(1, (228 << 10) // (program_bytes + (4 << 10)))
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """The GPU's SMs; one for the interpreter."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def filling_order(o: Order, K: int, tiles: int, slots: int) -> Order:
+    """K cut in 1-MAX_SPLIT slices of at least MIN_BLOCKS_PER_SPLIT steps: the count whose tiles x slices programs
+    fill `slots` program slots best in whole waves (the fewest slices among equals); `o`'s block_k."""
+    k_blocks = triton.cdiv(K, o.block_k)
+
+    def filled(split: int) -> float:
+        programs = tiles * split
+        return programs / (triton.cdiv(programs, slots) * slots)
+
+    splits = [s for s in range(1, MAX_SPLIT + 1) if s == 1 or k_blocks // s >= MIN_BLOCKS_PER_SPLIT]
+    best = max(splits, key=lambda s: (round(filled(s), 2), -s))
+    k_per_split = triton.cdiv(k_blocks, best) * o.block_k
+    return Order(o.block_k, triton.cdiv(K, k_per_split), k_per_split)
+
+
 SQUARES = "_pocketlab_row_squares"  # the attribute by which a residual epilogue's output carries its rows' squares
 
 
@@ -155,19 +197,23 @@ def carried_squares(x: torch.Tensor, norm) -> torch.Tensor | None:
 
 def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, ring: Ring,
            fused: Fused | None = None, squares: torch.Tensor | None = None, eps: float = 0.0,
-           squares_out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+           squares_out: torch.Tensor | None = None, o: Order | None = None) -> torch.Tensor:  # fmt: skip
     """y [M, N] = x2 [M, K] @ weight^T (+ bias), then `fused`'s epilogue, the weight read through `ring`
     (`fits(x2, weight)` checked by the caller); with `squares` (partial sums of x2's rows' squares, [tiles, M]) the
-    rows normed by a unit RMSNorm of `eps` first; `squares_out` ([cdiv(N, ring.block_n), M] fp32) gets y's."""
+    rows normed by a unit RMSNorm of `eps` first; `squares_out` ([cdiv(N, ring.block_n), M] fp32) gets y's. K is
+    cut as the invariant matmul's `order` cuts it unless `o` (the sweep's other cuts) says otherwise."""
     fused = fused or Fused()
     M, K = x2.shape
     N = y.shape[1]
-    o = order(N, K, x2.dtype)
+    o = o or order(N, K, x2.dtype)
     block_m = max(16, triton.next_power_of_2(M))
-    x_desc = TensorDescriptor.from_tensor(x2, block_shape=[block_m, o.block_k])
-    w_desc = TensorDescriptor.from_tensor(weight, block_shape=[ring.block_n, o.block_k])
     grid_n = triton.cdiv(N, ring.block_n)
     stages = stages_that_fit(ring, block_m, o.block_k * x2.element_size(), fused.epilogue == SWIGLU)
+    if ring.fill:
+        program_bytes = stages * (ring.block_n * (1 + (fused.epilogue == SWIGLU)) + block_m) * o.block_k * 2
+        o = filling_order(o, K, grid_n, slots_per_sm(program_bytes) * sm_count(x2.device))
+    x_desc = TensorDescriptor.from_tensor(x2, block_shape=[block_m, o.block_k])
+    w_desc = TensorDescriptor.from_tensor(weight, block_shape=[ring.block_n, o.block_k])
     arrived = arrival_counts(x2.device, grid_n)  # read only with split_k > 1, but typed for any launch's compile
     if o.split_k > 1:
         part = torch.empty(o.split_k, M, 2 * N if fused.epilogue == SWIGLU else N, dtype=torch.float32,

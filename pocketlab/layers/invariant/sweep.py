@@ -8,6 +8,7 @@ CUDA-graph replays cycling over enough weight copies that every call reads its w
 
 import argparse
 import functools
+import itertools
 import statistics
 from collections.abc import Sequence
 
@@ -61,6 +62,13 @@ def describe(o: Order, t: Tiles) -> tuple[str, str]:
     return f"{o.block_k}, {o.split_k}, {o.k_per_split}", tile
 
 
+def split_order(o: Order, K: int, split: int) -> Order:
+    """`o` with K cut into `split` slices (as many as whole block_k steps allow)."""
+    k_blocks = -(-K // o.block_k)
+    kps = -(-k_blocks // split) * o.block_k
+    return Order(o.block_k, -(-K // kps), kps)
+
+
 def sweep_shape(name: str, N: int, K: int, x: torch.Tensor, few, many, splits) -> None:
     """Print one line per (order, launch, M): time, cuBLAS's time, ratio, bits against the default launch."""
     copies = max(1, min(8, (400 * 2**20) // (N * K * 2)))
@@ -76,8 +84,7 @@ def sweep_shape(name: str, N: int, K: int, x: torch.Tensor, few, many, splits) -
 
     k_blocks = -(-K // chosen.block_k)
     for split in (s for s in splits if s <= k_blocks):  # candidate orders, timed at decode rows
-        kps = -(-k_blocks // split) * chosen.block_k
-        o = Order(chosen.block_k, -(-K // kps), kps)
+        o = split_order(chosen, K, split)
         for t in (FEW[0], FEW[1], FEW[4]):
             for M in few:
                 line(M, o, t, launch_ms(xs[M], weights, o, t))
@@ -97,6 +104,7 @@ FUSED_SHAPES = {  # (N, K, the epilogue) at the Qwen3-0.6B, Qwen3.5-0.8B and Qwe
     "8b gate_up+swiglu": (12288, 4096, "swiglu"), "8b down+res": (4096, 12288, "residual"),
     # the plain projections cuBLAS runs today: whether the Triton kernel should take them at decode rows too
     "0.6b qkv": (4096, 1024, "plain"), "0.8b gdn in": (8224, 1024, "plain"), "8b qkv": (6144, 4096, "plain"),
+    "9b gdn in": (12352, 4096, "plain"),
 }  # fmt: skip
 EPILOGUE_OF = {"plain": matmul.PLAIN, "residual": matmul.RESIDUAL, "swiglu": matmul.SWIGLU}
 FUSED_FEW = [Tiles(16, 32, 4, 4, LAST_SUMS), Tiles(16, 64, 4, 4, LAST_SUMS), Tiles(16, 32, 4, 2, LAST_SUMS),
@@ -120,10 +128,7 @@ def sweep_fused(rows: list[int], splits: list[int]) -> None:
         rows_w = 2 * N if extra == "swiglu" else N
         weights = fused_weights(rows_w, K)
         chosen, tb = matmul.order(N, K, torch.bfloat16), rows_w * K * 2 / 1e9
-        k_blocks = -(-K // chosen.block_k)
-        orders = {
-            Order(chosen.block_k, -(-K // kps), kps) for kps in {-(-k_blocks // s) * chosen.block_k for s in splits}
-        }
+        orders = {split_order(chosen, K, s) for s in splits}
         for M in rows:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             res = torch.randn(M, N, device="cuda", dtype=torch.bfloat16) if extra == "residual" else None
@@ -148,6 +153,9 @@ def sweep_fused(rows: list[int], splits: list[int]) -> None:
         torch.cuda.empty_cache()
 
 
+TMA_RINGS = tuple(f"{bn}:{stages}:{ahead}" for bn in (64, 128) for stages in (3, 4, 6) for ahead in (0, 2))
+
+
 def tma_line(name, M, tb, cublas, ref, what, ms, got) -> None:
     diff = (got.float() - ref.float()).abs().max().item()
     print(f"{name:<20}{M:>4}  {what:<30}{ms:>8.4f}{tb / ms:>7.2f}{cublas:>8.4f}{tb / cublas:>7.2f}  {diff:.3g}")
@@ -159,13 +167,15 @@ def named(names, spec: str) -> list[str]:
     return [s for s in names if not parts or any(part in s for part in parts)]
 
 
-def sweep_tma(rows: list[int], shapes: Sequence[str] = tuple(FUSED_SHAPES)) -> None:
-    """layers.matmul_tma's rings (W @ x^T through TMA) against the fused kernel's default launch and cuBLAS's bare
-    matmul, at decode rows, as weight-read bandwidth, for the FUSED_SHAPES named `shapes`; the largest difference
+def sweep_tma(rows: list[int], shapes: Sequence[str] = tuple(FUSED_SHAPES), rings: Sequence[str] = TMA_RINGS,
+              splits: Sequence[int] = ()) -> None:  # fmt: skip
+    """layers.matmul_tma's `rings` ("block_n:stages:prefetch", W @ x^T through TMA) against the fused kernel's
+    default launch and cuBLAS's bare matmul, at decode rows, as weight-read bandwidth, for the FUSED_SHAPES named
+    `shapes`, each ring at its order's split and at `splits` (other bits: another order); the largest difference
     from the default launch's output."""
-    from .. import matmul_tma
+    from .. import gemv_tma, matmul_tma
 
-    rings = [matmul_tma.Ring(bn, stages, ahead) for bn in (64, 128) for stages in (3, 4, 6) for ahead in (0, 2)]
+    rings_ = [gemv_tma.launch_of(spec, matmul_tma.Ring) for spec in rings]
     print(f"{'shape':<20}{'M':>4}  {'launch':<30}{'ms':>8}{'TB/s':>7}{'cuBLAS':>8}{'TB/s':>7}  max diff")
     for name in shapes:
         N, K, extra = FUSED_SHAPES[name]
@@ -187,14 +197,15 @@ def sweep_tma(rows: list[int], shapes: Sequence[str] = tuple(FUSED_SHAPES)) -> N
                 graph_ms(lambda w, a=(x, y, o, t, fused): matmul.launch(a[0], w, None, *a[1:]), weights),
                 ref,
             )
-            for r in rings:
+            for r, cut in itertools.product(rings_, dict.fromkeys([o, *(split_order(o, K, s) for s in splits)])):
+                what = f"tma {r.block_n} s{r.stages} p{r.prefetch}" + (f" split {cut.split_k}" if cut != o else "")
+                run = functools.partial(matmul_tma.launch, fused=fused, o=cut, ring=r)
                 try:
-                    ms = graph_ms(lambda w, a=(x, y, r, fused): matmul_tma.launch(a[0], w, None, *a[1:]), weights)
+                    ms = graph_ms(lambda w, a=(x, y), run=run: run(a[0], w, None, a[1]), weights)
                 except Exception as e:  # a ring past the shared memory: say so, go on
-                    print(f"{name:<20}{M:>4}  tma {r.block_n} s{r.stages} p{r.prefetch}: {str(e)[:60]}")
+                    print(f"{name:<20}{M:>4}  {what}: {str(e)[:60]}")
                     continue
-                line(f"tma {r.block_n} s{r.stages} p{r.prefetch}", ms,
-                     matmul_tma.launch(x, weights[0], None, y.clone(), r, fused))  # fmt: skip
+                line(what, ms, run(x, weights[0], None, y.clone()))
         del weights
         torch.cuda.empty_cache()
 
@@ -207,9 +218,12 @@ def main(argv=None):
     ap.add_argument("--fused", action="store_true", help="the fused kernel's launches at the --few rows instead")
     ap.add_argument("--tma", action="store_true", help="layers.matmul_tma's rings at the --few rows instead")
     ap.add_argument("--shapes", default="", help="--tma: names holding any of these, comma-separated, _ for a space")
+    ap.add_argument("--rings", default=",".join(TMA_RINGS), help="--tma: block_n:stages:prefetch, comma-separated")
+    ap.add_argument("--tma-splits", default="", help="--tma: split counts besides each order's own (other bits)")
     a = ap.parse_args(argv)
     if a.tma:
-        return sweep_tma([int(v) for v in a.few.split(",")], named(FUSED_SHAPES, a.shapes))
+        splits = [int(v) for v in a.tma_splits.split(",") if v]
+        return sweep_tma([int(v) for v in a.few.split(",")], named(FUSED_SHAPES, a.shapes), a.rings.split(","), splits)
     if a.fused:
         return sweep_fused([int(v) for v in a.few.split(",")], [int(v) for v in a.splits.split(",")])
     few, many, splits = ([int(v) for v in s.split(",")] for s in (a.few, a.many, a.splits))
