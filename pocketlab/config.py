@@ -264,9 +264,7 @@ class EngineOptions:
     # cuda_graphs: a greedy decode step launches the next step of its slots, fed its argmax on the device, before it
     # returns; the next call takes it where it feeds those tokens to those slots (any other call leaves it: one step
     # of GPU work lost). Hybrids store that step's Gated DeltaNet states aside (cache.aside_rows: small batches).
-    # Off by default until the notebooks pass with it on a GPU, where they ended in a device-side assert before its
-    # outputs were copied out of the graphs' shared pool (README)
-    decode_ahead: bool = False
+    decode_ahead: bool = True
     compile: bool = True  # fuse elementwise chains with torch.compile in captured decode graphs
     prefill_graph_tokens: int = 512  # cuda_graphs: prompt forwards of at most this many padded tokens replay graphs
     decode_attention: str = "auto"  # "triton" (live keys read in place), "sdpa", or "auto": triton on CUDA
