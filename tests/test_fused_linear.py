@@ -128,34 +128,32 @@ def test_tma_ring_matmul_matches_the_unfused_torch_steps(epilogue, monkeypatch):
     assert empty.shape == (0, N) and len(taken) == 2 + (epilogue in ("residual", "swiglu"))
 
 
-def test_a_filling_ring_cuts_k_for_whole_waves_of_programs():
-    """`Ring(fill=True)` cuts K in the slice count whose programs fill the SMs' slots in whole waves, never a slice
-    under MIN_BLOCKS_PER_SPLIT steps: the 8B gate_up's 192 tiles at one program an SM of 132 in two slices, its
-    qkv's 96 tiles at two an SM in eight; a K of fewer steps keeps one slice."""
-    gate_up, qkv = matmul.order(12288, 4096, torch.bfloat16), matmul.order(6144, 4096, torch.bfloat16)
-    assert matmul_tma.filling_order(gate_up, 4096, 192, 132).split_k == 2
-    assert matmul_tma.filling_order(qkv, 4096, 96, 264).split_k == 8
-    assert matmul_tma.filling_order(qkv, 4096, 264, 264).split_k == 1
-    short = matmul_tma.filling_order(qkv, 512, 3, 264)
-    assert short.split_k == 1 and short.k_per_split == 512
+def test_a_ring_runs_short_k_in_one_slice_only_for_weights_of_many_tiles():
+    """`Ring(one_slice_k=K)`: a weight of K up to it and at least ONE_SLICE_TILES tiles runs in one slice (the 8B
+    qkv and o_proj at 4,096); a longer K (down, 12,288) or fewer tiles (0.6B o_proj's 16) keep the order's slices."""
+    many = matmul_tma.ONE_SLICE_TILES
+    for (N, K), tiles, split in [((6144, 4096), 96, 1), ((4096, 4096), many, 1), ((4096, 12288), many, 4),
+                                 ((1024, 2048), 16, 4), ((4096, 4096), many - 1, 4)]:  # fmt: skip
+        o = matmul_tma.ring_order(matmul.order(N, K, torch.bfloat16), K, tiles, 4096)
+        assert (o.split_k, o.k_per_split) == (split, -(-K // 128 // split) * 128), (N, K, tiles)
+    assert matmul_tma.ring_order(matmul.order(6144, 4096, torch.bfloat16), 4096, 96, 0).split_k == 2
 
 
 @pytest.mark.parametrize("epilogue", EPILOGUES)
-def test_a_filling_ring_matches_the_unfused_torch_steps(epilogue, monkeypatch):
-    """The ring with K cut for whole waves (`fill`) sums the slices it chose, not the invariant order's: one SM here
-    (five program slots, three with SwiGLU's two weight tiles), so two tiles of 64 rows over a K of 18 steps run in
-    two slices (three) where the order has four."""
-    monkeypatch.setattr(matmul_tma, "sm_count", lambda device: 1)
-    monkeypatch.setenv("POCKETLAB_MATMUL_TMA", "64:2:0:1:2:1")
-    chosen, real = [], matmul_tma.filling_order
-    monkeypatch.setattr(matmul_tma, "filling_order", lambda *a: chosen.append(real(*a)) or chosen[-1])
+def test_a_ring_of_one_slice_matches_the_unfused_torch_steps(epilogue, monkeypatch):
+    """The ring with short K in one slice sums all of K in one program, not the invariant order's four slices:
+    here ONE_SLICE_TILES is one, so two tiles of 64 rows over a K of 18 steps take it."""
+    monkeypatch.setattr(matmul_tma, "ONE_SLICE_TILES", 1)
+    monkeypatch.setenv("POCKETLAB_MATMUL_TMA", "64:2:0:1:2:4096")
+    chosen, real = [], matmul_tma.ring_order
+    monkeypatch.setattr(matmul_tma, "ring_order", lambda *a: chosen.append(real(*a)) or chosen[-1])
     linear = torch_linear.fused_at_few_rows(inv.linear)
     N, K = 72, 2304
     assert matmul.order(N, K, torch.bfloat16).split_k == 4
     x, w, bias, extras = inputs(5, N, K, torch.bfloat16, epilogue)
     want = torch_linear.composed(fp32_matmul, x, w, bias, **extras)
     assert_matches_the_unfused_steps(linear(x, w, bias, **extras), want, torch.bfloat16, (N, K, 5))
-    assert [o.split_k for o in chosen] == [3 if epilogue == "swiglu" else 2]
+    assert [o.split_k for o in chosen] == [1]
 
 
 @pytest.mark.parametrize("epilogue", EPILOGUES)

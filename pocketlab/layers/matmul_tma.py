@@ -20,7 +20,6 @@ scalar from them: no norm launch between the two (`carried_squares`).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -31,24 +30,13 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from . import gemv_tma, pdl
 from .arrivals import arrival_counts
 from .invariant.dot import dot, precision
-from .invariant.matmul import (
-    MAX_SPLIT,
-    MIN_BLOCKS_PER_SPLIT,
-    SWIGLU,
-    Fused,
-    Order,
-    as_rows,
-    checked_width,
-    epilogue_of,
-    finish,
-    last_sums,
-    order,
-)
+from .invariant.matmul import SWIGLU, Fused, Order, as_rows, checked_width, epilogue_of, finish, last_sums, order
 from .invariant.matmul import linear as invariant_linear
 from .pdl import wait_then_release
 from .prefetch import bulk_prefetch
 
 MAX_ROWS = 64
+ONE_SLICE_TILES = 64  # tiles a weight needs to run in one slice: about half an H100's or H200's SMs busy
 SHARED_BYTES = 224 << 10  # of an H100's or H200's 227 KiB a program may hold: the ring's stages must fit in it
 
 
@@ -56,15 +44,15 @@ SHARED_BYTES = 224 << 10  # of an H100's or H200's 227 KiB a program may hold: t
 class Ring:
     """BLOCK_N weight rows a program (the MMA's M side), STAGES tiles in the ring, PREFETCH first tiles into L2
     before the PDL wait; `plain`: projections without an epilogue take it too (else cuBLAS's); calls with an
-    epilogue take it from `min_rows` rows (else the invariant matmul's); `fill`: K cut for whole waves, not as the
-    invariant matmul cuts it (other bits)."""
+    epilogue take it from `min_rows` rows (else the invariant matmul's); `one_slice_k`: K not cut where short
+    (`ring_order`: other bits than the invariant matmul's)."""
 
     block_n: int = 64
     stages: int = 4
     prefetch: int = 2
     plain: bool = True
     min_rows: int = 2
-    fill: bool = False  # K cut in as many slices as fill the SMs' program slots in whole waves (`filling_order`)
+    one_slice_k: int = 0  # K up to which a weight of many tiles runs in one slice (`ring_order`)
 
     def takes(self, rows: int, epilogue: bool) -> bool:
         return rows >= self.min_rows if epilogue else self.plain
@@ -158,31 +146,12 @@ def stages_that_fit(ring: Ring, block_m: int, row_bytes: int, two: bool) -> int:
     return max(2, min(ring.stages, SHARED_BYTES // ((ring.block_n * (1 + two) + block_m) * row_bytes)))
 
 
-def slots_per_sm(program_bytes: int) -> int:
-    """How many programs holding `program_bytes` of shared memory an SM runs at once (Hopper: 228 KiB an SM, 1 KiB
-    of it reserved a program; a few KiB more for the ring's barriers and the epilogue's scratch)."""
-    return max(1, (228 << 10) // (program_bytes + (4 << 10)))
-
-
-@functools.cache
-def sm_count(device: torch.device) -> int:
-    """The GPU's SMs; one for the interpreter."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-
-
-def filling_order(o: Order, K: int, tiles: int, slots: int) -> Order:
-    """K cut in 1-MAX_SPLIT slices of at least MIN_BLOCKS_PER_SPLIT steps: the count whose tiles x slices programs
-    fill `slots` program slots best in whole waves (the fewest slices among equals); `o`'s block_k."""
-    k_blocks = triton.cdiv(K, o.block_k)
-
-    def filled(split: int) -> float:
-        programs = tiles * split
-        return programs / (triton.cdiv(programs, slots) * slots)
-
-    splits = [s for s in range(1, MAX_SPLIT + 1) if s == 1 or k_blocks // s >= MIN_BLOCKS_PER_SPLIT]
-    best = max(splits, key=lambda s: (round(filled(s), 2), -s))
-    k_per_split = triton.cdiv(k_blocks, best) * o.block_k
-    return Order(o.block_k, triton.cdiv(K, k_per_split), k_per_split)
+def ring_order(o: Order, K: int, tiles: int, one_slice_k: int) -> Order:
+    """`o`, or one slice of all K where K <= one_slice_k and the weight has at least ONE_SLICE_TILES tiles: enough
+    programs without slices, whose partial sums and last-arrival reads cost more than they gain at short K."""
+    if K > one_slice_k or tiles < ONE_SLICE_TILES or o.split_k == 1:
+        return o
+    return Order(o.block_k, 1, triton.cdiv(K, o.block_k) * o.block_k)
 
 
 SQUARES = "_pocketlab_row_squares"  # the attribute by which a residual epilogue's output carries its rows' squares
@@ -209,9 +178,7 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
     block_m = max(16, triton.next_power_of_2(M))
     grid_n = triton.cdiv(N, ring.block_n)
     stages = stages_that_fit(ring, block_m, o.block_k * x2.element_size(), fused.epilogue == SWIGLU)
-    if ring.fill:
-        program_bytes = stages * (ring.block_n * (1 + (fused.epilogue == SWIGLU)) + block_m) * o.block_k * 2
-        o = filling_order(o, K, grid_n, slots_per_sm(program_bytes) * sm_count(x2.device))
+    o = ring_order(o, K, grid_n, ring.one_slice_k)
     x_desc = TensorDescriptor.from_tensor(x2, block_shape=[block_m, o.block_k])
     w_desc = TensorDescriptor.from_tensor(weight, block_shape=[ring.block_n, o.block_k])
     arrived = arrival_counts(x2.device, grid_n)  # read only with split_k > 1, but typed for any launch's compile
