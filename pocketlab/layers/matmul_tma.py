@@ -11,7 +11,7 @@ element is the same chain of MMA steps, and the sweep and the engine found the s
 
 The default engine sends its calls of up to 64 rows here on sm_90 and later (`ring_for`), save those the GEMV takes
 and one-row calls with an epilogue: the lm_head at batch 1 among them, which cuBLAS ran before. POCKETLAB_MATMUL_TMA=0
-turns that off, "block_n:stages:prefetch[:plain[:min_rows]]" tries another ring.
+turns that off, "block_n:stages:prefetch[:plain[:min_rows[:one_slice_k]]]" tries another ring.
 
 The residual epilogue (o_proj, down, out_proj) also leaves each row's sum of squares over its tile of columns beside the
 stream it writes, so the next projection, its pre-norm's weight folded in (RMSNorm.fold_into), norms its rows as one
@@ -64,7 +64,7 @@ DEFAULT_RING = Ring()  # one-row calls with an epilogue (8B's, 9B's gate_up) wer
 def ring_for(rows: int, device: torch.device) -> Ring | None:
     """The ring for a few-row matmul of `rows` rows on `device`: DEFAULT_RING up to MAX_ROWS rows on a GPU with TMA
     (sm_90 and later), unless POCKETLAB_MATMUL_TMA says otherwise ("0": none; "block_n:stages:prefetch[:plain
-    [:min_rows]]"), for measuring; the interpreter takes a ring only when it says so."""
+    [:min_rows[:one_slice_k]]]"), for measuring; the interpreter takes a ring only when it says so."""
     if rows > MAX_ROWS:
         return None
     return gemv_tma.ring_from_env("POCKETLAB_MATMUL_TMA", DEFAULT_RING if gemv_tma.has_tma(device) else None, Ring)
