@@ -17,6 +17,7 @@ from pocketlab.layers import gemv_tma
 from pocketlab.layers.gated_delta import backend_name
 from pocketlab.requests import BatchedRequest
 
+RING = DEVICE == "cuda" and gemv_tma.has_tma(torch.device(DEVICE))  # few-row matmuls take the TMA ring (sm_90)
 NORM_NOISE = 0.2  # HF starts every RMSNorm as the identity: checkpoints whose norm weights are not, so a lost one shows
 
 
@@ -133,7 +134,7 @@ def test_parity_of_a_batch_whose_norms_read_the_row_squares_left_by_the_ring(pre
     pytest.importorskip("triton")
     if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the ring runs on a GPU or in Triton's interpreter")
-    if not (DEVICE == "cuda" and gemv_tma.has_tma(torch.device(DEVICE))):
+    if not RING:
         monkeypatch.setenv("POCKETLAB_MATMUL_TMA", "64:3:0")
     engine = make_engine(preset, NORM_NOISE, fused_linear="triton", linear_decode="triton", dtype="float16")
     layers = engine.model.layers
@@ -162,13 +163,12 @@ def test_the_norm_weights_move_only_where_a_launch_then_norms_the_rows(make_engi
         layer = make_engine("tiny-qwen3", **options).model.layers[0]
         return layer.input_norm.unit, layer.post_norm.unit
 
-    ring = DEVICE == "cuda" and gemv_tma.has_tma(torch.device(DEVICE))
-    assert folded() == (ring, ring) and folded(fused_linear="triton", gemv_rows=1) == (ring, ring)
-    assert folded(fused_linear="triton", gemv_rows=0) == (ring, True)  # "auto", the default
+    assert folded() == (RING, RING) and folded(fused_linear="triton", gemv_rows=1) == (RING, RING)
+    assert folded(fused_linear="triton", gemv_rows=0) == (RING, True)  # "auto", the default
     assert folded(fused_linear="triton", fold_norm_weights="always") == (True, True)
     assert folded(fused_linear="triton", gemv_rows=0, fold_norm_weights="never") == (False, False)
     monkeypatch.setenv("POCKETLAB_MATMUL_TMA", "64:3:0")  # the ring switched in, as on sm_90
-    assert folded(fused_linear="triton", gemv_rows=1) == (True, True) and folded() == (ring, ring)
+    assert folded(fused_linear="triton", gemv_rows=1) == (True, True) and folded() == (RING, RING)
     with pytest.raises(ValueError, match="fold_norm_weights"):
         EngineOptions(batch_invariant=True, fold_norm_weights="always")
     with pytest.raises(ValueError, match="fold_norm_weights"):

@@ -149,7 +149,7 @@ def stages_that_fit(ring: Ring, block_m: int, row_bytes: int, two: bool) -> int:
 def ring_order(o: Order, K: int, tiles: int, one_slice_k: int) -> Order:
     """`o`, or one slice of all K where K <= one_slice_k and the weight has at least ONE_SLICE_TILES tiles: enough
     programs without slices, whose partial sums and last-arrival reads cost more than they gain at short K."""
-    if K > one_slice_k or tiles < ONE_SLICE_TILES or o.split_k == 1:
+    if K > one_slice_k or tiles < ONE_SLICE_TILES:
         return o
     return Order(o.block_k, 1, triton.cdiv(K, o.block_k) * o.block_k)
 
