@@ -147,6 +147,7 @@ REPORTS_CAP_S=${REPORTS_CAP_S:-150}
 REPORTS_PARALLEL=${REPORTS_PARALLEL:-0}
 START=$(date +%s)
 mkdir -p "$OUT" reports/bench
+BENCHED=$(mktemp -d)  # this call's bench JSONs: the only ones the baseline and perf-notebook steps may judge
 LOG="$OUT/gpu_run.log"
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oiE '[a-z][0-9]{2,3}' | head -1 | tr A-Z a-z)
 GPU=${GPU:-gpu}  # h100, h200, ...: the tables below are named by the card that measured them
@@ -212,16 +213,17 @@ if wants bench; then
     # shellcheck disable=SC2086
     step "bench $m" "$BENCH_CAP_S" "$reserve" python3 -m pocketlab.tools.bench --model "$m" --device cuda \
       --peer-modes "$PEER_MODES" --peer-eager-new-tokens "$EAGER_NEW_TOKENS" --peer-repeats "$PEER_REPEATS" \
-      --out "reports/bench/cuda-$m.json" $BENCH_ARGS
+      --out "$BENCHED/cuda-$m.json" $BENCH_ARGS
+    cp "$BENCHED/cuda-$m.json" reports/bench/ 2>/dev/null  # committed after the call; a timeout keeps what ran
   done
 fi
 
 # -- 3. perf baselines from this run's bench JSON, only where none is committed (or WRITE_BASELINE=1) ---
 if wants baseline; then
   for m in $MODELS; do
-    if [ -f "reports/bench/cuda-$m.json" ] && { [ "$WRITE_BASELINE" = 1 ] || [ ! -f "reports/baseline/cuda-$m.json" ]; }; then
+    if [ -f "$BENCHED/cuda-$m.json" ] && { [ "$WRITE_BASELINE" = 1 ] || [ ! -f "reports/baseline/cuda-$m.json" ]; }; then
       step "baseline $m (from this run's bench)" 60 0 python3 -m pocketlab.verify.perf --write-baseline \
-        --device cuda --dtype bfloat16 --model "$m" --from-bench "reports/bench/cuda-$m.json"
+        --device cuda --dtype bfloat16 --model "$m" --from-bench "$BENCHED/cuda-$m.json"
     fi
   done
 fi
@@ -362,7 +364,8 @@ if wants tp; then
   done
 fi
 
-# -- 6. reports at real shape; the perf notebook reuses this run's bench JSON (POCKETLAB_BENCH_DIR) -----
+# -- 6. reports at real shape; the perf notebook reuses this call's bench JSON (POCKETLAB_BENCH_DIR), else it
+#       measures now: a committed bench from an earlier tree is never judged as this tree's --------------
 if wants reports; then
   for m in $REPORT_MODELS; do
     # each notebook of REPORT_NOTEBOOKS its own step (a slow one cannot cost the others their reports)
@@ -377,7 +380,7 @@ if wants reports; then
           $(for p in $REPORT_PARAMS; do echo "-p $p"; done))
       fi
       step "make reports DEVICE=cuda DTYPE=$REPORT_DTYPE MODEL=$m NOTEBOOKS=$nb" "$REPORTS_CAP_S" 0 \
-        env POCKETLAB_BENCH_DIR="$PWD/reports/bench" "${cmd[@]}" &
+        env POCKETLAB_BENCH_DIR="$BENCHED" "${cmd[@]}" &
       [ "$REPORTS_PARALLEL" = 1 ] || wait
     done
   done
