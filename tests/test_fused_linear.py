@@ -130,13 +130,17 @@ def test_tma_ring_matmul_matches_the_unfused_torch_steps(epilogue, monkeypatch):
 
 def test_a_ring_runs_short_k_in_one_slice_only_for_weights_of_many_tiles():
     """`Ring(one_slice_k=K)`: a weight of K up to it and at least ONE_SLICE_TILES tiles runs in one slice (the 8B
-    qkv and o_proj at 4,096); a longer K (down, 12,288) or fewer tiles (0.6B o_proj's 16) keep the order's slices."""
+    qkv and o_proj at 4,096); a longer K (down, 12,288) or fewer tiles (0.6B o_proj's 16) keep the order's slices.
+    The default ring's 1,024 takes 0.6B's qkv, not 8B's."""
     many = matmul_tma.ONE_SLICE_TILES
     for (N, K), tiles, split in [((6144, 4096), 96, 1), ((4096, 4096), many, 1), ((4096, 12288), many, 4),
                                  ((1024, 2048), 16, 4), ((4096, 4096), many - 1, 4)]:  # fmt: skip
         o = matmul_tma.ring_order(matmul.order(N, K, torch.bfloat16), K, tiles, 4096)
         assert (o.split_k, o.k_per_split) == (split, -(-K // 128 // split) * 128), (N, K, tiles)
     assert matmul_tma.ring_order(matmul.order(6144, 4096, torch.bfloat16), 4096, 96, 0).split_k == 2
+    default = matmul_tma.DEFAULT_RING.one_slice_k  # 0.6B's qkv in one slice, not two; 8B's keeps its two
+    assert matmul_tma.ring_order(matmul.order(4096, 1024, torch.bfloat16), 1024, many, default).split_k == 1
+    assert matmul_tma.ring_order(matmul.order(6144, 4096, torch.bfloat16), 4096, 96, default).split_k == 2
 
 
 @pytest.mark.parametrize("epilogue", EPILOGUES)
@@ -437,7 +441,7 @@ def test_gpu_fused_launches_keep_the_bits():
 def test_gpu_tma_matmul_gives_the_invariant_kernels_bits():
     """On the GPU the TMA ring (layers.matmul_tma) sums each element as the invariant matmul does (the same slices,
     the same chain of MMA steps in each): its rows equal that kernel's bit for bit, at 1-64 rows, K in one slice
-    and in eight, with each epilogue."""
+    and in eight, with each epilogue (shapes where the one-slice rule keeps the invariant order's slices)."""
     if DEV != "cuda":
         pytest.skip("the GPU's MMA chains (the interpreter sums another way)")
     for epilogue in ["swiglu", "residual", "plain"]:

@@ -8,6 +8,8 @@ from shared memory fed by a `tl.range(..., num_stages=STAGES)` ring of TMA loads
 weight tiles are asked into L2 before its PDL wait. K is cut as the invariant matmul cuts it (its `Order`: the
 slices added in slice order by the last of a tile's programs) and the epilogue is its `finish`; on the GPU each
 element is the same chain of MMA steps, and the sweep and the engine found the same bits as the invariant kernel's.
+Save one rule (`ring_order`): a weight of many tiles whose K is at most `one_slice_k` runs all of K in one slice, its
+partial sums and last-arrival reads gone, and so other bits (reports/gpu/ab-one-slice-*).
 
 The default engine sends its calls of up to 64 rows here on sm_90 and later (`ring_for`), save those the GEMV takes
 and one-row calls with an epilogue: the lm_head at batch 1 among them, which cuBLAS ran before. POCKETLAB_MATMUL_TMA=0
@@ -58,7 +60,10 @@ class Ring:
         return rows >= self.min_rows if epilogue else self.plain
 
 
-DEFAULT_RING = Ring()  # one-row calls with an epilogue (8B's, 9B's gate_up) were about 1% faster in the fused matmul
+# One-row calls with an epilogue (8B's, 9B's gate_up) were about 1% faster in the fused matmul. One slice up to a K of
+# 1,024 (0.6B's and 0.8B's qkv, in_proj and gate_up): faster at 8 and 32 rows in every paired round; at a K of 4,096
+# (8B, 9B) slower at 8 rows and even at 32 (reports/gpu/ab-one-slice-*-h100.txt).
+DEFAULT_RING = Ring(one_slice_k=1024)
 
 
 def ring_for(rows: int, device: torch.device) -> Ring | None:
