@@ -61,8 +61,8 @@ class Ring:
 
 
 # One-row calls with an epilogue (8B's, 9B's gate_up) were about 1% faster in the fused matmul. One slice up to a K of
-# 1,024 (0.6B's and 0.8B's qkv, in_proj and gate_up): faster at 8 and 32 rows in every paired round; at a K of 4,096
-# (8B, 9B) slower at 8 rows and even at 32 (reports/gpu/ab-one-slice-*-h100.txt).
+# 1,024 (the 0.6B's and 0.8B's projections from the hidden state): 0.6B faster at 8 and 32 rows, 0.8B at 32, in every
+# paired round; at a K of 4,096 (8B, 9B) slower at 8 rows and even at 32 (reports/gpu/ab-one-slice-*-h100.txt).
 DEFAULT_RING = Ring(one_slice_k=1024)
 
 
