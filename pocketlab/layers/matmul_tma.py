@@ -175,13 +175,13 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
     """y [M, N] = x2 [M, K] @ weight^T (+ bias), then `fused`'s epilogue, the weight read through `ring`
     (`fits(x2, weight)` checked by the caller); with `squares` (partial sums of x2's rows' squares, [tiles, M]) the
     rows normed by a unit RMSNorm of `eps` first; `squares_out` ([cdiv(N, ring.block_n), M] fp32) gets y's. K is
-    cut as `o` says (the sweep's other cuts), else as the invariant matmul's `order` does, then as `ring_order`."""
+    cut as `o` says (the sweep's cuts, taken as they are), else as `ring_order` makes of the invariant `order`."""
     fused = fused or Fused()
     M, K = x2.shape
     N = y.shape[1]
     block_m = max(16, triton.next_power_of_2(M))
     grid_n = triton.cdiv(N, ring.block_n)
-    o = ring_order(o or order(N, K, x2.dtype), K, grid_n, ring.one_slice_k)
+    o = o or ring_order(order(N, K, x2.dtype), K, grid_n, ring.one_slice_k)
     stages = stages_that_fit(ring, block_m, o.block_k * x2.element_size(), fused.epilogue == SWIGLU)
     x_desc = TensorDescriptor.from_tensor(x2, block_shape=[block_m, o.block_k])
     w_desc = TensorDescriptor.from_tensor(weight, block_shape=[ring.block_n, o.block_k])
