@@ -4,6 +4,8 @@ DEVICE  ?= cpu
 DTYPE   ?= $(if $(filter cuda,$(DEVICE)),bfloat16,float32)
 MODELS  ?= tiny-qwen3 tiny-qwen2 tiny-qwen3_5
 MODEL   ?= tiny-qwen3
+# make test's pytest-xdist workers: the CI machine's two cores (0: one process; 13 minutes there against 23)
+TEST_WORKERS ?= 2
 ONE_OR_ALL = $(if $(filter command line,$(origin MODEL)),$(MODEL),$(MODELS))
 export PYTHONUNBUFFERED := 1
 # on the CPU our Triton kernels (the batch-invariant mode, test-kernels) run in Triton's interpreter
@@ -23,7 +25,7 @@ lint: .venv/.installed
 	$(PY) -m mypy
 
 test: lint
-	$(PY) -m pytest tests
+	$(PY) -m pytest -n $(TEST_WORKERS) tests
 	$(PY) -m pytest -p no:cacheprovider --nbval-lax notebooks/
 
 # every engine test once more through our Triton kernels (fused linear included), run by Triton's CPU interpreter
