@@ -81,7 +81,8 @@
 #   BENCH_ARGS       []                 extra `python -m pocketlab.tools.bench` arguments for every model
 #   WRITE_BASELINE   [0]                1: overwrite reports/baseline/cuda-<model>.json from this run's bench
 #   BUDGET_S         [480]              wall-clock budget; a step gets min(its cap, what is left)
-#   BENCH_CAP_S      [200]  TESTS_CAP_S [240]  REPORTS_CAP_S [150]  (reports' time is reserved while benching)
+#   BENCH_CAP_S      [240]  TESTS_CAP_S [240]  REPORTS_CAP_S [150]  (reports' time is reserved while benching; an 8B
+#                    bench with its static peer at b1 and b32 took ~210 s on a fresh H200)
 #   TESTS            [tests]            the tests step's pytest arguments (files, -k ...)
 #   REPORTS_PARALLEL [0]                1: the notebooks run at once (host-bound, so the GPU has room; not for 04,
 #                                       whose timings want the GPU alone)
@@ -140,7 +141,7 @@ PEER_REPEATS=${PEER_REPEATS:-2}
 BENCH_ARGS=${BENCH_ARGS:-}
 WRITE_BASELINE=${WRITE_BASELINE:-0}
 BUDGET_S=${BUDGET_S:-480}
-BENCH_CAP_S=${BENCH_CAP_S:-200}
+BENCH_CAP_S=${BENCH_CAP_S:-240}
 TESTS_CAP_S=${TESTS_CAP_S:-240}
 TESTS=${TESTS:-tests}
 REPORTS_CAP_S=${REPORTS_CAP_S:-150}
