@@ -74,6 +74,43 @@ def test_gemv_runs_the_decode_conv_in_its_epilogue(state_dtype):
         assert torch.equal(state, want_state), M
 
 
+@pytest.mark.parametrize("aside", [False, True])
+@pytest.mark.parametrize("switched_on", [False, True])
+def test_the_one_row_ring_runs_the_decode_conv_in_its_epilogue_where_switched_on(switched_on, aside, monkeypatch):
+    """A one-row in_proj through the TMA ring (layers.gemv_tma) with POCKETLAB_RING_CONV=1 convolves its first C
+    columns in its own epilogue, no conv launch after it: the bits of the ring's projection then conv_step, the
+    other columns untouched, the row's window moved on (in place, or aside: Into) and no other slot's. Switched
+    off, the conv runs after the ring, with the same bits."""
+    from pocketlab.layers import gemv, gemv_tma
+    from pocketlab.layers.norm import RMSNorm
+
+    monkeypatch.setenv("POCKETLAB_GEMV_TMA", "8,64,3")  # the ring, K over several laps of it
+    monkeypatch.setenv("POCKETLAB_RING_CONV", "1" if switched_on else "0")
+    rings, convs_after = [], []
+    ring, conv_step = gemv_tma.launch, ld.conv_step
+    monkeypatch.setattr(gemv_tma, "launch", lambda *a: rings.append(a[-1] is not None) or ring(*a))
+    monkeypatch.setattr(ld, "conv_step", lambda *a, **k: convs_after.append(1) or conv_step(*a, **k))
+    gen = torch.Generator().manual_seed(5)
+    C, N, K, H = 45, 61, 4, 1032
+    slots, rows = torch.tensor([2], device=DEV), torch.tensor([1], device=DEV)
+    x, w = randn(1, H, gen=gen).to(torch.bfloat16), (randn(N, H, gen=gen) * H**-0.5).to(torch.bfloat16)
+    norm = RMSNorm(randn(H, gen=gen).to(torch.bfloat16), 1e-6, offset=True)
+    taps, state = randn(C, K, gen=gen).to(torch.bfloat16), randn(5, C, K - 1, gen=gen).to(torch.bfloat16)
+    want, want_state = gemv.gemv(x, w, norm=norm), state.clone()
+    conv_step(want[:, :C], want_state, taps, slots, out=want[:, :C])
+    before = state.clone()
+    bank = torch.full((2, C, K - 1), float("nan"), device=DEV, dtype=state.dtype)
+    into = ld.Into(bank, rows) if aside else None
+    got = gemv.gemv(x, w, norm=norm, conv=ld.ConvStep(state, taps, slots, into))
+    assert torch.equal(got, want)
+    assert (
+        torch.equal(bank[rows], want_state[slots]) and torch.equal(state, before)
+        if aside
+        else torch.equal(state, want_state)
+    )
+    assert rings == [False, switched_on] and len(convs_after) == (not switched_on)
+
+
 @pytest.mark.parametrize("kernel", ["conv_step", "gemv_conv", "recurrent_step"])
 def test_a_step_stores_its_states_aside_where_asked(kernel):
     """into=Into(bank, rows) (a decode step launched ahead): the states the in-place step would leave in its slots,

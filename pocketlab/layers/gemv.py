@@ -25,9 +25,8 @@ import triton
 import triton.language as tl
 
 from ..config import GEMV_MAX_ROWS as MAX_ROWS
-from . import gemv_tma, pdl
+from . import conv_epilogue, gemv_tma, pdl
 from .invariant.matmul import PLAIN, as_rows, checked_width, epilogue_of, finish
-from .linear_decode import checked_into
 from .norm import norm_flavour
 from .pdl import wait_then_release
 
@@ -75,54 +74,16 @@ def _tile(rows, k, live_n, K):
     return tl.load(rows + k[None, :], mask=live_n[:, None] & (k < K)[None, :], other=0.0)
 
 
-@triton.jit
-def _conv_operands(m, n, live_m, slot_ptr, conv_ptr, into_ptr, into_row_ptr, cw_ptr, C, stride_cs, stride_cc,
-                   CONV_K: tl.constexpr, TAPS: tl.constexpr):  # fmt: skip
-    """(the conv's taps [BLOCK_N, TAPS], each row's window [ROWS, BLOCK_N, TAPS] of carried inputs, where the moved
-    windows go: row into_row_ptr[m] of into_ptr) for the first C columns, loaded before the main loop so the
-    epilogue waits on no load."""
-    j = tl.arange(0, TAPS)
-    chan = n < C
-    taps = tl.load(cw_ptr + n.to(tl.int64)[:, None] * CONV_K + j[None, :], mask=chan[:, None] & (j < CONV_K)[None, :],
-                   other=0.0)  # fmt: skip
-    slot = tl.load(slot_ptr + m, mask=live_m, other=0).to(tl.int64)
-    window = conv_ptr + slot[:, None] * stride_cs + n.to(tl.int64)[None, :] * stride_cc
-    live = live_m[:, None] & chan[None, :]
-    cells = tl.load(window[:, :, None] + j[None, None, :], mask=live[:, :, None] & (j < CONV_K - 1)[None, None, :],
-                    other=0.0)  # fmt: skip
-    into = tl.load(into_row_ptr + m, mask=live_m, other=0).to(tl.int64)
-    return taps, cells, into_ptr + into[:, None] * stride_cs + n.to(tl.int64)[None, :] * stride_cc
-
-
-@triton.jit
-def _conv_epilogue(y, n, live_m, taps, cells, window, C, CONV_K: tl.constexpr, TAPS: tl.constexpr):
-    """The Gated DeltaNet's conv of one token on the first C columns of y [ROWS, BLOCK_N] (dtype), with
-    linear_decode._conv_token's arithmetic: silu(w[c, K-1] y + sum_j w[c, j] window[j]) in float32, taps in order;
-    each row's window shifts left and takes y (stored at `window`: in place, or aside). Every cell was read before
-    the main loop, so nothing here reads what another thread writes."""
-    j = tl.arange(0, TAPS)
-    live = live_m[:, None] & (n < C)[None, :]
-    w = taps.to(tl.float32)
-    acc = tl.sum(tl.where(j == CONV_K - 1, w, 0.0), axis=1)[None, :] * y.to(tl.float32)
-    for i in tl.static_range(CONV_K - 1):
-        s = tl.sum(tl.where(j == i, cells.to(tl.float32), 0.0), axis=2)  # cell i exactly (one term, the rest 0)
-        acc += tl.sum(tl.where(j == i, w, 0.0), axis=1)[None, :] * s
-        if i > 0:
-            tl.store(window + (i - 1), s.to(cells.dtype), mask=live)
-    tl.store(window + (CONV_K - 2), y.to(cells.dtype), mask=live)
-    return tl.where((n < C)[None, :], (acc / (1.0 + tl.exp(-acc))).to(y.dtype), y)
-
-
 @triton.jit(do_not_specialize=["rows"])
-def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, g_ptr, slot_ptr, conv_ptr, into_ptr, into_row_ptr, cw_ptr, eps, rows, N,
-          K, C, stride_xm, stride_wn, stride_ym, stride_rm, stride_cs, stride_cc, HAS_BIAS: tl.constexpr,
+def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, g_ptr, eps, rows, N, K, stride_xm, stride_wn, stride_ym, stride_rm,
+          slot_ptr, conv_ptr, into_ptr, into_row_ptr, cw_ptr, C, stride_cs, stride_cc, HAS_BIAS: tl.constexpr,
           EPILOGUE: tl.constexpr, NORM: tl.constexpr, CONV_K: tl.constexpr, TAPS: tl.constexpr, ROWS: tl.constexpr,
           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """y[m, n] for the ROWS rows and this program's BLOCK_N columns: float32 lanes [ROWS, BLOCK_N, BLOCK_K] along
     K, summed once. NORM: x is first RMS-normed with weight g (see the module docstring). EPILOGUE 1: y = residual +
     x @ W^T; 2: W is [gate | up] (2N rows), y = silu(x @ gate^T) * (x @ up^T). CONV_K: then the causal conv of width
     CONV_K (TAPS: its power of two) on the first C columns, each row's window in slot slot_ptr[m], moved to row
-    into_row_ptr[m] of into_ptr (_conv_epilogue). Each weight tile is loaded AHEAD steps before its use, the first
+    into_row_ptr[m] of into_ptr (layers.conv_epilogue). Each weight tile is loaded AHEAD steps before its use, the first
     AHEAD before the PDL wait (weights are never written), so the read streams while the previous kernel finishes."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, ROWS)
@@ -141,8 +102,8 @@ def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, g_ptr, slot_ptr, conv_ptr, into_p
     g = tl.load(g_ptr + k, mask=k < K, other=0.0) if NORM else k  # the norm's weight: ahead like the others
     wait_then_release(PDL)
     if CONV_K:
-        taps, cells, window = _conv_operands(m, n, live_m, slot_ptr, conv_ptr, into_ptr, into_row_ptr, cw_ptr, C,
-                                             stride_cs, stride_cc, CONV_K, TAPS)  # fmt: skip
+        taps, cells, window = conv_epilogue.operands(m, n, live_m, slot_ptr, conv_ptr, into_ptr, into_row_ptr, cw_ptr,
+                                                     C, stride_cs, stride_cc, CONV_K, TAPS)  # fmt: skip
     lanes = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
     lanes_up = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
     squares = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
@@ -170,7 +131,7 @@ def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, g_ptr, slot_ptr, conv_ptr, into_p
     dtype = y_ptr.dtype.element_ty
     y = finish(total, total_up, b_ptr, res_ptr, m, n, live_m, live_n, stride_rm, dtype, HAS_BIAS, EPILOGUE)
     if CONV_K:
-        y = _conv_epilogue(y, n, live_m, taps, cells, window, C, CONV_K, TAPS)
+        y = conv_epilogue.apply(y, n, live_m, taps, cells, window, C, CONV_K, TAPS)
     tl.store(y_ptr + m.to(tl.int64)[:, None] * stride_ym + n[None, :], y, mask=live_m[:, None] & live_n[None, :])
 
 
@@ -198,9 +159,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     y = torch.empty(x2.shape[0], N, dtype=x.dtype, device=x.device)
     res = None if residual is None else as_rows(residual, N)
     ring = gemv_tma.one_row_ring(weight) if x2.shape[0] == 1 else None
-    after = conv if conv is not None and (ring or (K < CONV_MIN_K and x.is_cuda)) else None
+    folds_conv = gemv_tma.folds_conv() if ring else K >= CONV_MIN_K or not x.is_cuda
+    after = None if folds_conv else conv
     if ring:  # the weight streamed through a TMA ring (layers.gemv_tma)
-        gemv_tma.launch(x2, weight, bias, y, ring, epilogue_of(residual, swiglu), res, norm)
+        gemv_tma.launch(x2, weight, bias, y, ring, epilogue_of(residual, swiglu), res, norm, None if after else conv)
     elif x2.shape[0]:
         t = launch_for(x2.shape[0], N, K, x.device, normed=norm is not None and not swiglu)
         launch(x2, weight, bias, y, t, epilogue_of(residual, swiglu), res, norm, None if after else conv)
@@ -226,16 +188,13 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
     (the sweep tries others)."""
     M, K = x2.shape
     N = y.shape[1]
-    slots, state, taps = (y, y, y) if conv is None else (conv.slot_ids, conv.state, conv.weight)
-    into = (y, y) if conv is None else checked_into(conv.into, state, slots)
-    conv_k = 0 if conv is None else taps.shape[1]
+    conv_args, conv_widths = conv_epilogue.arguments(conv, y)
     _gemv[(triton.cdiv(N, t.block_n),)](
         x2, weight, y if bias is None else bias, y, y if residual is None else residual,
-        y if norm is None else norm.weight, slots, state, *into, taps, 0.0 if norm is None else norm.eps, M, N, K,
-        0 if conv is None else conv.channels, x2.stride(0), weight.stride(0), y.stride(0),
-        0 if residual is None else residual.stride(0), state.stride(0), state.stride(1), HAS_BIAS=bias is not None,
-        EPILOGUE=epilogue, NORM=norm_flavour(norm), CONV_K=conv_k, TAPS=triton.next_power_of_2(max(conv_k, 1)),
-        ROWS=t.rows, BLOCK_N=t.block_n, BLOCK_K=t.block_k, AHEAD=t.ahead, num_warps=t.num_warps,
+        y if norm is None else norm.weight, 0.0 if norm is None else norm.eps, M, N, K, x2.stride(0),
+        weight.stride(0), y.stride(0), 0 if residual is None else residual.stride(0), *conv_args,
+        HAS_BIAS=bias is not None, EPILOGUE=epilogue, NORM=norm_flavour(norm), **conv_widths, ROWS=t.rows,
+        BLOCK_N=t.block_n, BLOCK_K=t.block_k, AHEAD=t.ahead, num_warps=t.num_warps,
         **pdl.launch(x2.device),
     )  # fmt: skip
     return y

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from . import pdl
+from . import conv_epilogue, pdl
 from .invariant.matmul import PLAIN, finish
 from .norm import norm_flavour
 from .pdl import wait_then_release
@@ -82,6 +82,12 @@ def fits(matrix: torch.Tensor) -> bool:
     return matrix.stride(1) == 1 and matrix.data_ptr() % 16 == 0 and row_bytes % 16 == 0
 
 
+def folds_conv() -> bool:
+    """Whether a one-row ring runs the Gated DeltaNet's decode conv in its epilogue (POCKETLAB_RING_CONV=1, a switch
+    for measuring against the conv's own launch after it, the default)."""
+    return os.environ.get("POCKETLAB_RING_CONV", "") == "1"
+
+
 def has_tma(device: torch.device) -> bool:
     """Hopper (sm_90) and later read through tensor descriptors (pdl.sm90 caches the capability)."""
     return pdl.sm90(device)
@@ -114,35 +120,43 @@ def ring_sums(desc, row, up_row, x_ptr, g_ptr, K, first, first_up, NORM: tl.cons
 
 
 @triton.jit
-def _gemv_tma(x_ptr, w_desc, b_ptr, y_ptr, res_ptr, g_ptr, eps, N, K, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
-              NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-              PDL: tl.constexpr):  # fmt: skip
+def _gemv_tma(x_ptr, w_desc, b_ptr, y_ptr, res_ptr, g_ptr, eps, N, K, slot_ptr, conv_ptr, into_ptr, into_row_ptr,
+              cw_ptr, C, stride_cs, stride_cc, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, NORM: tl.constexpr,
+              CONV_K: tl.constexpr, TAPS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              STAGES: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """layers.gemv's one-row arithmetic for this program's BLOCK_N rows: NORM, x RMS-normed with weight g on the way;
     EPILOGUE 1, residual + y; 2, W is [gate | up] (up rows N further; the gate tile of a block past N reads up rows,
-    never stored) and y = silu(gate) * up."""
+    never stored) and y = silu(gate) * up; CONV_K, then the decode conv on the first C columns (layers.conv_epilogue,
+    its taps and the row's window read before the wait: this layer's conv wrote the window a step before)."""
     n0 = tl.program_id(0) * BLOCK_N
+    n, m = n0 + tl.arange(0, BLOCK_N), tl.arange(0, 1)
     first = w_desc.load([n0, 0])  # the first tiles before the wait: weights, which no kernel writes
     first_up = w_desc.load([n0 + N, 0]) if EPILOGUE == 2 else first
+    if CONV_K:
+        taps, cells, window = conv_epilogue.operands(m, n, m < 1, slot_ptr, conv_ptr, into_ptr, into_row_ptr, cw_ptr,
+                                                     C, stride_cs, stride_cc, CONV_K, TAPS)  # fmt: skip
     wait_then_release(PDL)
     total, total_up, squares = ring_sums(w_desc, n0, n0 + N, x_ptr, g_ptr, K, first, first_up, NORM, EPILOGUE == 2,
                                          BLOCK_N, BLOCK_K, STAGES)  # fmt: skip
     inv_rms = tl.rsqrt(squares / K + eps) if NORM else 1.0
-    n, m = n0 + tl.arange(0, BLOCK_N), tl.arange(0, 1)
     y = finish((total * inv_rms)[None, :], (total_up * inv_rms)[None, :], b_ptr, res_ptr, m, n, m < 1, n < N, 0,
                y_ptr.dtype.element_ty, HAS_BIAS, EPILOGUE)  # fmt: skip
+    if CONV_K:
+        y = conv_epilogue.apply(y, n, m < 1, taps, cells, window, C, CONV_K, TAPS)
     tl.store(y_ptr + n[None, :], y, mask=(n < N)[None, :])
 
 
 def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, ring: Ring,
-           epilogue: int = PLAIN, residual: torch.Tensor | None = None, norm=None) -> torch.Tensor:  # fmt: skip
+           epilogue: int = PLAIN, residual=None, norm=None, conv=None) -> torch.Tensor:  # fmt: skip
     """y [1, N] from x2 [1, K] as layers.gemv.launch computes it (its checks done by the caller; `fits(weight)`),
     the weight read through a `ring`."""
     N, K = y.shape[1], x2.shape[1]
     desc = TensorDescriptor.from_tensor(weight, block_shape=[ring.block_n, ring.block_k])
+    conv_args, conv_widths = conv_epilogue.arguments(conv, y)
     _gemv_tma[(triton.cdiv(N, ring.block_n),)](
         x2, desc, y if bias is None else bias, y, y if residual is None else residual,
-        y if norm is None else norm.weight, 0.0 if norm is None else norm.eps, N, K, HAS_BIAS=bias is not None,
-        EPILOGUE=epilogue, NORM=norm_flavour(norm), BLOCK_N=ring.block_n, BLOCK_K=ring.block_k, STAGES=ring.stages,
-        num_warps=ring.num_warps, **pdl.launch(x2.device),
+        y if norm is None else norm.weight, 0.0 if norm is None else norm.eps, N, K, *conv_args,
+        HAS_BIAS=bias is not None, EPILOGUE=epilogue, NORM=norm_flavour(norm), **conv_widths, BLOCK_N=ring.block_n,
+        BLOCK_K=ring.block_k, STAGES=ring.stages, num_warps=ring.num_warps, **pdl.launch(x2.device),
     )  # fmt: skip
     return y
