@@ -15,15 +15,11 @@ import triton.language as tl
 def arguments(conv, y: torch.Tensor) -> tuple[tuple, dict]:
     """The kernels' conv arguments for `conv` (a linear_decode.ConvStep; None: y as every unused pointer):
     (slots, windows, where they go (bank, rows), taps, C, the windows' strides), {CONV_K, TAPS}."""
-    from .linear_decode import checked_into  # here: linear_decode's kernels import this module's importers
-
     if conv is None:
         return (y, y, y, y, y, 0, 0, 0), dict(CONV_K=0, TAPS=1)
     state, width = conv.state, conv.weight.shape[1]
-    into = checked_into(conv.into, state, conv.slot_ids)
-    return (conv.slot_ids, state, *into, conv.weight, conv.channels, state.stride(0), state.stride(1)), dict(
-        CONV_K=width, TAPS=triton.next_power_of_2(width)
-    )
+    widths = dict(CONV_K=width, TAPS=triton.next_power_of_2(width))
+    return (conv.slot_ids, state, *conv.stored_to(), conv.weight, conv.channels, *state.stride()[:2]), widths
 
 
 @triton.jit

@@ -405,6 +405,10 @@ class ConvStep:
     def channels(self) -> int:
         return self.weight.shape[0]
 
+    def stored_to(self) -> Into:
+        """(bank, rows) the moved windows go to: the slots' own windows, or `into`'s rows."""
+        return checked_into(self.into, self.state, self.slot_ids)
+
     def __call__(self, y: torch.Tensor) -> torch.Tensor:
         """y [B, (1,) N >= channels] with its first `channels` columns convolved in place; the windows move on."""
         y2 = y.view(-1, y.shape[-1])[:, : self.channels]
