@@ -104,10 +104,12 @@ def pytest_runtest_logreport(report):
 
 
 # In Triton's interpreter, each distinct launch of a pocketlab kernel is recorded and, at the session's end,
-# compiled for the H200 by tests/sm90.py (the interpreter accepts kernels the compiler refuses).
-# POCKETLAB_SM90=0 skips it; so do pytest-xdist's workers, whose exit status would not fail the run.
+# compiled for the H200 by tests/sm90.py (the interpreter accepts kernels the compiler refuses). Under
+# pytest-xdist each worker hands its launches to the controller, which compiles them all: a worker's exit status
+# would not fail the run. POCKETLAB_SM90=0 skips it.
 LAUNCHES: set[str] = set()
-SM90_CHECK = os.environ.get("POCKETLAB_SM90", "1") != "0" and "PYTEST_XDIST_WORKER" not in os.environ
+SM90_CHECK = os.environ.get("POCKETLAB_SM90", "1") != "0"
+XDIST_WORKER = "PYTEST_XDIST_WORKER" in os.environ
 if os.environ.get("TRITON_INTERPRET") == "1" and SM90_CHECK:
     from sm90 import launch_key  # noqa: E402
     from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
@@ -125,8 +127,17 @@ if os.environ.get("TRITON_INTERPRET") == "1" and SM90_CHECK:
     InterpretedFunction.run = _recorded_run
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist's controller: the launches a finished worker recorded."""
+    LAUNCHES.update(node.workeroutput.get("sm90_launches", []))
+
+
 def pytest_sessionfinish(session, exitstatus):
     """The recorded launches compiled for sm_90 in a process without the interpreter; a failure fails the run."""
+    if XDIST_WORKER:
+        session.config.workeroutput["sm90_launches"] = sorted(LAUNCHES)
+        return
     if not LAUNCHES:
         return
     import subprocess
