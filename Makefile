@@ -4,7 +4,7 @@ DEVICE  ?= cpu
 DTYPE   ?= $(if $(filter cuda,$(DEVICE)),bfloat16,float32)
 MODELS  ?= tiny-qwen3 tiny-qwen2 tiny-qwen3_5
 MODEL   ?= tiny-qwen3
-# make test's pytest-xdist workers: the CI machine's two cores (0: one process; 13 minutes there against 23)
+# make test's pytest-xdist workers: the CI machine's two cores (0: one process; 15 minutes there against 23)
 TEST_WORKERS ?= 2
 ONE_OR_ALL = $(if $(filter command line,$(origin MODEL)),$(MODEL),$(MODELS))
 export PYTHONUNBUFFERED := 1
