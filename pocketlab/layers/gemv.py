@@ -160,12 +160,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     res = None if residual is None else as_rows(residual, N)
     ring = gemv_tma.one_row_ring(weight) if x2.shape[0] == 1 else None
     folds_conv = gemv_tma.folds_conv() if ring else K >= CONV_MIN_K or not x.is_cuda
-    after = None if folds_conv else conv
+    inside, after = (conv, None) if folds_conv else (None, conv)  # the conv in the launch's epilogue, or after it
     if ring:  # the weight streamed through a TMA ring (layers.gemv_tma)
-        gemv_tma.launch(x2, weight, bias, y, ring, epilogue_of(residual, swiglu), res, norm, None if after else conv)
+        gemv_tma.launch(x2, weight, bias, y, ring, epilogue_of(residual, swiglu), res, norm, inside)
     elif x2.shape[0]:
         t = launch_for(x2.shape[0], N, K, x.device, normed=norm is not None and not swiglu)
-        launch(x2, weight, bias, y, t, epilogue_of(residual, swiglu), res, norm, None if after else conv)
+        launch(x2, weight, bias, y, t, epilogue_of(residual, swiglu), res, norm, inside)
     y = y.reshape(*x.shape[:-1], N)
     return y if after is None else after(y)
 
