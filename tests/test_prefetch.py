@@ -49,6 +49,35 @@ def test_the_span_is_a_small_weight_whole_at_one_row():
     assert prefetch.span(torch.empty(prefetch.MAX_BYTES // 2 + 1, dtype=torch.bfloat16), rows=1) == 0  # too large
     assert prefetch.span(w[:, :8], rows=1) == 0  # not contiguous
     assert prefetch.span(w.view(-1)[1:], rows=1) == 0  # not 16-byte aligned
+    layer_bytes = torch.empty(prefetch.LAYER_MAX_BYTES, dtype=torch.uint8)  # a packed layer's (its own limit)
+    assert prefetch.span(layer_bytes, rows=1) == prefetch.LAYER_MAX_BYTES
+    assert prefetch.span(torch.empty(prefetch.LAYER_MAX_BYTES + 16, dtype=torch.uint8), rows=1) == 0
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen3_5"])
+def test_a_packed_layer_holds_its_weights_in_read_order_and_decodes_the_same(make_engine, monkeypatch, preset):
+    """POCKETLAB_L2_PREFETCH=layer: each layer's weights are views of one allocation, in the order a forward reads
+    them, each from a 256-byte boundary; the mixer prefetches from its second weight to the layer's last byte; the
+    tokens and logits are those of the unpacked engine."""
+    from conftest import greedy_run, random_prompt
+
+    prompt = random_prompt(12, seed=3)
+    plain = greedy_run(make_engine(preset), prompt, steps=4)
+    monkeypatch.setattr(prefetch, "whole_layer", lambda device: True)
+    engine = make_engine(preset)
+    for layer in engine.model.layers:
+        owners = [(layer.mixer, n) for n in layer.mixer.streamed] + [(layer.mlp, n) for n in layer.mlp.streamed]
+        weights = [getattr(owner, name) for owner, name in owners]
+        storage = weights[0].untyped_storage()
+        assert all(w.untyped_storage().data_ptr() == storage.data_ptr() for w in weights)
+        starts = [w.data_ptr() for w in weights]
+        assert starts == sorted(starts) and all((at - starts[0]) % prefetch.ALIGN == 0 for at in starts)
+        ends = [w.data_ptr() + w.numel() * w.element_size() for w in weights]
+        assert all(end <= start for end, start in zip(ends, starts[1:], strict=False))  # no overlap
+        nxt = layer.mixer.l2_next
+        assert nxt.data_ptr() == starts[1] and nxt.data_ptr() + nxt.numel() == ends[-1]
+    tokens, logits = greedy_run(engine, prompt, steps=4)
+    assert tokens == plain[0] and torch.equal(logits, plain[1])
 
 
 def test_the_cpu_never_prefetches(monkeypatch):
@@ -99,8 +128,8 @@ def test_attention_state_step_and_logits_keep_their_bits_while_prefetching(make_
     prompt = random_prompt(40, seed=1)
     for preset in ("tiny-qwen3", "tiny-qwen3_5"):
         logits = []
-        for switch in ("0", "1"):
+        for switch in ("0", "1", "layer"):
             monkeypatch.setenv("POCKETLAB_L2_PREFETCH", switch)
             e = make_engine(preset, prefix_cache=False)
             logits.append(e.decode_step(e.prefill(prompt).next_token).logits)
-        assert torch.equal(*logits)
+        assert torch.equal(logits[0], logits[1]) and torch.equal(logits[0], logits[2])

@@ -7,6 +7,7 @@ import torch
 from ..cache import SlotCache
 from ..config import ModelConfig
 from ..forward import AttentionPath, ForwardContext
+from ..layers import prefetch
 from ..layers.attention import cached_attention, write_kv
 from ..layers.decode_attention import available as decode_attention_available
 from ..layers.decode_attention import decode_attention
@@ -18,6 +19,7 @@ from ..layers.rotary import Rotary, norm_and_rotate
 
 class MLP:
     syncs_with_host = False
+    streamed = ("gate_up", "down")  # its weights in the order a forward reads them
 
     def __init__(self, w: dict, p: str, kernels: Kernels):
         # gate and up fused into one matmul: one weight read per step instead of two launches
@@ -38,6 +40,9 @@ class MLP:
 class Attention:
     """Full attention; `gated` is Qwen3.5's variant (q_proj also emits a sigmoid output gate, (1+w) norms).
     kv_key: where this layer's K/V live in the SlotCache (the layer index, or a name such as the MTP head's)."""
+
+    streamed = ("qkv", "o")
+    l2_next: torch.Tensor | None = None  # what the decode attention pulls into L2 (layers.prefetch); None: o_proj
 
     def __init__(self, cfg: ModelConfig, w: dict, p: str, kv_key: int | str, kernels: Kernels, gated: bool = False):
         self.cfg, self.kv_key, self.gated, self.kernels = cfg, kv_key, gated, kernels
@@ -81,7 +86,7 @@ class Attention:
                 (ctx.rotary.cos, ctx.rotary.sin),
                 norms,
                 gate[:, 0] if self.gated else None,
-                prefetch=self.o,  # o_proj reads it next
+                prefetch=self.o if self.l2_next is None else self.l2_next,  # o_proj reads it next
                 positions=ctx.positions[:, 0],
             )[:, None]
         else:
@@ -121,6 +126,20 @@ class DecoderLayer:
             weight = getattr(reads_it, "normed_weight", None)  # a MoE block norms in its own kernels
             if weight is not None and kernels.folds_norm(weight, swiglu=reads_it is mlp):
                 norm.fold_into(weight)
+        if isinstance(mlp, MLP) and prefetch.whole_layer(mlp.down.device):
+            self._pack()
+
+    def _pack(self) -> None:
+        """The layer's weights in one allocation in read order, and the mixer's kernel before its output projection
+        prefetching all after the first (layers.prefetch's `layer` switch) where they are few enough bytes."""
+        owners = [(self.mixer, name) for name in self.mixer.streamed] + [(self.mlp, name) for name in MLP.streamed]
+        weights = [getattr(owner, name) for owner, name in owners]
+        if sum(w.numel() * w.element_size() for w in weights[1:]) > prefetch.LAYER_MAX_BYTES:
+            return
+        views, store = prefetch.packed(weights)
+        for (owner, name), view in zip(owners, views, strict=True):
+            setattr(owner, name, view)
+        self.mixer.l2_next = store[views[1].data_ptr() - store.data_ptr() :]
 
     def __call__(self, h, ctx: ForwardContext, cache: SlotCache):
         """h -> h + mixer(input_norm(h)) -> h + mlp(post_norm(h)). Each norm is handed to the projection that reads
