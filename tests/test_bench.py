@@ -454,6 +454,22 @@ def test_ab_alternates_variants_and_restores_the_environment(capsys, monkeypatch
         ab.parse_variant("no-equals-sign")
 
 
+def test_ab_builds_a_variant_with_an_option_under_its_switches(monkeypatch):
+    """A switch read as the engine is built (POCKETLAB_L2_PREFETCH=layer) reaches the engine of a variant that names
+    an option beside it, and only that engine; a switch alone shares the base engine."""
+    from pocketlab.tools import ab
+
+    built = []
+    monkeypatch.setattr(ab, "build", lambda cfg: ("hf", "base"))
+    monkeypatch.setattr(ab, "engine_over", lambda hf, cfg, package: built.append(os.environ.get("POCKETLAB_AB_T")) or
+                        f"engine {len(built)}")  # fmt: skip
+    monkeypatch.delenv("POCKETLAB_AB_T", raising=False)
+    variants = ["", "POCKETLAB_AB_T=x", "warmup=False", "POCKETLAB_AB_T=y,warmup=False"]
+    engines = ab.engines_for(bench.BenchConfig(model="tiny-qwen3", device="cpu"), variants)
+    assert [engines[v] for v in variants] == ["base", "base", "engine 1", "engine 2"]
+    assert built == [None, "y"] and "POCKETLAB_AB_T" not in os.environ  # set while built, restored after
+
+
 def test_hf_serving_peer_is_sized_by_the_trace():
     """HF's continuous batching gets a paged cache that holds the whole trace and batches of at most its tokens: its
     defaults size both from 90% of the free memory (75 GB of an H100 for a tiny model, which starved the engine)."""

@@ -12,14 +12,14 @@ in how many rounds it was the faster), which the drift between rounds does not r
     python -m pocketlab.tools.ab --summary-of reports/gpu/ab-*.txt   (the summary of tables saved by earlier runs)
 
 A variant is comma-separated NAME=VALUE pairs: environment variables (set for its rounds, restored after, so only a
-switch read as the kernels launch or the graphs are captured takes effect: one read when the engine is built needs
-an EngineOptions field or a tree variant), and EngineOptions fields, for which the variant gets an engine of its own
-over the same weights (built once, before the rounds; VALUE read as a Python literal). `tree=DIR` builds that engine
-from the copy of the pocketlab package in DIR (an earlier revision:
-`git archive REV pocketlab | tar -x -C /tmp/rev`, then tree=/tmp/rev/pocketlab), imported as a package of its own: a
-code change against the code before it, in one process. The first variant is the baseline. After the timings, each
-variant's greedy decode from the same prompts is held against the baseline's (`agreement`): a switch that is fast
-because it is wrong shows there.
+switch read as the kernels launch or the graphs are captured takes effect on the shared engine), and EngineOptions
+fields, for which the variant gets an engine of its own over the same weights, built once before the rounds with
+its environment switches set (so a switch read as the engine is built takes effect with any option beside it, e.g.
+"POCKETLAB_L2_PREFETCH=layer,warmup=False"; VALUE read as a Python literal). `tree=DIR` builds that engine from the
+copy of the pocketlab package in DIR (an earlier revision: `git archive REV pocketlab | tar -x -C /tmp/rev`, then
+tree=/tmp/rev/pocketlab), imported as a package of its own: a code change against the code before it, in one
+process. The first variant is the baseline. After the timings, each variant's greedy decode from the same prompts
+is held against the baseline's (`agreement`): a switch that is fast because it is wrong shows there.
 """
 
 from __future__ import annotations
@@ -87,15 +87,11 @@ def median_call(engine, batch: int, steps: int, warm: int, prefill: int = 0, con
 
 
 @contextmanager
-def under(engine: QwenEngine, variant: str) -> Iterator[None]:
-    """The variant's environment switches set (restored after), the engine's graphs (if any) captured again under
-    them."""
-    env = parse_variant(variant)[0]
+def environment(env: dict[str, str]) -> Iterator[None]:
+    """`env`'s switches set, restored after."""
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        if engine.graphs is not None:  # its own package's class (a tree variant's engine is another copy's)
-            engine.graphs = type(engine.graphs)(engine.model, engine.cache, engine.options)
         yield
     finally:
         for k, v in saved.items():
@@ -103,6 +99,16 @@ def under(engine: QwenEngine, variant: str) -> Iterator[None]:
                 del os.environ[k]
             else:
                 os.environ[k] = v
+
+
+@contextmanager
+def under(engine: QwenEngine, variant: str) -> Iterator[None]:
+    """The variant's environment switches set (restored after), the engine's graphs (if any) captured again under
+    them."""
+    with environment(parse_variant(variant)[0]):
+        if engine.graphs is not None:  # its own package's class (a tree variant's engine is another copy's)
+            engine.graphs = type(engine.graphs)(engine.model, engine.cache, engine.options)
+        yield
 
 
 def run(engines: dict[str, QwenEngine], variants: list[str], batch_sizes, rounds: int, steps: int, warm: int,
@@ -143,18 +149,25 @@ def agreement(engines: dict[str, QwenEngine], variants: list[str], batch: int, s
 
 
 def engines_for(cfg: BenchConfig, variants: list[str]) -> dict[str, QwenEngine]:
-    """variant -> its engine: one per distinct set of engine options (and package tree), all over the weights of one
-    HF build."""
+    """variant -> its engine: one per distinct set of engine options (and package tree) with the variant's
+    environment switches, set while it is built (for switches read then), all over the weights of one HF build."""
     hf, base = build(cfg)
-    keys = {v: tuple(sorted(parse_variant(v)[1].items())) for v in variants}
+    keys = {v: own_engine_key(*parse_variant(v)) for v in variants}
     built: dict[tuple[tuple[str, object], ...], QwenEngine] = {(): base}
-    for key in keys.values():
+    for v, key in keys.items():
         if key not in built:
-            options = dict(key)
+            env, options = parse_variant(v)
             package = load_tree(Path(str(options.pop(TREE)))) if TREE in options else None
             variant_cfg = dataclasses.replace(cfg, engine_options=dict(cfg.engine_options, **options))
-            built[key] = engine_over(hf, variant_cfg, package)
+            with environment(env):
+                built[key] = engine_over(hf, variant_cfg, package)
     return {v: built[key] for v, key in keys.items()}
+
+
+def own_engine_key(env: dict[str, str], options: dict[str, object]) -> tuple[tuple[str, object], ...]:
+    """Which engine a variant runs on: the base engine, (), where it names no engine option; else its options and
+    environment switches (an option at its default, such as warmup=False, gives a build-time switch an engine)."""
+    return tuple(sorted(options.items())) + tuple(sorted(env.items())) if options else ()
 
 
 def load_tree(path: Path):
