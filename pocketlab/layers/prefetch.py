@@ -8,9 +8,10 @@ kernel before them ends). It pays for a small weight only: larger ones, later pl
 (the thirty-first session's A/B in reports/performance-history.md), as was a prefetch from every GEMV of the
 weight after it (fifteenth session).
 
-POCKETLAB_L2_PREFETCH=0 turns it off (to measure it); =layer (a switch, to measure) copies each dense layer's
-weights into one allocation in read order (`packed`), and the kernel before o_proj or out_proj asks for the layer's
-bytes from there on (o_proj or out_proj, gate_up, down) where they are at most LAYER_MAX_BYTES.
+POCKETLAB_L2_PREFETCH=0 turns it off (to measure it). POCKETLAB_L2_AHEAD_MIB=n (a switch, to measure) copies the
+layers' weights into one allocation in the order a decode step reads them (`packed`), and the kernel before o_proj
+or out_proj asks instead for the n MiB from that weight on: the rest of the layer (gate_up, down) and, past it, the
+next layer's first weight.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from . import pdl
 
 PIECE = 16  # the bulk prefetch takes 16-byte aligned addresses and sizes
 MAX_BYTES = 8 << 20  # Qwen3-0.6B's and Qwen3.5-0.8B's o_proj (4 MiB) gain; 16 and 32 MiB ones lose
-LAYER_MAX_BYTES = 28 << 20  # Qwen3-0.6B's 22 MiB and Qwen3.5-0.8B's 25 MiB after the mixer's first weight
-ALIGN = 256  # each weight of a packed layer starts here (TMA and the bulk prefetch want 16 bytes)
+AHEAD_MAX_BYTES = 64 << 20  # past the H100's and H200's 50 MB of L2
+ALIGN = 256  # each packed weight starts here (TMA and the bulk prefetch want 16 bytes)
 LANES = tl.constexpr(128)  # one piece per thread of a 4-warp program (a constexpr: kernels read it)
 
 
@@ -35,15 +36,16 @@ def enabled(device: torch.device) -> bool:
     return os.environ.get("POCKETLAB_L2_PREFETCH", "1") != "0" and pdl.sm90(device)
 
 
-def whole_layer(device: torch.device) -> bool:
-    """Whether layers pack their weights for one prefetch of all after the mixer's first (POCKETLAB_L2_PREFETCH=layer
-    on sm_90 and later)."""
-    return os.environ.get("POCKETLAB_L2_PREFETCH") == "layer" and pdl.sm90(device)
+def ahead_bytes(device: torch.device) -> int:
+    """POCKETLAB_L2_AHEAD_MIB in bytes on sm_90 and later (at most AHEAD_MAX_BYTES), else 0: how far ahead in read
+    order the kernel before an output projection prefetches, the weights packed."""
+    mib = int(os.environ.get("POCKETLAB_L2_AHEAD_MIB") or 0)
+    return min(mib << 20, AHEAD_MAX_BYTES) if enabled(device) else 0
 
 
 def packed(weights: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Copies of `weights` in one allocation, in this order, each from an ALIGN-byte boundary, and that allocation's
-    bytes (uint8): a kernel may then ask L2 for several weights as one range."""
+    bytes (uint8): a kernel may then ask L2 for several weights as one range (at most AHEAD_MAX_BYTES)."""
     sizes = [w.numel() * w.element_size() for w in weights]
     starts = [sum(-(-n // ALIGN) * ALIGN for n in sizes[:i]) for i in range(len(sizes))]
     store = torch.empty(starts[-1] + sizes[-1], dtype=torch.uint8, device=weights[0].device)
@@ -55,10 +57,10 @@ def packed(weights: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tenso
 
 def span(weight: torch.Tensor, rows: int) -> int:
     """How many bytes of `weight` a kernel working on `rows` rows prefetches: all of it (in whole 16-byte pieces)
-    at one row and up to MAX_BYTES (LAYER_MAX_BYTES for a packed layer's uint8 bytes), else 0; 0 too where it is
+    at one row and up to MAX_BYTES (AHEAD_MAX_BYTES for packed weights' uint8 bytes), else 0; 0 too where it is
     not contiguous or not 16-byte aligned."""
     nbytes = weight.numel() * weight.element_size()
-    limit = LAYER_MAX_BYTES if weight.dtype == torch.uint8 else MAX_BYTES
+    limit = AHEAD_MAX_BYTES if weight.dtype == torch.uint8 else MAX_BYTES
     if rows != 1 or nbytes > limit or not weight.is_contiguous() or weight.data_ptr() % PIECE:
         return 0
     return nbytes // PIECE * PIECE

@@ -126,20 +126,6 @@ class DecoderLayer:
             weight = getattr(reads_it, "normed_weight", None)  # a MoE block norms in its own kernels
             if weight is not None and kernels.folds_norm(weight, swiglu=reads_it is mlp):
                 norm.fold_into(weight)
-        if isinstance(mlp, MLP) and prefetch.whole_layer(mlp.down.device):
-            self._pack()
-
-    def _pack(self) -> None:
-        """The layer's weights in one allocation in read order, and the mixer's kernel before its output projection
-        prefetching all after the first (layers.prefetch's `layer` switch) where they are few enough bytes."""
-        owners = [(self.mixer, name) for name in self.mixer.streamed] + [(self.mlp, name) for name in MLP.streamed]
-        weights = [getattr(owner, name) for owner, name in owners]
-        if sum(w.numel() * w.element_size() for w in weights[1:]) > prefetch.LAYER_MAX_BYTES:
-            return
-        views, store = prefetch.packed(weights)
-        for (owner, name), view in zip(owners, views, strict=True):
-            setattr(owner, name, view)
-        self.mixer.l2_next = store[views[1].data_ptr() - store.data_ptr() :]
 
     def __call__(self, h, ctx: ForwardContext, cache: SlotCache):
         """h -> h + mixer(input_norm(h)) -> h + mlp(post_norm(h)). Each norm is handed to the projection that reads
@@ -168,6 +154,21 @@ class DecoderModel:
             p = f"model.layers.{i}."
             mlp = make_mlp(cfg, w, p + "mlp.", self.kernels, cfg.is_moe_layer(i))
             self.layers.append(DecoderLayer(w, p, self.make_mixer(w, p, i), mlp, eps, self.norm_offset, self.kernels))
+        ahead = prefetch.ahead_bytes(self.embed.device)
+        if ahead:
+            self._pack(ahead)
+
+    def _pack(self, ahead: int) -> None:
+        """The layers' weights in one allocation in the order a decode step reads them, each mixer's kernel before
+        its output projection prefetching `ahead` bytes from that weight on (layers.prefetch's AHEAD switch)."""
+        owners = [(part, name) for layer in self.layers for part in (layer.mixer, layer.mlp)
+                  for name in getattr(part, "streamed", ())]  # fmt: skip
+        views, store = prefetch.packed([getattr(owner, name) for owner, name in owners])
+        for (owner, name), view in zip(owners, views, strict=True):
+            setattr(owner, name, view)
+        for layer in self.layers:
+            start = getattr(layer.mixer, layer.mixer.streamed[-1]).data_ptr() - store.data_ptr()
+            layer.mixer.l2_next = store[start : start + ahead]
 
     @property
     def syncs_with_host(self) -> bool:
