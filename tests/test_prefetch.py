@@ -1,7 +1,8 @@
 """The L2 prefetch of the next projection's weight from the decode attention and state step kernels
 (layers.prefetch): their programs cover the weight once in whole 16-byte pieces, the span refuses what the bulk
-prefetch cannot take or what it would slow, the sm_90 check compiles the prefetching form, and (on a GPU)
-attention, the Gated DeltaNet state step and the logits keep their bits."""
+prefetch cannot take or what it would slow, weights packed for a prefetch further ahead lie in read order and
+decode the same, the sm_90 check compiles the prefetching form, and (on a GPU) attention, the Gated DeltaNet state
+step and the logits keep their bits."""
 
 import os
 

@@ -86,7 +86,7 @@ class Attention:
                 (ctx.rotary.cos, ctx.rotary.sin),
                 norms,
                 gate[:, 0] if self.gated else None,
-                prefetch=self.o if self.l2_next is None else self.l2_next,  # o_proj reads it next
+                prefetch=self.o if self.l2_next is None else self.l2_next,  # o_proj reads it next (packed: and more)
                 positions=ctx.positions[:, 0],
             )[:, None]
         else:

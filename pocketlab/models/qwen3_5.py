@@ -119,7 +119,7 @@ class GatedDeltaNet:
             L2_EPS,
             gates=(self.neg_A, self.dt_bias),  # the decay and beta computed in the step's kernel
             gated_norm=(z, self.norm, self.cfg.rms_norm_eps),
-            prefetch=self.out if self.l2_next is None else self.l2_next,  # out_proj reads it next
+            prefetch=self.out if self.l2_next is None else self.l2_next,  # out_proj reads it next (packed: and more)
             into=into,
         )
 
