@@ -76,16 +76,19 @@ def test_gemv_runs_the_decode_conv_in_its_epilogue(state_dtype):
 
 @pytest.mark.parametrize("aside", [False, True])
 @pytest.mark.parametrize("switched_on", [False, True])
-def test_the_one_row_ring_runs_the_decode_conv_in_its_epilogue_where_switched_on(switched_on, aside, monkeypatch):
-    """A one-row in_proj through the TMA ring (layers.gemv_tma) with POCKETLAB_RING_CONV=1 convolves its first C
-    columns in its own epilogue, no conv launch after it: the bits of the ring's projection then conv_step, the
-    other columns untouched, the row's window moved on (in place, or aside: Into) and no other slot's. Switched
-    off, the conv runs after the ring, with the same bits."""
+def test_the_one_row_ring_runs_the_decode_conv_in_its_epilogue_unless_switched_off(switched_on, aside, monkeypatch):
+    """A one-row in_proj through the TMA ring (layers.gemv_tma) convolves its first C columns in its own epilogue
+    by default, no conv launch after it: the bits of the ring's projection then conv_step, the other columns
+    untouched, the row's window moved on (in place, or aside: Into) and no other slot's. With POCKETLAB_RING_CONV=0
+    the conv runs after the ring, with the same bits."""
     from pocketlab.layers import gemv, gemv_tma
     from pocketlab.layers.norm import RMSNorm
 
     monkeypatch.setenv("POCKETLAB_GEMV_TMA", "8,64,3")  # the ring, K over several laps of it
-    monkeypatch.setenv("POCKETLAB_RING_CONV", "1" if switched_on else "0")
+    if switched_on:  # the default
+        monkeypatch.delenv("POCKETLAB_RING_CONV", raising=False)
+    else:
+        monkeypatch.setenv("POCKETLAB_RING_CONV", "0")
     rings, convs_after = [], []
     ring, conv_step = gemv_tma.launch, ld.conv_step
     monkeypatch.setattr(gemv_tma, "launch", lambda *a: rings.append(a[-1] is not None) or ring(*a))

@@ -1,8 +1,7 @@
 """The L2 prefetch of the next projection's weight from the decode attention and state step kernels
 (layers.prefetch): their programs cover the weight once in whole 16-byte pieces, the span refuses what the bulk
-prefetch cannot take or what it would slow, weights packed for a prefetch further ahead lie in read order and
-decode the same, the sm_90 check compiles the prefetching form, and (on a GPU) attention, the Gated DeltaNet state
-step and the logits keep their bits."""
+prefetch cannot take or what it would slow, the sm_90 check compiles the prefetching form, and (on a GPU)
+attention, the Gated DeltaNet state step and the logits keep their bits."""
 
 import os
 
@@ -50,50 +49,6 @@ def test_the_span_is_a_small_weight_whole_at_one_row():
     assert prefetch.span(torch.empty(prefetch.MAX_BYTES // 2 + 1, dtype=torch.bfloat16), rows=1) == 0  # too large
     assert prefetch.span(w[:, :8], rows=1) == 0  # not contiguous
     assert prefetch.span(w.view(-1)[1:], rows=1) == 0  # not 16-byte aligned
-    packed_bytes = torch.empty(prefetch.AHEAD_MAX_BYTES, dtype=torch.uint8)  # packed weights' (their own limit)
-    assert prefetch.span(packed_bytes, rows=1) == prefetch.AHEAD_MAX_BYTES
-    assert prefetch.span(torch.empty(prefetch.AHEAD_MAX_BYTES + 16, dtype=torch.uint8), rows=1) == 0
-
-
-@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen3_5"])
-def test_packed_weights_lie_in_read_order_and_decode_the_same(make_engine, monkeypatch, preset):
-    """POCKETLAB_L2_AHEAD_MIB: the layers' weights are views of one allocation in the order a decode step reads
-    them, each from a 256-byte boundary; each mixer prefetches `ahead` bytes (or to the end) from its output
-    projection's weight on; the tokens and logits are those of the unpacked engine."""
-    from conftest import greedy_run, random_prompt
-
-    prompt = random_prompt(12, seed=3)
-    plain = greedy_run(make_engine(preset), prompt, steps=4)
-    ahead = 24 << 10  # a few of the tiny layers
-    monkeypatch.setattr(prefetch, "ahead_bytes", lambda device: ahead)
-    engine = make_engine(preset)
-    layers = engine.model.layers
-    weights = [getattr(part, n) for layer in layers for part in (layer.mixer, layer.mlp) for n in part.streamed]
-    storage = weights[0].untyped_storage()
-    assert all(w.untyped_storage().data_ptr() == storage.data_ptr() for w in weights)
-    starts = [w.data_ptr() for w in weights]
-    ends = [w.data_ptr() + w.numel() * w.element_size() for w in weights]
-    assert all(end <= start for end, start in zip(ends, starts[1:], strict=False))  # in order, no overlap
-    assert all((at - starts[0]) % prefetch.ALIGN == 0 for at in starts)
-    for layer in layers:
-        out_proj, nxt = getattr(layer.mixer, layer.mixer.streamed[-1]), layer.mixer.l2_next
-        assert nxt.data_ptr() == out_proj.data_ptr() and nxt.numel() == min(ahead, ends[-1] - out_proj.data_ptr())
-    tokens, logits = greedy_run(engine, prompt, steps=4)
-    assert tokens == plain[0] and torch.equal(logits, plain[1])
-
-
-def test_the_reach_ahead_is_off_unless_switched_on_on_sm90(monkeypatch):
-    monkeypatch.setenv("POCKETLAB_L2_AHEAD_MIB", "24")
-    assert prefetch.ahead_bytes(torch.device("cpu")) == 0
-    monkeypatch.setattr(prefetch.pdl, "sm90", lambda device: True)
-    assert prefetch.ahead_bytes(torch.device("cpu")) == 24 << 20
-    monkeypatch.setenv("POCKETLAB_L2_AHEAD_MIB", "1000")
-    assert prefetch.ahead_bytes(torch.device("cpu")) == prefetch.AHEAD_MAX_BYTES
-    monkeypatch.setenv("POCKETLAB_L2_PREFETCH", "0")
-    assert prefetch.ahead_bytes(torch.device("cpu")) == 0
-    monkeypatch.delenv("POCKETLAB_L2_PREFETCH")
-    monkeypatch.delenv("POCKETLAB_L2_AHEAD_MIB")
-    assert prefetch.ahead_bytes(torch.device("cpu")) == 0
 
 
 def test_the_cpu_never_prefetches(monkeypatch):
@@ -144,9 +99,8 @@ def test_attention_state_step_and_logits_keep_their_bits_while_prefetching(make_
     prompt = random_prompt(40, seed=1)
     for preset in ("tiny-qwen3", "tiny-qwen3_5"):
         logits = []
-        for switch, ahead in (("0", ""), ("1", ""), ("1", "24")):
+        for switch in ("0", "1"):
             monkeypatch.setenv("POCKETLAB_L2_PREFETCH", switch)
-            monkeypatch.setenv("POCKETLAB_L2_AHEAD_MIB", ahead)
             e = make_engine(preset, prefix_cache=False)
             logits.append(e.decode_step(e.prefill(prompt).next_token).logits)
-        assert torch.equal(logits[0], logits[1]) and torch.equal(logits[0], logits[2])
+        assert torch.equal(*logits)

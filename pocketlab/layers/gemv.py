@@ -137,7 +137,8 @@ def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, g_ptr, eps, rows, N, K, stride_xm
 
 # A conv rides in the epilogue of rows at least this long. At Qwen3.5-0.8B's in_proj (K 1,024: four K steps a
 # program) the epilogue cost more than the launch it saves; at 9B and 35B-A3B (K 4,096 and 2,048) it gains
-# (reports/gpu/ab-conv-fold-*-h200.txt). The interpreter takes every K, so the tests reach the epilogue.
+# (reports/gpu/ab-conv-fold-*-h200.txt). The one-row TMA ring, which the 0.8B's in_proj takes on sm_90, folds it at
+# every K (gemv_tma.folds_conv). The interpreter takes every K, so the tests reach the epilogue.
 CONV_MIN_K = 2048
 
 

@@ -83,9 +83,9 @@ def fits(matrix: torch.Tensor) -> bool:
 
 
 def folds_conv() -> bool:
-    """Whether a one-row ring runs the Gated DeltaNet's decode conv in its epilogue (POCKETLAB_RING_CONV=1, a switch
-    for measuring against the conv's own launch after it, the default)."""
-    return os.environ.get("POCKETLAB_RING_CONV", "") == "1"
+    """Whether a one-row ring runs the Gated DeltaNet's decode conv in its epilogue: one launch fewer a layer, faster
+    in every paired round at 0.8B b1 (reports/gpu/ab-ring-conv-*); POCKETLAB_RING_CONV=0 runs the conv after it."""
+    return os.environ.get("POCKETLAB_RING_CONV", "1") != "0"
 
 
 def has_tma(device: torch.device) -> bool:

@@ -8,10 +8,7 @@ kernel before them ends). It pays for a small weight only: larger ones, later pl
 (the thirty-first session's A/B in reports/performance-history.md), as was a prefetch from every GEMV of the
 weight after it (fifteenth session).
 
-POCKETLAB_L2_PREFETCH=0 turns it off (to measure it). POCKETLAB_L2_AHEAD_MIB=n (a switch, to measure) copies the
-layers' weights into one allocation in the order a decode step reads them (`packed`), and the kernel before o_proj
-or out_proj asks instead for the n MiB from that weight on: the rest of the layer (gate_up, down) and, past it, the
-next layer's first weight.
+POCKETLAB_L2_PREFETCH=0 turns it off (to measure it).
 """
 
 from __future__ import annotations
@@ -26,8 +23,6 @@ from . import pdl
 
 PIECE = 16  # the bulk prefetch takes 16-byte aligned addresses and sizes
 MAX_BYTES = 8 << 20  # Qwen3-0.6B's and Qwen3.5-0.8B's o_proj (4 MiB) gain; 16 and 32 MiB ones lose
-AHEAD_MAX_BYTES = 64 << 20  # past the H100's and H200's 50 MB of L2
-ALIGN = 256  # each packed weight starts here (TMA and the bulk prefetch want 16 bytes)
 LANES = tl.constexpr(128)  # one piece per thread of a 4-warp program (a constexpr: kernels read it)
 
 
@@ -36,32 +31,11 @@ def enabled(device: torch.device) -> bool:
     return os.environ.get("POCKETLAB_L2_PREFETCH", "1") != "0" and pdl.sm90(device)
 
 
-def ahead_bytes(device: torch.device) -> int:
-    """POCKETLAB_L2_AHEAD_MIB in bytes on sm_90 and later (at most AHEAD_MAX_BYTES), else 0: how far ahead in read
-    order the kernel before an output projection prefetches, the weights packed."""
-    mib = int(os.environ.get("POCKETLAB_L2_AHEAD_MIB") or 0)
-    return min(mib << 20, AHEAD_MAX_BYTES) if enabled(device) else 0
-
-
-def packed(weights: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Copies of `weights` in one allocation, in this order, each from an ALIGN-byte boundary, and that allocation's
-    bytes (uint8): a kernel may then ask L2 for several weights as one range (at most AHEAD_MAX_BYTES)."""
-    sizes = [w.numel() * w.element_size() for w in weights]
-    starts = [sum(-(-n // ALIGN) * ALIGN for n in sizes[:i]) for i in range(len(sizes))]
-    store = torch.empty(starts[-1] + sizes[-1], dtype=torch.uint8, device=weights[0].device)
-    views = [store[at : at + n].view(w.dtype).view(w.shape) for w, at, n in zip(weights, starts, sizes, strict=True)]
-    for view, w in zip(views, weights, strict=True):
-        view.copy_(w)
-    return views, store
-
-
 def span(weight: torch.Tensor, rows: int) -> int:
     """How many bytes of `weight` a kernel working on `rows` rows prefetches: all of it (in whole 16-byte pieces)
-    at one row and up to MAX_BYTES (AHEAD_MAX_BYTES for packed weights' uint8 bytes), else 0; 0 too where it is
-    not contiguous or not 16-byte aligned."""
+    at one row and up to MAX_BYTES, else 0; 0 too where it is not contiguous or not 16-byte aligned."""
     nbytes = weight.numel() * weight.element_size()
-    limit = AHEAD_MAX_BYTES if weight.dtype == torch.uint8 else MAX_BYTES
-    if rows != 1 or nbytes > limit or not weight.is_contiguous() or weight.data_ptr() % PIECE:
+    if rows != 1 or nbytes > MAX_BYTES or not weight.is_contiguous() or weight.data_ptr() % PIECE:
         return 0
     return nbytes // PIECE * PIECE
 

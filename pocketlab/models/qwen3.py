@@ -7,7 +7,6 @@ import torch
 from ..cache import SlotCache
 from ..config import ModelConfig
 from ..forward import AttentionPath, ForwardContext
-from ..layers import prefetch
 from ..layers.attention import cached_attention, write_kv
 from ..layers.decode_attention import available as decode_attention_available
 from ..layers.decode_attention import decode_attention
@@ -19,7 +18,6 @@ from ..layers.rotary import Rotary, norm_and_rotate
 
 class MLP:
     syncs_with_host = False
-    streamed = ("gate_up", "down")  # its weights in the order a forward reads them
 
     def __init__(self, w: dict, p: str, kernels: Kernels):
         # gate and up fused into one matmul: one weight read per step instead of two launches
@@ -40,9 +38,6 @@ class MLP:
 class Attention:
     """Full attention; `gated` is Qwen3.5's variant (q_proj also emits a sigmoid output gate, (1+w) norms).
     kv_key: where this layer's K/V live in the SlotCache (the layer index, or a name such as the MTP head's)."""
-
-    streamed = ("qkv", "o")
-    l2_next: torch.Tensor | None = None  # what the decode attention pulls into L2 (layers.prefetch); None: o_proj
 
     def __init__(self, cfg: ModelConfig, w: dict, p: str, kv_key: int | str, kernels: Kernels, gated: bool = False):
         self.cfg, self.kv_key, self.gated, self.kernels = cfg, kv_key, gated, kernels
@@ -86,7 +81,7 @@ class Attention:
                 (ctx.rotary.cos, ctx.rotary.sin),
                 norms,
                 gate[:, 0] if self.gated else None,
-                prefetch=self.o if self.l2_next is None else self.l2_next,  # o_proj reads it next (packed: and more)
+                prefetch=self.o,  # o_proj reads it next
                 positions=ctx.positions[:, 0],
             )[:, None]
         else:
@@ -154,21 +149,6 @@ class DecoderModel:
             p = f"model.layers.{i}."
             mlp = make_mlp(cfg, w, p + "mlp.", self.kernels, cfg.is_moe_layer(i))
             self.layers.append(DecoderLayer(w, p, self.make_mixer(w, p, i), mlp, eps, self.norm_offset, self.kernels))
-        ahead = prefetch.ahead_bytes(self.embed.device)
-        if ahead:
-            self._pack(ahead)
-
-    def _pack(self, ahead: int) -> None:
-        """The layers' weights in one allocation in the order a decode step reads them, each mixer's kernel before
-        its output projection prefetching `ahead` bytes from that weight on (layers.prefetch's AHEAD switch)."""
-        owners = [(part, name) for layer in self.layers for part in (layer.mixer, layer.mlp)
-                  for name in getattr(part, "streamed", ())]  # fmt: skip
-        views, store = prefetch.packed([getattr(owner, name) for owner, name in owners])
-        for (owner, name), view in zip(owners, views, strict=True):
-            setattr(owner, name, view)
-        for layer in self.layers:
-            start = getattr(layer.mixer, layer.mixer.streamed[-1]).data_ptr() - store.data_ptr()
-            layer.mixer.l2_next = store[start : start + ahead]
 
     @property
     def syncs_with_host(self) -> bool:

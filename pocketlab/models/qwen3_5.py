@@ -31,9 +31,6 @@ class GatedDeltaNet:
     launches a layer instead of the chunked rule's dozen. With batch-invariant kernels every token does (see
     `_run_invariant`)."""
 
-    streamed = ("in_proj", "out")  # its weights in the order a forward reads them
-    l2_next: torch.Tensor | None = None  # what the state step pulls into L2 (layers.prefetch); None: out_proj
-
     def __init__(self, cfg: ModelConfig, w: dict, p: str, layer: int, kernels: Kernels, in_place: bool = False,
                  in_place_tokens: int = 0):  # fmt: skip
         self.cfg, self.layer, self.kernels, self.in_place = cfg, layer, kernels, in_place
@@ -119,7 +116,7 @@ class GatedDeltaNet:
             L2_EPS,
             gates=(self.neg_A, self.dt_bias),  # the decay and beta computed in the step's kernel
             gated_norm=(z, self.norm, self.cfg.rms_norm_eps),
-            prefetch=self.out if self.l2_next is None else self.l2_next,  # out_proj reads it next (packed: and more)
+            prefetch=self.out,  # out_proj reads it next
             into=into,
         )
 

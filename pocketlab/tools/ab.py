@@ -15,7 +15,7 @@ A variant is comma-separated NAME=VALUE pairs: environment variables (set for it
 switch read as the kernels launch or the graphs are captured takes effect on the shared engine), and EngineOptions
 fields, for which the variant gets an engine of its own over the same weights, built once before the rounds with
 its environment switches set (so a switch read as the engine is built takes effect with any option beside it, e.g.
-"POCKETLAB_L2_AHEAD_MIB=22,warmup=False"; VALUE read as a Python literal). `tree=DIR` builds that engine from the
+"POCKETLAB_X=1,warmup=False"; VALUE read as a Python literal). `tree=DIR` builds that engine from the
 copy of the pocketlab package in DIR (an earlier revision: `git archive REV pocketlab | tar -x -C /tmp/rev`, then
 tree=/tmp/rev/pocketlab), imported as a package of its own: a code change against the code before it, in one
 process. The first variant is the baseline. After the timings, each variant's greedy decode from the same prompts
