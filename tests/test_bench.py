@@ -455,8 +455,8 @@ def test_ab_alternates_variants_and_restores_the_environment(capsys, monkeypatch
 
 
 def test_ab_builds_a_variant_with_an_option_under_its_switches(monkeypatch):
-    """A switch read as the engine is built reaches the engine of a variant that names
-    an option beside it, and only that engine; a switch alone shares the base engine."""
+    """A switch read as the engine is built reaches the engine of a variant that names an option beside it, and only
+    that engine; a switch alone shares the base engine."""
     from pocketlab.tools import ab
 
     built = []
