@@ -147,7 +147,8 @@ def _gemv_tma(x_ptr, w_desc, b_ptr, y_ptr, res_ptr, g_ptr, eps, N, K, slot_ptr, 
 
 
 def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, ring: Ring,
-           epilogue: int = PLAIN, residual=None, norm=None, conv=None) -> torch.Tensor:  # fmt: skip
+           epilogue: int = PLAIN, residual: torch.Tensor | None = None, norm=None,
+           conv=None) -> torch.Tensor:  # fmt: skip
     """y [1, N] from x2 [1, K] as layers.gemv.launch computes it (its checks done by the caller; `fits(weight)`),
     the weight read through a `ring`."""
     N, K = y.shape[1], x2.shape[1]

@@ -152,11 +152,12 @@ def engines_for(cfg: BenchConfig, variants: list[str]) -> dict[str, QwenEngine]:
     """variant -> its engine: one per distinct set of engine options (and package tree) with the variant's
     environment switches, set while it is built (for switches read then), all over the weights of one HF build."""
     hf, base = build(cfg)
-    keys = {v: own_engine_key(*parse_variant(v)) for v in variants}
+    parsed = {v: parse_variant(v) for v in variants}
+    keys = {v: own_engine_key(*parsed[v]) for v in variants}
     built: dict[tuple[tuple[str, object], ...], QwenEngine] = {(): base}
     for v, key in keys.items():
         if key not in built:
-            env, options = parse_variant(v)
+            env, options = parsed[v]
             package = load_tree(Path(str(options.pop(TREE)))) if TREE in options else None
             variant_cfg = dataclasses.replace(cfg, engine_options=dict(cfg.engine_options, **options))
             with environment(env):
