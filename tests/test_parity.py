@@ -109,6 +109,26 @@ def test_parity_through_the_fused_linears(preset, make_engine, checkpoint):
     print(f"{preset} fused linears: max |diff| = {diff:.2e}")
 
 
+def test_parity_with_the_gated_delta_net_output_norm_in_out_proj(make_engine, checkpoint, monkeypatch):
+    """The Gated DeltaNet decode step's gated output norm run by out_proj's one-row TMA ring on its input tiles
+    (POCKETLAB_RING_HEAD_NORM=1; the ring switched in, as off sm_90 it must be), the state step leaving its output
+    un-normed: HF's logits at every step. Through Triton's interpreter on the CPU."""
+    if DTYPE == "float32" and backend_name(DEVICE) == "fla":
+        pytest.skip("HF's float32 Qwen3.5 runs fla's TF32 chunk kernels on CUDA; the 1e-4 check runs on the CPU")
+    pytest.importorskip("triton")
+    from pocketlab.layers.norm import GatedHeadNorm
+
+    monkeypatch.setenv("POCKETLAB_GEMV_TMA", "8,256,3")
+    monkeypatch.setenv("POCKETLAB_RING_HEAD_NORM", "1")
+    normed_in_ring, ring = [], gemv_tma.launch
+    spy = lambda *a: normed_in_ring.append(isinstance(a[7], GatedHeadNorm)) or ring(*a)  # noqa: E731  # a[7]: norm
+    monkeypatch.setattr(gemv_tma, "launch", spy)
+    engine = make_engine("tiny-qwen3_5", NORM_NOISE, fused_linear="triton", gemv_rows=1, linear_decode="triton")
+    diff = check_parity(engine, checkpoint("tiny-qwen3_5", norm_noise=NORM_NOISE), 17, steps=6)
+    assert any(normed_in_ring)
+    print(f"tiny-qwen3_5 gated norm in out_proj: max |diff| = {diff:.2e}")
+
+
 @pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen3_5"])
 def test_parity_with_the_mlp_norm_weight_in_gate_up(preset, make_engine, checkpoint):
     """The MLP's pre-norm weight multiplied into gate_up at load (`fold_norm_weights`, "auto" where no GEMV takes
