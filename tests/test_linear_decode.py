@@ -118,13 +118,13 @@ def test_the_one_row_ring_runs_the_decode_conv_in_its_epilogue_unless_switched_o
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("switched_on", [False, True])
 def test_out_proj_through_the_one_row_ring_can_run_the_gated_norm_on_its_input(switched_on, head_dim, monkeypatch):
-    """out_proj handed the Gated DeltaNet's output norm (norm.GatedHeadNorm of its un-normed input) through the
+    """out_proj handed the Gated DeltaNet's output norm (head_prologue.GatedHeadNorm of its un-normed input) through the
     one-row TMA ring with POCKETLAB_RING_HEAD_NORM=1 norms and gates each head of its input tiles in its own launch
     (whole heads a tile), so the state step can leave o un-normed: the bits of the state step's norm
     (`recurrent_step(..., gated_norm=)`, its last program over each head's row) then the ring, heads of very
     different scales and a gate of both signs. Switched off, the norm runs first as a launch of its own."""
     from pocketlab.layers import gemv, gemv_tma, invariant
-    from pocketlab.layers.norm import GatedHeadNorm
+    from pocketlab.layers.head_prologue import GatedHeadNorm
 
     monkeypatch.setenv("POCKETLAB_GEMV_TMA", "8,256,3")  # 256-wide tiles, K over several laps of the ring
     if switched_on:

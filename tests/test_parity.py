@@ -116,7 +116,7 @@ def test_parity_with_the_gated_delta_net_output_norm_in_out_proj(make_engine, ch
     if DTYPE == "float32" and backend_name(DEVICE) == "fla":
         pytest.skip("HF's float32 Qwen3.5 runs fla's TF32 chunk kernels on CUDA; the 1e-4 check runs on the CPU")
     pytest.importorskip("triton")
-    from pocketlab.layers.norm import GatedHeadNorm
+    from pocketlab.layers.head_prologue import GatedHeadNorm
 
     monkeypatch.setenv("POCKETLAB_GEMV_TMA", "8,256,3")
     monkeypatch.setenv("POCKETLAB_RING_HEAD_NORM", "1")

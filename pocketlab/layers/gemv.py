@@ -27,7 +27,7 @@ import triton.language as tl
 from ..config import GEMV_MAX_ROWS as MAX_ROWS
 from . import conv_epilogue, gemv_tma, pdl
 from .invariant.matmul import PLAIN, as_rows, checked_width, epilogue_of, finish
-from .norm import GatedHeadNorm, norm_flavour
+from .norm import norm_flavour
 from .pdl import wait_then_release
 
 
@@ -153,10 +153,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if weight.stride(1) != 1:
         raise ValueError(f"gemv: weight {tuple(weight.shape)} should be row-major (unit stride along K)")
     K = weight.shape[1]
-    if isinstance(norm, GatedHeadNorm):  # out_proj's: the ring runs it on its tiles, any other launch after it
-        if norm.gate.shape != x.shape or K % norm.head_dim:
-            raise ValueError(f"gemv: gate {tuple(norm.gate.shape)} (heads of {norm.head_dim}) for x {tuple(x.shape)}")
-        if not gemv_tma.norms_heads(weight, x.numel() // K, norm.head_dim):
+    if hasattr(norm, "flavour"):  # a layers.head_prologue: the ring runs it on its tiles, any other launch before
+        if K % norm.head_dim:
+            raise ValueError(f"gemv: heads of {norm.head_dim} for rows of {K}")
+        if not gemv_tma.runs_prologue(weight, x.numel() // K, norm.head_dim, type(norm)):
             x, norm = norm(x), None
     elif norm is not None and tuple(norm.weight.shape) != (K,):
         raise ValueError(f"gemv: norm weight {tuple(norm.weight.shape)} should be [{K}], the input's width")

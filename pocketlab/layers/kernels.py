@@ -40,8 +40,8 @@ class Kernels:
     gather_vocab: Callable = lambda logits: logits  # noqa: E731
     logits_and_argmax: Callable = greedy.torch_logits_and_argmax  # a decode graph's float32 logits and greedy tokens
     folds_norm: Callable = lambda weight, swiglu=False: False  # noqa: E731  # a pre-norm's weight into its projection
-    # whether out_proj's call of `rows` rows takes the Gated DeltaNet's output norm as its `norm` (layers.gemv_tma)
-    norms_heads: Callable = lambda weight, rows, head_dim: False  # noqa: E731
+    # whether a projection's call of `rows` rows runs a layers.head_prologue of that kind in its launch (gemv_tma)
+    runs_prologue: Callable = lambda weight, rows, head_dim, kind: False  # noqa: E731
 
     def project_out(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm=None) -> torch.Tensor:
         """residual + norm(x) @ weight.T, for o_proj, down_proj, out_proj: the residual stream. Split over ranks each
@@ -87,7 +87,7 @@ def kernels_for(options) -> Kernels:
         all_reduce=comm.all_reduce,
         embedding=comm.vocab_embedding,
         gather_vocab=comm.gather_last,
-        norms_heads=Kernels.norms_heads,
+        runs_prologue=Kernels.runs_prologue,
     )
 
 
@@ -136,7 +136,7 @@ def _kernels_for(options) -> Kernels:
             norm_rotate_store=norm_rotate_store,
             logits_and_argmax=greedy.logits_and_argmax,
             folds_norm=functools.partial(folds_norm, options),
-            norms_heads=gemv_tma.norms_heads if options.gemv_rows else Kernels.norms_heads,
+            runs_prologue=gemv_tma.runs_prologue if options.gemv_rows else Kernels.runs_prologue,
         )
     from .invariant.attention import attention
 

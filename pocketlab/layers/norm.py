@@ -25,14 +25,11 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return (weight * xf.to(x.dtype) * torch.nn.functional.silu(gate.float())).to(x.dtype)
 
 
-# a norm folded into a launch: none, `g * x` (Qwen2/3), `(1 + g) * x` (Qwen3.5), a GatedHeadNorm (layers.gemv_tma)
-NO_NORM, NORM, NORM_OFFSET, HEAD_GATED = 0, 1, 2, 3
+NO_NORM, NORM, NORM_OFFSET = 0, 1, 2  # a norm folded into a launch: none, `g * x` (Qwen2/3), `(1 + g) * x` (Qwen3.5)
 
 
 def norm_flavour(norm) -> int:
-    """The NORM constexpr of the kernels that fold an optional norm into their launch (layers.gemv and its kin)."""
-    if isinstance(norm, GatedHeadNorm):
-        return HEAD_GATED
+    """The NORM constexpr of the kernels that fold an optional RMSNorm into their launch (layers.gemv and its kin)."""
     return NO_NORM if norm is None else NORM_OFFSET if norm.offset else NORM
 
 
@@ -57,21 +54,3 @@ class RMSNorm:
             rows.copy_(rows.float() * scale)
         self.weight, self.offset, self.unit = torch.ones_like(self.weight), False, True
         return weight
-
-
-class GatedHeadNorm:
-    """The Gated DeltaNet's output norm, w * norm(x) * silu(gate) over each head of x, handed to out_proj as its
-    `norm`: the one-row TMA ring (layers.gemv_tma) runs it on x's tiles as it reads them, so the state step before
-    needs no last program re-reading each head's row; any other launch runs `kernels.gated_rms_norm` first."""
-
-    def __init__(self, gate: torch.Tensor, weight: torch.Tensor, eps: float, kernels=None):
-        self.gate, self.weight, self.eps = gate, weight, eps  # gate: x's shape, heads side by side in the last dim
-        self.norm = kernels.gated_rms_norm if kernels is not None else gated_rms_norm
-
-    @property
-    def head_dim(self) -> int:
-        return self.weight.shape[-1]
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        heads = (*x.shape[:-1], -1, self.head_dim)
-        return self.norm(x.view(heads), self.gate.view(heads), self.weight, self.eps).view(x.shape)

@@ -19,9 +19,9 @@ from ..layers.gated_delta import (
     gated_delta_rule,
     gated_delta_rule_segments,
 )
+from ..layers.head_prologue import GatedHeadNorm
 from ..layers.kernels import Kernels
 from ..layers.linear_decode import ConvStep, conv_steps, recurrent_step, recurrent_steps
-from ..layers.norm import GatedHeadNorm
 from .qwen3 import Attention, DecoderModel
 
 
@@ -63,7 +63,7 @@ class GatedDeltaNet:
             step = ConvStep(conv, self.conv_weight, ctx.slot_ids, conv_into)
             y, z, b, a = self.kernels.linear(h, self.in_proj, norm=norm, conv=step).split(self.splits, dim=-1)
             gate = z[:, 0]
-            if self.kernels.norms_heads(self.out, B, self.dv):  # out_proj norms each head of o as it reads it
+            if self.kernels.runs_prologue(self.out, B, self.dv, GatedHeadNorm):  # out_proj norms o's heads as it reads
                 out_norm, gate = GatedHeadNorm(z, self.norm, self.cfg.rms_norm_eps, self.kernels), None
             o = self._step_in_place(y[:, 0], gate, b, a, rec, ctx.slot_ids, rec_into)
         else:
