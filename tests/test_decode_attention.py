@@ -179,3 +179,48 @@ def test_engine_decodes_the_same_with_either_attention(make_engine, preset):
     assert runs["triton"][0] == runs["sdpa"][0]
     scale = runs["sdpa"][1].abs().max().item() if runs["sdpa"][1].dtype != torch.float32 else 1.0
     assert (runs["triton"][1] - runs["sdpa"][1]).abs().max() <= LOGIT_TOL * scale
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("switched_on", [False, True])
+def test_o_proj_through_the_one_row_ring_can_merge_the_splits_itself(switched_on, gated, monkeypatch):
+    """defer_merge: the attention leaves its key splits unmerged (no arrival count, no last program's second pass)
+    and hands o_proj a head_prologue.SplitMerge; with POCKETLAB_RING_ATTN_MERGE=1 the one-row TMA ring merges each
+    head's splits as it reads its input tiles (in split order, then rounded and gated): the bits of the attention's
+    own merge then the ring, the same K/V stored, at 5 splits (BLOCK_S 8) over heads of very different weights.
+    Switched off, the merge runs first in torch, within bf16's rounding."""
+    from pocketlab.layers import gemv, gemv_tma
+    from pocketlab.layers.head_prologue import SplitMerge
+
+    monkeypatch.setenv("POCKETLAB_GEMV_TMA", "8,256,3")  # 256-wide tiles: four heads of 64 a tile, two laps
+    monkeypatch.setenv("POCKETLAB_RING_ATTN_MERGE", "1" if switched_on else "0")
+    merged_in_ring, ring = [], gemv_tma.launch
+    spy = lambda *a: merged_in_ring.append(isinstance(a[7], SplitMerge)) or ring(*a)  # noqa: E731  # a[7]: norm
+    monkeypatch.setattr(gemv_tma, "launch", spy)
+    dev = "cuda" if on_gpu else "cpu"
+    gen = torch.Generator(device="cpu").manual_seed(9)
+    heads, kv_heads, dim, max_len, N = 8, 2, 64, 300, 40
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(dev, torch.bfloat16)
+
+    k_cache, v_cache = randn(2, kv_heads, max_len, dim), randn(2, kv_heads, max_len, dim)
+    q = randn(1, heads, dim) * torch.linspace(0.1, 4, heads, device=dev)[:, None].to(torch.bfloat16)
+    k_new, v_new, gate = randn(1, kv_heads, dim), randn(1, kv_heads, dim), randn(1, heads, dim) if gated else None
+    rope = (randn(1, dim), randn(1, dim))
+    slots, lengths = torch.tensor([1], device=dev), torch.tensor([290], device=dev)
+    w, residual = randn(N, heads * dim) * (heads * dim) ** -0.5, randn(1, N)
+    caches = (k_cache.clone(), v_cache.clone())
+    merged = da.decode_attention(q, k_new, v_new, k_cache, v_cache, slots, lengths, max_len, dim**-0.5, rope, gate=gate)
+    want = gemv.gemv(merged.view(1, -1), w, residual=residual)
+    out, merge = da.decode_attention_parts(q, k_new, v_new, *caches, slots, lengths, max_len, dim**-0.5, rope,
+                                           gate=gate, defer_merge=True)  # fmt: skip
+    assert isinstance(merge, SplitMerge) and merge.parts.shape[2] == 5
+    assert torch.equal(caches[0], k_cache) and torch.equal(caches[1], v_cache)
+    got = gemv.gemv(out.view(1, -1), w, residual=residual, norm=merge)
+    assert merged_in_ring == [False, switched_on]
+    if switched_on:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(merge(out), merged, atol=0, rtol=2**-6)  # two ulps: torch sums in its order
+        assert (got.float() - want.float()).abs().max() < 0.05

@@ -109,24 +109,30 @@ def test_parity_through_the_fused_linears(preset, make_engine, checkpoint):
     print(f"{preset} fused linears: max |diff| = {diff:.2e}")
 
 
-def test_parity_with_the_gated_delta_net_output_norm_in_out_proj(make_engine, checkpoint, monkeypatch):
-    """The Gated DeltaNet decode step's gated output norm run by out_proj's one-row TMA ring on its input tiles
-    (POCKETLAB_RING_HEAD_NORM=1; the ring switched in, as off sm_90 it must be), the state step leaving its output
-    un-normed: HF's logits at every step. Through Triton's interpreter on the CPU."""
-    if DTYPE == "float32" and backend_name(DEVICE) == "fla":
+@pytest.mark.parametrize(
+    "preset,kind", [("tiny-qwen3", "SplitMerge"), ("tiny-qwen3_5", "SplitMerge"), ("tiny-qwen3_5", "GatedHeadNorm")]
+)
+def test_parity_with_a_head_prologue_in_the_projections_ring(preset, kind, make_engine, checkpoint, monkeypatch):
+    """A one-row projection through the TMA ring (switched in, as off sm_90 it must be) running a layers.head_prologue
+    on its input tiles where its switch is on: o_proj merging the decode attention's key splits (Qwen3.5's gated),
+    or out_proj running the Gated DeltaNet's output norm, the kernel before leaving that work undone: HF's logits
+    at every step. Through Triton's interpreter on the CPU."""
+    if preset == "tiny-qwen3_5" and DTYPE == "float32" and backend_name(DEVICE) == "fla":
         pytest.skip("HF's float32 Qwen3.5 runs fla's TF32 chunk kernels on CUDA; the 1e-4 check runs on the CPU")
     pytest.importorskip("triton")
-    from pocketlab.layers.head_prologue import GatedHeadNorm
+    from pocketlab.layers import head_prologue
 
+    prologue = getattr(head_prologue, kind)
     monkeypatch.setenv("POCKETLAB_GEMV_TMA", "8,256,3")
-    monkeypatch.setenv("POCKETLAB_RING_HEAD_NORM", "1")
-    normed_in_ring, ring = [], gemv_tma.launch
-    spy = lambda *a: normed_in_ring.append(isinstance(a[7], GatedHeadNorm)) or ring(*a)  # noqa: E731  # a[7]: norm
+    monkeypatch.setenv(prologue.switch, "1")
+    in_ring, ring = [], gemv_tma.launch
+    spy = lambda *a: in_ring.append(isinstance(a[7], prologue)) or ring(*a)  # noqa: E731  # a[7]: norm
     monkeypatch.setattr(gemv_tma, "launch", spy)
-    engine = make_engine("tiny-qwen3_5", NORM_NOISE, fused_linear="triton", gemv_rows=1, linear_decode="triton")
-    diff = check_parity(engine, checkpoint("tiny-qwen3_5", norm_noise=NORM_NOISE), 17, steps=6)
-    assert any(normed_in_ring)
-    print(f"tiny-qwen3_5 gated norm in out_proj: max |diff| = {diff:.2e}")
+    engine = make_engine(preset, NORM_NOISE, fused_linear="triton", gemv_rows=1, linear_decode="triton",
+                         decode_attention="triton", max_seq_len=256)  # fmt: skip
+    diff = check_parity(engine, checkpoint(preset, norm_noise=NORM_NOISE), 100, steps=6)  # keys in two splits
+    assert any(in_ring)
+    print(f"{preset} {kind} in the ring: max |diff| = {diff:.2e}")
 
 
 @pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen3_5"])
