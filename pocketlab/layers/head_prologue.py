@@ -102,9 +102,9 @@ def x_tile(x_ptr, k, K, g_ptr, z_ptr, stride_zh, part_ptr, lse_ptr, stride_ph, s
         total = tl.sum(weights, axis=1)
         weights = weights / tl.where(total == 0, 1.0, total)[:, None]
         merged = tl.zeros(k.shape, tl.float32)
-        for t in range(S):  # in split order
+        for t in tl.static_range(BLOCK_S):  # in split order, unrolled (no loop inside the ring's); past S, + 0
             w_t = tl.sum(tl.where(s[None, :] == t, weights, 0.0), axis=1)
-            merged += w_t * tl.load(part_ptr + head * stride_ph + t * stride_ps + d, mask=live, other=0.0)
+            merged += w_t * tl.load(part_ptr + head * stride_ph + t * stride_ps + d, mask=live & (t < S), other=0.0)
         x = merged.to(X_DTYPE)
         if GATED:
             gate = tl.load(z_ptr + head * stride_zh + d, mask=live, other=0.0).to(tl.float32)
