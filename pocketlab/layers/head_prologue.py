@@ -104,7 +104,8 @@ def x_tile(x_ptr, k, K, g_ptr, z_ptr, stride_zh, part_ptr, lse_ptr, stride_ph, s
         merged = tl.zeros(k.shape, tl.float32)
         for t in tl.static_range(BLOCK_S):  # in split order, unrolled (no loop inside the ring's); past S, + 0
             w_t = tl.sum(tl.where(s[None, :] == t, weights, 0.0), axis=1)
-            merged += w_t * tl.load(part_ptr + head * stride_ph + t * stride_ps + d, mask=live & (t < S), other=0.0)
+            split = t + 0 * k  # per column: the interpreter cannot mask with scalar & tensor
+            merged += w_t * tl.load(part_ptr + head * stride_ph + t * stride_ps + d, mask=live & (split < S), other=0.0)
         x = merged.to(X_DTYPE)
         if GATED:
             gate = tl.load(z_ptr + head * stride_zh + d, mask=live, other=0.0).to(tl.float32)
