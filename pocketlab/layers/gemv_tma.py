@@ -125,6 +125,14 @@ def ring_sums(desc, row, up_row, x_ptr, K, g_ptr, z_ptr, stride_zh, part_ptr, ls
 
 
 @triton.jit
+def normed_ring_sums(desc, row, up_row, x_ptr, g_ptr, K, first, first_up, NORM: tl.constexpr, TWO: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
+    """`ring_sums` with at most an RMSNorm's weight g on the way (NORM 0-2, no head prologue): the MoE experts'."""
+    return ring_sums(desc, row, up_row, x_ptr, K, g_ptr, x_ptr, 0, x_ptr, x_ptr, 0, 0, 0, 0, 0.0, first, first_up,
+                     NORM, 1, 2, False, tl.float32, tl.float32, TWO, BLOCK_N, BLOCK_K, STAGES)  # fmt: skip
+
+
+@triton.jit
 def _gemv_tma(x_ptr, w_desc, b_ptr, y_ptr, res_ptr, N, K, g_ptr, z_ptr, stride_zh, part_ptr, lse_ptr, stride_ph,
               stride_ps, stride_lh, S, eps, slot_ptr, conv_ptr, into_ptr, into_row_ptr, cw_ptr, C, stride_cs,
               stride_cc, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, NORM: tl.constexpr, HEAD_D: tl.constexpr,
