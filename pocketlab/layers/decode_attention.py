@@ -6,7 +6,8 @@ padded key bucket costs nothing. The new token's raw q/k/v arrive as inputs: eac
 per-head RMSNorm and rotary embedding itself, and the program whose split holds the last position stores
 the new K/V into the cache, so no separate norm, rotary or write kernel runs. Splits over the key axis keep
 the GPU busy at batch 1; the last split of each (sequence, kv head) to finish merges the partial softmaxes in
-split order, in the same launch (a lone split, as at batch 32, writes its output as it is).
+split order, in the same launch (a lone split, as at batch 32, writes its output as it is), or with `defer_merge`
+leaves them to the projection that reads the output (layers.head_prologue).
 """
 
 import os
