@@ -14,7 +14,7 @@ import triton.language as tl
 from .invariant.elementwise import gated
 from .invariant.norm import gated_weighted, rounding_dtypes
 from .invariant.rounding import cast
-from .norm import gated_rms_norm
+from .norm import gated_rms_norm, norm_flavour
 
 HEAD_GATED, SPLIT_MERGE = 3, 4  # the NORM constexprs after layers.norm's
 
@@ -78,9 +78,9 @@ def arguments(norm, y: torch.Tensor) -> tuple[tuple, dict]:
     if flavour == HEAD_GATED:
         args = (norm.weight, norm.gate, norm.head_dim, y, y, 0, 0, 0, 0, norm.eps)
         dtypes = rounding_dtypes(y.dtype, norm.weight.dtype)
-        return args, dict(NORM=HEAD_GATED, HEAD_D=norm.head_dim, BLOCK_S=2, GATED=True, **dtypes)
+        return args, dict(NORM=HEAD_GATED, HEAD_D=norm.head_dim, BLOCK_S=2, GATED=False, **dtypes)
     args = (y if norm is None else norm.weight, y, 0, y, y, 0, 0, 0, 0, 0.0 if norm is None else norm.eps)
-    flavours = dict(NORM=0 if norm is None else 2 if norm.offset else 1, HEAD_D=1, BLOCK_S=2, GATED=False)
+    flavours = dict(NORM=norm_flavour(norm), HEAD_D=1, BLOCK_S=2, GATED=False)
     return args, flavours | rounding_dtypes(y.dtype, y.dtype)
 
 
@@ -90,7 +90,7 @@ def x_tile(x_ptr, k, K, g_ptr, z_ptr, stride_zh, part_ptr, lse_ptr, stride_ph, s
            X_DTYPE: tl.constexpr, WX_DTYPE: tl.constexpr):  # fmt: skip
     """x's columns k (whole heads of HEAD_D where NORM > 2) in float32, and their squares: NORM 1 or 2 (layers.norm's
     flavours) times the norm's weight g; HEAD_GATED each head normed, weighted by g and gated by z; SPLIT_MERGE the
-    S splits' partials merged (then gated by z where GATED); x itself read only where NORM < 3."""
+    S splits' partials merged, then gated by z where GATED (Qwen3.5's output gate), x itself unread."""
     if NORM == 4:  # SPLIT_MERGE
         head, d, live = k // HEAD_D, k % HEAD_D, k < K
         s = tl.arange(0, BLOCK_S)
