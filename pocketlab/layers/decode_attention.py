@@ -25,7 +25,7 @@ except ImportError:  # CPU-only installs: the engine uses SDPA there
 
 if triton is not None:
     from . import gemv_tma, pdl
-    from .head_prologue import SplitMerge
+    from .head_prologue import SplitMerge, split_weights
     from .invariant.dot import dot, precision
     from .invariant.elementwise import gated
     from .pdl import wait_then_release
@@ -248,11 +248,7 @@ if triton is not None:
                                    mask=live & (s_idx[None, :] < splits), other=float("-inf"),
                                    volatile=True)  # fmt: skip
                     gate = _gate_rows(gate_ptr, b, heads, live, d, stride_gb, stride_gh, GATED)  # read with the rest
-                    top = tl.max(lses, axis=1)
-                    top = tl.where(top == float("-inf"), 0.0, top)  # no live key at all: every weight is 0
-                    weights = tl.exp(lses - top[:, None])
-                    total = tl.sum(weights, axis=1)
-                    weights = weights / tl.where(total == 0, 1.0, total)[:, None]
+                    weights = split_weights(lses)
                     merged = tl.zeros([BLOCK_G, D], tl.float32)
                     # MERGE splits' partials read at once, added in split order; past `splits` a weight and a
                     # partial of 0, adding +0 exactly

@@ -85,6 +85,17 @@ def arguments(norm, y: torch.Tensor) -> tuple[tuple, dict]:
 
 
 @triton.jit
+def split_weights(lses):
+    """Each split's weight in its row's merge from the splits' log-sum-exps [rows, splits] (-inf: no live key; a
+    row without any weighs nothing): the decode attention's merge and SplitMerge's alike."""
+    top = tl.max(lses, axis=1)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    weights = tl.exp(lses - top[:, None])
+    total = tl.sum(weights, axis=1)
+    return weights / tl.where(total == 0, 1.0, total)[:, None]
+
+
+@triton.jit
 def x_tile(x_ptr, k, K, g_ptr, z_ptr, stride_zh, part_ptr, lse_ptr, stride_ph, stride_ps, stride_lh, S, eps,
            NORM: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_S: tl.constexpr, GATED: tl.constexpr,
            X_DTYPE: tl.constexpr, WX_DTYPE: tl.constexpr):  # fmt: skip
@@ -96,11 +107,7 @@ def x_tile(x_ptr, k, K, g_ptr, z_ptr, stride_zh, part_ptr, lse_ptr, stride_ph, s
         s = tl.arange(0, BLOCK_S)
         lses = tl.load(lse_ptr + head[:, None] * stride_lh + s[None, :], mask=live[:, None] & (s < S)[None, :],
                        other=float("-inf"))  # fmt: skip
-        top = tl.max(lses, axis=1)
-        top = tl.where(top == float("-inf"), 0.0, top)  # no live key at all: every weight is 0
-        weights = tl.exp(lses - top[:, None])
-        total = tl.sum(weights, axis=1)
-        weights = weights / tl.where(total == 0, 1.0, total)[:, None]
+        weights = split_weights(lses)
         merged = tl.zeros(k.shape, tl.float32)
         for t in tl.static_range(BLOCK_S):  # in split order, unrolled (no loop inside the ring's); past S, + 0
             w_t = tl.sum(tl.where(s[None, :] == t, weights, 0.0), axis=1)
