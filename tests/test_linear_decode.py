@@ -1,7 +1,6 @@
 """In-place Gated DeltaNet decode kernels against our torch reference (GPU, or Triton's CPU interpreter)."""
 
 import os
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -113,40 +112,6 @@ def test_the_one_row_ring_runs_the_decode_conv_in_its_epilogue_unless_switched_o
         else torch.equal(state, want_state)
     )
     assert rings == [False, switched_on] and len(convs_after) == (not switched_on)
-
-
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("switched_on", [False, True])
-def test_out_proj_through_the_one_row_ring_can_run_the_gated_norm_on_its_input(switched_on, head_dim, monkeypatch):
-    """out_proj handed the Gated DeltaNet's output norm (head_prologue.GatedHeadNorm of its un-normed input) through the
-    one-row TMA ring with POCKETLAB_RING_HEAD_NORM=1 norms and gates each head of its input tiles in its own launch
-    (whole heads a tile), so the state step can leave o un-normed: the bits of the state step's norm
-    (`recurrent_step(..., gated_norm=)`, its last program over each head's row) then the ring, heads of very
-    different scales and a gate of both signs. Switched off, the norm runs first as a launch of its own."""
-    from pocketlab.layers import gemv, gemv_tma, invariant
-    from pocketlab.layers.head_prologue import GatedHeadNorm
-
-    monkeypatch.setenv("POCKETLAB_GEMV_TMA", "8,256,3")  # 256-wide tiles, K over several laps of the ring
-    if switched_on:
-        monkeypatch.setenv("POCKETLAB_RING_HEAD_NORM", "1")
-    else:
-        monkeypatch.delenv("POCKETLAB_RING_HEAD_NORM", raising=False)
-    normed_in_ring, ring = [], gemv_tma.launch
-    spy = lambda *a: normed_in_ring.append(isinstance(a[7], GatedHeadNorm)) or ring(*a)  # noqa: E731  # a[7]: norm
-    monkeypatch.setattr(gemv_tma, "launch", spy)
-    gen = torch.Generator().manual_seed(13)
-    heads, N = 1280 // head_dim, 72
-    K = heads * head_dim
-    scales = torch.logspace(-2, 1, heads, device=DEV)[:, None]  # rms 0.01 .. 10 by head: a norm over all K shows
-    o = (randn(heads, head_dim, gen=gen) * scales).to(torch.bfloat16).view(1, 1, K)
-    z, weight = randn(1, 1, K, gen=gen).to(torch.bfloat16), randn(head_dim, gen=gen).to(torch.bfloat16)
-    w, residual = (randn(N, K, gen=gen) * K**-0.5).to(torch.bfloat16), randn(1, 1, N, gen=gen).to(torch.bfloat16)
-    normed = invariant.gated_rms_norm(o.view(1, heads, head_dim), z.view(1, heads, head_dim), weight, 1e-6)
-    want = gemv.gemv(normed.view(1, 1, K), w, residual=residual)
-    kernels = SimpleNamespace(gated_rms_norm=invariant.gated_rms_norm)
-    got = gemv.gemv(o, w, residual=residual, norm=GatedHeadNorm(z, weight, 1e-6, kernels))
-    assert torch.equal(got, want)
-    assert normed_in_ring == [False, switched_on]
 
 
 @pytest.mark.parametrize("kernel", ["conv_step", "gemv_conv", "recurrent_step"])

@@ -6,8 +6,7 @@ padded key bucket costs nothing. The new token's raw q/k/v arrive as inputs: eac
 per-head RMSNorm and rotary embedding itself, and the program whose split holds the last position stores
 the new K/V into the cache, so no separate norm, rotary or write kernel runs. Splits over the key axis keep
 the GPU busy at batch 1; the last split of each (sequence, kv head) to finish merges the partial softmaxes in
-split order, in the same launch (a lone split, as at batch 32, writes its output as it is), or with `defer_merge`
-leaves them to the projection that reads the output (layers.head_prologue).
+split order, in the same launch (a lone split, as at batch 32, writes its output as it is).
 """
 
 import os
@@ -25,7 +24,6 @@ except ImportError:  # CPU-only installs: the engine uses SDPA there
 
 if triton is not None:
     from . import gemv_tma, pdl
-    from .head_prologue import SplitMerge, split_weights
     from .invariant.dot import dot, precision
     from .invariant.elementwise import gated
     from .pdl import wait_then_release
@@ -176,7 +174,6 @@ if triton is not None:
         PRECISION: tl.constexpr,
         PREFETCH: tl.constexpr,
         EARLY: tl.constexpr,
-        DEFER: tl.constexpr,
         PDL: tl.constexpr,
     ):
         b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -237,31 +234,30 @@ if triton is not None:
             o_off = b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
             tl.store(o_ptr + o_off, out, mask=live)
             tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=g < G)
-            if not DEFER:  # DEFER: the projection reading `out` merges them (layers.head_prologue.SplitMerge)
-                # release our split, acquire the others': the last of (b, kvh)'s splits to finish merges them all
-                # (the barrier puts every thread's stores before the one thread's atomic)
-                tl.debug_barrier()
-                arrivals = arrived_ptr + b * tl.num_programs(1) + kvh
-                if tl.atomic_add(arrivals, 1, sem="acq_rel") == splits - 1:
-                    s_idx = tl.arange(0, BLOCK_S)
-                    lses = tl.load(lse_ptr + b * stride_lb + heads[:, None] * stride_lh + s_idx[None, :],
-                                   mask=live & (s_idx[None, :] < splits), other=float("-inf"),
-                                   volatile=True)  # fmt: skip
-                    gate = _gate_rows(gate_ptr, b, heads, live, d, stride_gb, stride_gh, GATED)  # read with the rest
-                    weights = split_weights(lses)
-                    merged = tl.zeros([BLOCK_G, D], tl.float32)
-                    # MERGE splits' partials read at once, added in split order; past `splits` a weight and a
-                    # partial of 0, adding +0 exactly
-                    for t0 in range(0, splits, MERGE):
-                        for i in tl.static_range(MERGE):
-                            t = t0 + i
-                            w_t = tl.sum(tl.where(s_idx[None, :] == t, weights, 0.0), axis=1)
-                            row = o_ptr + b * stride_ob + heads[:, None] * stride_oh + t * stride_os
-                            part = tl.load(row + d[None, :], mask=g[:, None] < G * (t < splits), other=0.0,
-                                           volatile=True)  # fmt: skip
-                            merged += w_t[:, None] * part
-                    _store_heads(out_ptr, b, heads, live, d, stride_yb, stride_yh, merged, gate, GATED)
-                    tl.atomic_xchg(arrivals, 0)  # ready for the next launch
+            # release our split, acquire the others': the last of (b, kvh)'s splits to finish merges them all (the
+            # barrier puts every thread's stores before the one thread's atomic)
+            tl.debug_barrier()
+            arrivals = arrived_ptr + b * tl.num_programs(1) + kvh
+            if tl.atomic_add(arrivals, 1, sem="acq_rel") == splits - 1:
+                s_idx = tl.arange(0, BLOCK_S)
+                lses = tl.load(lse_ptr + b * stride_lb + heads[:, None] * stride_lh + s_idx[None, :],
+                               mask=live & (s_idx[None, :] < splits), other=float("-inf"), volatile=True)  # fmt: skip
+                gate = _gate_rows(gate_ptr, b, heads, live, d, stride_gb, stride_gh, GATED)  # read with the rest
+                top = tl.max(lses, axis=1)
+                top = tl.where(top == float("-inf"), 0.0, top)  # no live key at all: every weight is 0
+                weights = tl.exp(lses - top[:, None])
+                total = tl.sum(weights, axis=1)
+                weights = weights / tl.where(total == 0, 1.0, total)[:, None]
+                merged = tl.zeros([BLOCK_G, D], tl.float32)
+                for t0 in range(0, splits, MERGE):  # MERGE splits' partials read at once, added in split order
+                    for i in tl.static_range(MERGE):  # past `splits`: a weight and a partial of 0, adding +0 exactly
+                        t = t0 + i
+                        w_t = tl.sum(tl.where(s_idx[None, :] == t, weights, 0.0), axis=1)
+                        part = tl.load(o_ptr + b * stride_ob + heads[:, None] * stride_oh + t * stride_os + d[None, :],
+                                       mask=g[:, None] < G * (t < splits), other=0.0, volatile=True)  # fmt: skip
+                        merged += w_t[:, None] * part
+                _store_heads(out_ptr, b, heads, live, d, stride_yb, stride_yh, merged, gate, GATED)
+                tl.atomic_xchg(arrivals, 0)  # ready for the next launch
 
 
 MERGE_AT_ONCE = 4  # partials the merge reads in one round trip
@@ -301,12 +297,7 @@ def available(device) -> bool:
     return triton is not None and torch.device(device).type == "cuda"
 
 
-def decode_attention(*args, **kwargs) -> torch.Tensor:
-    """`decode_attention_parts`' output, its splits merged in its own launch."""
-    return decode_attention_parts(*args, **kwargs)[0]
-
-
-def decode_attention_parts(
+def decode_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -321,12 +312,9 @@ def decode_attention_parts(
     gate: torch.Tensor | None = None,
     prefetch: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
-    defer_merge: bool = False,
-) -> tuple[torch.Tensor, "SplitMerge | None"]:
-    """Raw q [B, H, D] and new k/v [B, kv_heads, D] -> (out [B, H, D], None); with `defer_merge`, where the keys
-    split, (out unwritten, a head_prologue.SplitMerge of the splits for the projection that reads out to merge).
-    q and k get the per-head RMSNorm of `norms` ((q_weight, k_weight, eps, offset), or None: Qwen2) and RoPE from
-    `rope` (cos, sin [rows, rotary_dim]);
+) -> torch.Tensor:
+    """Raw q [B, H, D] and new k/v [B, kv_heads, D] -> [B, H, D]. q and k get the per-head RMSNorm of `norms`
+    ((q_weight, k_weight, eps, offset), or None: Qwen2) and RoPE from `rope` (cos, sin [rows, rotary_dim]);
     k/v are stored at cache[slot, :, length - 1]; then attention over cache[slot_ids[b], :, :lengths[b]], times
     sigmoid(gate) ([B, H, D], Qwen3.5's output gate) where one is given, in the merge. `prefetch`: the weight the
     next kernel reads (o_proj's), pulled into L2 meanwhile where layers.prefetch takes it. `positions` [B]: the row
@@ -409,12 +397,11 @@ def decode_attention_parts(
         PRECISION=precision(q.dtype, q.device),  # the interpreter's dots in float32: it has no bf16 matmul
         PREFETCH=prefetching,
         EARLY=reads_early(launch, split_len, block_n),
-        DEFER=defer_merge,
         num_stages=launch.num_stages,
         num_warps=launch.num_warps,
         **pdl.launch(q.device),
     )
-    return out, SplitMerge(o, lse, gate) if defer_merge and splits > 1 else None
+    return out
 
 
 def split_length(programs: int, max_len: int, block_n: int) -> int:

@@ -153,12 +153,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if weight.stride(1) != 1:
         raise ValueError(f"gemv: weight {tuple(weight.shape)} should be row-major (unit stride along K)")
     K = weight.shape[1]
-    if hasattr(norm, "flavour"):  # a layers.head_prologue: the ring runs it on its tiles, any other launch before
-        if K % norm.head_dim:
-            raise ValueError(f"gemv: heads of {norm.head_dim} for rows of {K}")
-        if not gemv_tma.runs_prologue(weight, x.numel() // K, norm.head_dim, type(norm)):
-            x, norm = norm(x), None
-    elif norm is not None and tuple(norm.weight.shape) != (K,):
+    if norm is not None and tuple(norm.weight.shape) != (K,):
         raise ValueError(f"gemv: norm weight {tuple(norm.weight.shape)} should be [{K}], the input's width")
     x2 = as_rows(x, K)
     _check_conv(conv, x2.shape[0], N)

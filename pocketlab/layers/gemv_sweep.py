@@ -266,13 +266,11 @@ def resources() -> None:
         t = gemv.launch_for(1, N, K, torch.device("cuda"))
         usage, sass = gemv_code(t, epilogue)
         print(f"{name:<20} layers.gemv {(t.block_n, t.block_k, t.ahead)!s:<16}{usage}; {a_step(sass)}")
-    ring_args = dict.fromkeys(("x_ptr", "b_ptr", "y_ptr", "res_ptr", "g_ptr", "z_ptr"), "*bf16") | {"eps": "fp32"}
-    ring_args |= dict.fromkeys(("part_ptr", "lse_ptr"), "*fp32")
-    ring_args |= dict.fromkeys(("N", "K", "stride_zh", "stride_ph", "stride_ps", "stride_lh", "S"), "i32")
+    ring_args = dict.fromkeys(("x_ptr", "b_ptr", "y_ptr", "res_ptr", "g_ptr"), "*bf16") | {"eps": "fp32"}
+    ring_args |= {"N": "i32", "K": "i32"}
     for r in RINGS:
         signature = ring_args | {"w_desc": f"tensordesc<bf16[{r.block_n}, {r.block_k}]>"}
-        constants = dict(HAS_BIAS=False, EPILOGUE=RESIDUAL, NORM=0, HEAD_D=1, BLOCK_S=2, GATED=False,
-                         X_DTYPE=tl.bfloat16, WX_DTYPE=tl.bfloat16, BLOCK_N=r.block_n, BLOCK_K=r.block_k,
+        constants = dict(HAS_BIAS=False, EPILOGUE=RESIDUAL, NORM=0, BLOCK_N=r.block_n, BLOCK_K=r.block_k,
                          STAGES=r.stages)  # fmt: skip
         print(f"{'TMA ring':<20} {(r.block_n, r.block_k, r.stages)!s:<28}"
               f"{compiled(_gemv_tma, signature, constants, r.num_warps)}")  # fmt: skip
@@ -338,7 +336,7 @@ def attention_resources() -> None:
                                           (2, 64, True, False), (2, 64, True, True)):  # fmt: skip
         constants = dict(G=G, BLOCK_G=16, D=128, ROT=128, HAS_NORM=True, OFFSET=False, GATED=False, BLOCK_N=64,
                          SPLIT_LEN=split_len, BLOCK_S=4, MERGE=4, PRECISION="tf32", PREFETCH=prefetch,
-                         EARLY=early, DEFER=False)  # fmt: skip
+                         EARLY=early)  # fmt: skip
         form = f"G {G} keys {split_len:<3} prefetch {prefetch!s:<5} early {early!s:<5}"
         print(f"{'decode attention':<20} {form:<40}{compiled(kernel, signature, constants, 4, 2)}")
 

@@ -21,9 +21,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from . import conv_epilogue, head_prologue, pdl
-from .head_prologue import x_tile
+from . import conv_epilogue, pdl
 from .invariant.matmul import PLAIN, finish
+from .norm import norm_flavour
 from .pdl import wait_then_release
 
 
@@ -88,36 +88,31 @@ def folds_conv() -> bool:
     return os.environ.get("POCKETLAB_RING_CONV", "1") != "0"
 
 
-def runs_prologue(weight: torch.Tensor, rows: int, head_dim: int, kind) -> bool:
-    """Whether a call of `rows` rows runs a layers.head_prologue `kind` over its input's heads: one row through the
-    ring, whole heads a tile, where the kind's switch is 1 (to measure; otherwise the kernel before does the work)."""
-    ring = one_row_ring(weight) if rows == 1 else None
-    return ring is not None and ring.block_k % head_dim == 0 and os.environ.get(kind.switch) == "1"
-
-
 def has_tma(device: torch.device) -> bool:
     """Hopper (sm_90) and later read through tensor descriptors (pdl.sm90 caches the capability)."""
     return pdl.sm90(device)
 
 
 @triton.jit
-def ring_sums(desc, row, up_row, x_ptr, K, g_ptr, z_ptr, stride_zh, part_ptr, lse_ptr, stride_ph, stride_ps, stride_lh,
-              S, eps, first, first_up, NORM: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_S: tl.constexpr,
-              GATED: tl.constexpr, X_DTYPE: tl.constexpr, WX_DTYPE: tl.constexpr, TWO: tl.constexpr,
+def ring_sums(desc, row, up_row, x_ptr, g_ptr, K, first, first_up, NORM: tl.constexpr, TWO: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
     """(x . the rows from `row`, x . the rows from `up_row` when TWO, the sum of x's squares) over K: `first` and
     `first_up` are the rows' first tiles (the caller may load them before its PDL wait, as layers.gemv does), the
-    rest is read through `desc`'s ring of STAGES tiles (zeros past the weight's end); x as head_prologue.x_tile reads
-    it (g to eps: its arguments)."""
+    rest is read through `desc`'s ring of STAGES tiles (zeros past the weight's end); NORM (layers.gemv's flavours):
+    x times the norm's weight g on the way."""
     k = tl.arange(0, BLOCK_K)
-    x, squares = x_tile(x_ptr, k, K, g_ptr, z_ptr, stride_zh, part_ptr, lse_ptr, stride_ph, stride_ps, stride_lh, S,
-                        eps, NORM, HEAD_D, BLOCK_S, GATED, X_DTYPE, WX_DTYPE)  # fmt: skip
+    x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+    squares = x * x
+    if NORM:
+        x = x * (tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32) + (1.0 if NORM == 2 else 0.0))
     lanes = first.to(tl.float32) * x[None, :]
     lanes_up = first_up.to(tl.float32) * x[None, :] if TWO else tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
-        x, more = x_tile(x_ptr, k0 + k, K, g_ptr, z_ptr, stride_zh, part_ptr, lse_ptr, stride_ph, stride_ps, stride_lh,
-                         S, eps, NORM, HEAD_D, BLOCK_S, GATED, X_DTYPE, WX_DTYPE)  # fmt: skip
-        squares += more
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+        if NORM:
+            squares += x * x
+            x = x * (tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32) + (1.0 if NORM == 2 else 0.0))
         lanes += desc.load([row, k0]).to(tl.float32) * x[None, :]
         if TWO:
             lanes_up += desc.load([up_row, k0]).to(tl.float32) * x[None, :]
@@ -125,22 +120,11 @@ def ring_sums(desc, row, up_row, x_ptr, K, g_ptr, z_ptr, stride_zh, part_ptr, ls
 
 
 @triton.jit
-def normed_ring_sums(desc, row, up_row, x_ptr, g_ptr, K, first, first_up, NORM: tl.constexpr, TWO: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
-    """`ring_sums` with at most an RMSNorm's weight g on the way (NORM 0-2, no head prologue): the MoE experts'."""
-    return ring_sums(desc, row, up_row, x_ptr, K, g_ptr, x_ptr, 0, x_ptr, x_ptr, 0, 0, 0, 0, 0.0, first, first_up,
-                     NORM, 1, 2, False, tl.float32, tl.float32, TWO, BLOCK_N, BLOCK_K, STAGES)  # fmt: skip
-
-
-@triton.jit
-def _gemv_tma(x_ptr, w_desc, b_ptr, y_ptr, res_ptr, N, K, g_ptr, z_ptr, stride_zh, part_ptr, lse_ptr, stride_ph,
-              stride_ps, stride_lh, S, eps, slot_ptr, conv_ptr, into_ptr, into_row_ptr, cw_ptr, C, stride_cs,
-              stride_cc, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, NORM: tl.constexpr, HEAD_D: tl.constexpr,
-              BLOCK_S: tl.constexpr, GATED: tl.constexpr, X_DTYPE: tl.constexpr, WX_DTYPE: tl.constexpr,
+def _gemv_tma(x_ptr, w_desc, b_ptr, y_ptr, res_ptr, g_ptr, eps, N, K, slot_ptr, conv_ptr, into_ptr, into_row_ptr,
+              cw_ptr, C, stride_cs, stride_cc, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, NORM: tl.constexpr,
               CONV_K: tl.constexpr, TAPS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               STAGES: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    """layers.gemv's one-row arithmetic for this program's BLOCK_N rows: NORM, x RMS-normed with weight g on the way
-    (or a layers.head_prologue over x's heads, g to BLOCK_S its arguments);
+    """layers.gemv's one-row arithmetic for this program's BLOCK_N rows: NORM, x RMS-normed with weight g on the way;
     EPILOGUE 1, residual + y; 2, W is [gate | up] (up rows N further; the gate tile of a block past N reads up rows,
     never stored) and y = silu(gate) * up; CONV_K, then the decode conv on the first C columns (layers.conv_epilogue,
     its taps and the row's window read before the wait: this layer's conv wrote the window a step before)."""
@@ -152,11 +136,9 @@ def _gemv_tma(x_ptr, w_desc, b_ptr, y_ptr, res_ptr, N, K, g_ptr, z_ptr, stride_z
         taps, cells, window = conv_epilogue.operands(m, n, m < 1, slot_ptr, conv_ptr, into_ptr, into_row_ptr, cw_ptr,
                                                      C, stride_cs, stride_cc, CONV_K, TAPS)  # fmt: skip
     wait_then_release(PDL)
-    total, total_up, squares = ring_sums(w_desc, n0, n0 + N, x_ptr, K, g_ptr, z_ptr, stride_zh, part_ptr, lse_ptr,
-                                         stride_ph, stride_ps, stride_lh, S, eps, first, first_up, NORM, HEAD_D,
-                                         BLOCK_S, GATED, X_DTYPE, WX_DTYPE, EPILOGUE == 2, BLOCK_N, BLOCK_K,
-                                         STAGES)  # fmt: skip
-    inv_rms = tl.rsqrt(squares / K + eps) if NORM == 1 or NORM == 2 else 1.0
+    total, total_up, squares = ring_sums(w_desc, n0, n0 + N, x_ptr, g_ptr, K, first, first_up, NORM, EPILOGUE == 2,
+                                         BLOCK_N, BLOCK_K, STAGES)  # fmt: skip
+    inv_rms = tl.rsqrt(squares / K + eps) if NORM else 1.0
     y = finish((total * inv_rms)[None, :], (total_up * inv_rms)[None, :], b_ptr, res_ptr, m, n, m < 1, n < N, 0,
                y_ptr.dtype.element_ty, HAS_BIAS, EPILOGUE)  # fmt: skip
     if CONV_K:
@@ -167,15 +149,15 @@ def _gemv_tma(x_ptr, w_desc, b_ptr, y_ptr, res_ptr, N, K, g_ptr, z_ptr, stride_z
 def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, ring: Ring,
            epilogue: int = PLAIN, residual: torch.Tensor | None = None, norm=None,
            conv=None) -> torch.Tensor:  # fmt: skip
-    """y [1, N] from x2 [1, K] as layers.gemv.launch computes it (its checks done by the caller; `fits(weight)`, and
-    `runs_prologue` for a head prologue as `norm`), the weight read through a `ring`."""
+    """y [1, N] from x2 [1, K] as layers.gemv.launch computes it (its checks done by the caller; `fits(weight)`),
+    the weight read through a `ring`."""
     N, K = y.shape[1], x2.shape[1]
     desc = TensorDescriptor.from_tensor(weight, block_shape=[ring.block_n, ring.block_k])
     conv_args, conv_widths = conv_epilogue.arguments(conv, y)
-    prologue_args, prologue = head_prologue.arguments(norm, y)
     _gemv_tma[(triton.cdiv(N, ring.block_n),)](
-        x2, desc, y if bias is None else bias, y, y if residual is None else residual, N, K, *prologue_args,
-        *conv_args, HAS_BIAS=bias is not None, EPILOGUE=epilogue, **prologue, **conv_widths, BLOCK_N=ring.block_n,
+        x2, desc, y if bias is None else bias, y, y if residual is None else residual,
+        y if norm is None else norm.weight, 0.0 if norm is None else norm.eps, N, K, *conv_args,
+        HAS_BIAS=bias is not None, EPILOGUE=epilogue, NORM=norm_flavour(norm), **conv_widths, BLOCK_N=ring.block_n,
         BLOCK_K=ring.block_k, STAGES=ring.stages, num_warps=ring.num_warps, **pdl.launch(x2.device),
     )  # fmt: skip
     return y

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import activations, gemv_tma, greedy, matmul_tma, moe, norm
+from . import activations, greedy, matmul_tma, moe, norm
 from .linear import fused_at_few_rows, streams_as_gemv
 from .linear import linear as composed_linear
 
@@ -40,15 +40,13 @@ class Kernels:
     gather_vocab: Callable = lambda logits: logits  # noqa: E731
     logits_and_argmax: Callable = greedy.torch_logits_and_argmax  # a decode graph's float32 logits and greedy tokens
     folds_norm: Callable = lambda weight, swiglu=False: False  # noqa: E731  # a pre-norm's weight into its projection
-    # whether a projection's call of `rows` rows runs a layers.head_prologue of that kind in its launch (gemv_tma)
-    runs_prologue: Callable = lambda weight, rows, head_dim, kind: False  # noqa: E731
 
-    def project_out(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm=None) -> torch.Tensor:
-        """residual + norm(x) @ weight.T, for o_proj, down_proj, out_proj: the residual stream. Split over ranks each
+    def project_out(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + x @ weight.T, for o_proj, down_proj, out_proj: the residual stream. Split over ranks each
         holds some input columns: one all-reduce sums the parts, then the residual is added once."""
         if self.all_reduce is not None:
-            return residual + self.all_reduce(self.linear(x, weight, norm=norm))
-        return self.linear(x, weight, residual=residual, norm=norm)
+            return residual + self.all_reduce(self.linear(x, weight))
+        return self.linear(x, weight, residual=residual)
 
 
 DEFAULT = Kernels()
@@ -82,12 +80,8 @@ def kernels_for(options) -> Kernels:
         return kernels
     from ..parallel import comm
 
-    return dataclasses.replace(  # a rank's out_proj reads its own heads, but the norm stays with the state step
-        kernels,
-        all_reduce=comm.all_reduce,
-        embedding=comm.vocab_embedding,
-        gather_vocab=comm.gather_last,
-        runs_prologue=Kernels.runs_prologue,
+    return dataclasses.replace(
+        kernels, all_reduce=comm.all_reduce, embedding=comm.vocab_embedding, gather_vocab=comm.gather_last
     )
 
 
@@ -136,7 +130,6 @@ def _kernels_for(options) -> Kernels:
             norm_rotate_store=norm_rotate_store,
             logits_and_argmax=greedy.logits_and_argmax,
             folds_norm=functools.partial(folds_norm, options),
-            runs_prologue=gemv_tma.runs_prologue if options.gemv_rows else Kernels.runs_prologue,
         )
     from .invariant.attention import attention
 

@@ -15,7 +15,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import gemv_tma, moe_gemv, pdl
-from .gemv_tma import DEFAULT_RING, Ring, normed_ring_sums
+from .gemv_tma import DEFAULT_RING, Ring, ring_sums
 from .invariant.matmul import finish
 from .norm import norm_flavour
 from .pdl import wait_then_release
@@ -36,14 +36,14 @@ def _expert_gate_up_tma(x_ptr, w_desc, s_desc, g_ptr, ids_ptr, h_ptr, eps, I, H,
     if SHARED and pair >= PAIRS:
         x_row = x_ptr + (pair - PAIRS) * stride_x
         first, first_up = s_desc.load([n0, 0]), s_desc.load([n0 + I, 0])
-        gate, up, squares = normed_ring_sums(s_desc, n0, n0 + I, x_row, g_ptr, H, first, first_up, NORM, True, BLOCK_N,
-                                             BLOCK_K, STAGES)  # fmt: skip
+        gate, up, squares = ring_sums(s_desc, n0, n0 + I, x_row, g_ptr, H, first, first_up, NORM, True, BLOCK_N,
+                                      BLOCK_K, STAGES)  # fmt: skip
     else:
         x_row = x_ptr + (pair // TOP_K) * stride_x
         gate_row = tl.load(ids_ptr + pair).to(tl.int32) * 2 * I + n0
         first, first_up = w_desc.load([gate_row, 0]), w_desc.load([gate_row + I, 0])
-        gate, up, squares = normed_ring_sums(w_desc, gate_row, gate_row + I, x_row, g_ptr, H, first, first_up, NORM,
-                                             True, BLOCK_N, BLOCK_K, STAGES)  # fmt: skip
+        gate, up, squares = ring_sums(w_desc, gate_row, gate_row + I, x_row, g_ptr, H, first, first_up, NORM, True,
+                                      BLOCK_N, BLOCK_K, STAGES)  # fmt: skip
     inv_rms = tl.rsqrt(squares / H + eps) if NORM else 1.0
     n, m = n0 + tl.arange(0, BLOCK_N), tl.arange(0, 1)
     y = finish((gate * inv_rms)[None, :], (up * inv_rms)[None, :], h_ptr, h_ptr, m, n, m < 1, n < I, 0,

@@ -9,8 +9,7 @@ from ..config import ModelConfig
 from ..forward import AttentionPath, ForwardContext
 from ..layers.attention import cached_attention, write_kv
 from ..layers.decode_attention import available as decode_attention_available
-from ..layers.decode_attention import decode_attention_parts
-from ..layers.head_prologue import SplitMerge
+from ..layers.decode_attention import decode_attention
 from ..layers.kernels import Kernels, kernels_for
 from ..layers.moe import SparseMoE
 from ..layers.norm import RMSNorm
@@ -66,10 +65,10 @@ class Attention:
         q, k, v = q.reshape(B, T, self.nq, self.hd), k.view(B, T, self.nkv, self.hd), v.view(B, T, self.nkv, self.hd)
         k_cache, v_cache, eps = cache.k[self.kv_key], cache.v[self.kv_key], self.cfg.rms_norm_eps
         norms = (self.q_norm, self.k_norm, eps, self.gated) if self.q_norm is not None else None
-        in_one_kernel, merge = ctx.attention is AttentionPath.DECODE_KERNEL, None
-        if in_one_kernel:  # one kernel norms, rotates, stores K/V, attends (and gates; or o_proj merges its splits)
+        in_one_kernel = ctx.attention is AttentionPath.DECODE_KERNEL
+        if in_one_kernel:  # one kernel norms, rotates, stores K/V, attends (and gates)
             assert ctx.kv_lengths is not None and ctx.rotary is not None and ctx.positions is not None  # prepare's
-            out, merge = decode_attention_parts(
+            out = decode_attention(
                 q[:, 0],
                 k[:, 0],
                 v[:, 0],
@@ -84,9 +83,7 @@ class Attention:
                 gate[:, 0] if self.gated else None,
                 prefetch=self.o,  # o_proj reads it next
                 positions=ctx.positions[:, 0],
-                defer_merge=self.kernels.runs_prologue(self.o, B, self.hd, SplitMerge),
-            )
-            out = out[:, None]
+            )[:, None]
         else:
             assert ctx.kv_targets is not None and ctx.rope is not None  # prepare set them for every other path
             if self.kernels.norm_rotate_store is not None:  # one row kernel norms, rotates and stores
@@ -103,7 +100,7 @@ class Attention:
                 out = cached_attention(q, k_cache, v_cache, ctx, self.hd**-0.5)
         if self.gated and not in_one_kernel:
             out = self.kernels.sigmoid_gate(out, gate)
-        return self.kernels.project_out(out.reshape(B, T, self.nq * self.hd), self.o, h, norm=merge)
+        return self.kernels.project_out(out.reshape(B, T, self.nq * self.hd), self.o, h)
 
 
 def make_mlp(cfg: ModelConfig, w: dict, p: str, kernels: Kernels, moe: bool):

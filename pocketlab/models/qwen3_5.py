@@ -19,7 +19,6 @@ from ..layers.gated_delta import (
     gated_delta_rule,
     gated_delta_rule_segments,
 )
-from ..layers.head_prologue import GatedHeadNorm
 from ..layers.kernels import Kernels
 from ..layers.linear_decode import ConvStep, conv_steps, recurrent_step, recurrent_steps
 from .qwen3 import Attention, DecoderModel
@@ -57,15 +56,12 @@ class GatedDeltaNet:
         B, T, _ = h.shape
         conv, rec = cache.conv[self.layer], cache.rec[self.layer]
         conv_into, rec_into = cache.aside(self.layer, B) if ctx.states_aside else (None, None)
-        invariant, out_norm = self.kernels.delta_rule_in_place, None
+        invariant = self.kernels.delta_rule_in_place
         plain = ctx.delta_rule is None and ctx.gdn_log is None  # not a speculative verify, which keeps its own rule
-        if not invariant and T == 1 and self.in_place and plain:  # the gated norm in the state step or out_proj
+        if not invariant and T == 1 and self.in_place and plain:  # the state step runs the gated norm too
             step = ConvStep(conv, self.conv_weight, ctx.slot_ids, conv_into)
             y, z, b, a = self.kernels.linear(h, self.in_proj, norm=norm, conv=step).split(self.splits, dim=-1)
-            gate = z[:, 0]
-            if self.kernels.runs_prologue(self.out, B, self.dv, GatedHeadNorm):  # out_proj norms o's heads as it reads
-                out_norm, gate = GatedHeadNorm(z, self.norm, self.cfg.rms_norm_eps, self.kernels), None
-            o = self._step_in_place(y[:, 0], gate, b, a, rec, ctx.slot_ids, rec_into)
+            o = self._step_in_place(y[:, 0], z[:, 0], b, a, rec, ctx.slot_ids, rec_into)
         else:
             qkv, z, b, a = self.kernels.linear(h, self.in_proj, norm=norm).split(self.splits, dim=-1)
             token_by_token = invariant or (plain and T <= self.in_place_tokens)
@@ -76,7 +72,7 @@ class GatedDeltaNet:
             else:
                 o = self._run_gathered(qkv, b, a, conv, rec, ctx, conv_into, rec_into)
             o = self.kernels.gated_rms_norm(o, z.reshape(B, T, self.hv, self.dv), self.norm, self.cfg.rms_norm_eps)
-        return self.kernels.project_out(o.reshape(B, T, self.hv * self.dv), self.out, h, norm=out_norm)
+        return self.kernels.project_out(o.reshape(B, T, self.hv * self.dv), self.out, h)
 
     def _run_gathered(self, qkv_in, b, a, conv, rec, ctx: ForwardContext, conv_into=None, rec_into=None):
         """Any number of tokens: gather the slots' states, run conv and delta rule on the copies, scatter back (or
@@ -105,8 +101,8 @@ class GatedDeltaNet:
         return o
 
     def _step_in_place(self, y, z, b, a, rec, slot_ids, into=None) -> torch.Tensor:
-        """One token per row, y its conv's output, z its gate: [B, Hv, dv] outputs after the gated norm (z None: before
-        it), each slot's state advanced where it lives (or stored `into` rows aside)."""
+        """One token per row, y its conv's output, z its gate: [B, Hv, dv] outputs after the gated norm, each slot's
+        state advanced where it lives (or stored `into` rows aside)."""
         q, k, v = y.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
         B = y.shape[0]
         return recurrent_step(
@@ -119,7 +115,7 @@ class GatedDeltaNet:
             slot_ids,
             L2_EPS,
             gates=(self.neg_A, self.dt_bias),  # the decay and beta computed in the step's kernel
-            gated_norm=None if z is None else (z, self.norm, self.cfg.rms_norm_eps),
+            gated_norm=(z, self.norm, self.cfg.rms_norm_eps),
             prefetch=self.out,  # out_proj reads it next
             into=into,
         )
