@@ -120,11 +120,21 @@ def test_positions_pick_the_rows_of_the_rope_tables(expanded):
     assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
 
 
-def test_other_launches_attend_alike(monkeypatch):
-    """Other key blocks, warps and stages (POCKETLAB_ATTN_LAUNCH, for the sweep and tools.ab) against the reference,
-    the first blocks read before the PDL wait: 32-key blocks over 2,000 keys in several splits."""
-    monkeypatch.setenv("POCKETLAB_ATTN_LAUNCH", "32:8:3:1")
-    test_matches_reference_and_stores_the_new_token(4, 1, 16, 2000, 8, "w")
+@pytest.mark.parametrize(
+    "launch,programs,shape",
+    [
+        ("32:8:3:1", "", (4, 1, 16, 2000, 8, "w")),  # 32-key blocks over 2,000 keys in several splits
+        ("256:8:1:1", "8", (4, 1, 16, 2000, 8, "w")),  # two splits of four 256-key blocks
+        ("256:8:1:1", "8", (16, 8, 128, 256, 128, "w")),  # Qwen3-0.6B's heads: one split, one block, no merge
+        ("128:4:1:1", "16", (16, 8, 128, 256, 128, "w")),  # one split of two blocks
+    ],
+)
+def test_other_launches_attend_alike(monkeypatch, launch, programs, shape):
+    """Other key blocks, warps, stages and split counts (POCKETLAB_ATTN_LAUNCH and POCKETLAB_ATTN_PROGRAMS, for the
+    sweep and tools.ab) against the reference, the first blocks read before the PDL wait."""
+    monkeypatch.setenv("POCKETLAB_ATTN_LAUNCH", launch)
+    monkeypatch.setenv("POCKETLAB_ATTN_PROGRAMS", programs)
+    test_matches_reference_and_stores_the_new_token(*shape)
 
 
 @pytest.mark.parametrize("max_len", [4000, 64])  # several key splits of two blocks; one split of one
@@ -158,6 +168,15 @@ def test_splits_are_whole_blocks_and_few(programs, max_len):
     split = da.split_length(programs, max_len, 64)
     splits = -(-max_len // split)
     assert split % 64 == 0 and splits <= 64 and (splits == 1 or programs * (splits - 1) < 256)
+
+
+def test_the_sweeps_columns_carry_a_launch_and_its_program_count():
+    from pocketlab.layers.decode_attention_sweep import columns
+
+    assert columns("256:8:1:1@8,32:4:2:1") == [
+        ("256:8:1:1@8", 8, da.Launch(256, 8, 1, 1)),
+        ("32:4:2:1", da.PROGRAMS_WANTED, da.Launch(32, 4, 2, 1)),
+    ]
 
 
 def test_the_programs_switch_sets_the_split_count(monkeypatch):
